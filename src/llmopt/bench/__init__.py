@@ -1,0 +1,1 @@
+"""Benchmarks: how fast and how big a candidate is (see `lm.py`, `embedding.py`)."""

@@ -1,0 +1,101 @@
+"""Timing and memory primitives shared by the benchmarks.
+
+Rules (STYLE.md, "benchmark honestly"): synchronize the device before reading the clock, run
+warm-up iterations that are timed separately and excluded, repeat, and summarize with the median
+and percentiles rather than a single number.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["device_sync", "time_repeated", "rss_bytes", "peak_rss_bytes", "environment"]
+
+
+def device_sync(device: str = "cpu") -> None:
+    """Wait for queued device work (CUDA kernels are asynchronous; CPU work is not)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_repeated(
+    fn: Callable[[], Any], repeats: int, warmup: int = 1, device: str = "cpu"
+) -> tuple[list[float], float]:
+    """Call `fn` `warmup` times (timed together, excluded), then `repeats` times, each timed.
+
+    Returns (seconds per timed call, total warm-up seconds).
+
+    >>> times, warm = time_repeated(lambda: None, repeats=3)
+    >>> len(times)
+    3
+    """
+    assert repeats >= 1, "repeats must be >= 1"
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+    device_sync(device)
+    warm = time.perf_counter() - t0
+    out = []
+    for _ in range(repeats):
+        device_sync(device)
+        t = time.perf_counter()
+        fn()
+        device_sync(device)
+        out.append(time.perf_counter() - t)
+    return out, warm
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    import psutil
+
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def environment() -> dict[str, Any]:
+    """The facts every recorded number needs next to it."""
+    import torch
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover - a core dependency
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,234 @@
+"""The `torch` engine, first version: Hugging Face transformers models run eagerly in PyTorch.
+
+It runs every supported architecture for both tasks and is the reference engine: the `fp32`
+candidate on this engine is what every other candidate is compared against. Recipes: `fp32`,
+`bf16`, `fp16` (GPU only), `w8a16` (int8 weight-only linears, see `int8.py`).
+
+Artifacts are plain HF folders (safetensors) in the recipe's dtype; a `w8a16` artifact stores int8
+weights with per-channel scales and a compressed-tensors style `quantization_config`, which this
+engine loads itself (`_load_state`). The fast native decoder (static KV cache, compiled decode,
+CUDA graphs) will live beside this module; this one is the always-works path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmopt.engines import register_engine
+from llmopt.engines.base import Engine
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.recipes import Recipe
+
+__all__ = ["TorchEngine", "HFCausalLMRunner", "HFEmbeddingRunner"]
+
+log = logging.getLogger(__name__)
+
+RECIPES = ("fp32", "bf16", "fp16", "w8a16")
+# Files of a sentence-transformers folder that describe pooling/normalization; copied verbatim.
+ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+ST_DIRS = ("1_Pooling", "2_Normalize")
+
+
+@register_engine
+class TorchEngine(Engine):
+    name = "torch"
+    tasks = ("causal-lm", "embedding")
+
+    def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
+        if recipe.name not in RECIPES:
+            return f"the torch engine runs recipes {', '.join(RECIPES)}, not {recipe.name!r}"
+        if recipe.name == "fp16" and device == "cpu":
+            return "float16 matmuls are emulated on most CPUs (slower than fp32); use bf16 on CPU"
+        if recipe.name == "w8a16" and info.task != "causal-lm":
+            return "w8a16 on the torch engine is wired for causal LMs only so far"
+        return None
+
+    def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
+        import torch
+
+        t0 = time.perf_counter()
+        model = _auto_class(info.task).from_pretrained(source, dtype=torch.float32)
+        facts: dict[str, Any] = {"recipe": recipe.name, "dtype": recipe.dtype}
+        if recipe.weight_bits == 8:
+            from llmopt.engines.int8 import quantize_linears_
+
+            names = quantize_linears_(model, recipe.ignore)
+            _save_int8(model, names, recipe, out)
+            facts["quantized_linears"] = len(names)
+            facts["ignored"] = list(recipe.ignore)
+        else:
+            model.to(_torch_dtype(recipe.dtype)).save_pretrained(out, safe_serialization=True)
+        _copy_tokenizer_files(source, out)
+        facts["seconds"] = time.perf_counter() - t0
+        return facts
+
+    def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]):
+        import torch
+        from transformers import AutoTokenizer
+
+        if settings.get("threads"):
+            torch.set_num_threads(int(settings["threads"]))
+        device = settings.get("device", "cpu")
+        model = _load_model(artifact, info.task, recipe).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(artifact)
+        if info.task == "embedding":
+            return HFEmbeddingRunner(model, tokenizer, info, device, settings.get("max_length", 256))
+        return HFCausalLMRunner(model, tokenizer, device)
+
+
+class HFCausalLMRunner:
+    """CausalLMRunner over a transformers model (dynamic KV cache from transformers)."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu"):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(input_ids.to(self.device), use_cache=False)
+            return out.logits.float().cpu()  # (B, T, V)
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(input_ids.to(self.device), use_cache=True)
+            return out.logits[:, -1].float().cpu(), out.past_key_values
+
+    def decode(self, tokens: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(tokens.to(self.device), past_key_values=state, use_cache=True)
+            return out.logits[:, -1].float().cpu(), out.past_key_values
+
+
+class HFEmbeddingRunner:
+    """EmbeddingRunner over a transformers encoder, pooled by `llmopt.engines.pooling.pool`."""
+
+    def __init__(self, model, tokenizer, info: ModelInfo, device: str = "cpu", max_length: int = 256):
+        self.model, self.tokenizer, self.info, self.device = model, tokenizer, info, device
+        self.max_length = min(int(max_length), int(info.max_context or max_length))
+
+    def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        import numpy as np
+        import torch
+
+        from llmopt.engines.pooling import pool
+
+        parts = []
+        with torch.inference_mode():
+            for i in range(0, len(texts), batch_size):
+                enc = self.tokenizer(
+                    list(texts[i : i + batch_size]),
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_tensors="pt",
+                ).to(self.device)
+                hidden = self.model(**enc).last_hidden_state.float().cpu().numpy()  # (B, T, D)
+                mask = enc["attention_mask"].cpu().numpy()
+                parts.append(pool(hidden, mask, self.info.pooling, self.info.normalize))
+        dim = int(self.info.hidden_size)
+        return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+
+
+def _auto_class(task: str):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    return AutoModelForCausalLM if task == "causal-lm" else AutoModel
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _quantization_config(recipe: Recipe, names: list[str]) -> dict[str, Any]:
+    # compressed-tensors' schema for int8 per-channel weight-only ("W8A16", format int-quantized).
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": recipe.weight_granularity,
+                    "dynamic": False,
+                },
+                "input_activations": None,
+            }
+        },
+        "ignore": list(recipe.ignore),
+        "llmopt": {"recipe": recipe.name, "quantized_modules": names},
+    }
+
+
+def _save_int8(model, names: list[str], recipe: Recipe, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    # Tied output head: keep one copy (the embedding), as save_pretrained does.
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", {"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = _quantization_config(recipe, names)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+
+
+def _load_model(artifact: Path, task: str, recipe: Recipe):
+    import torch
+
+    if recipe.weight_bits != 8:
+        return _auto_class(task).from_pretrained(artifact, dtype=_torch_dtype(recipe.dtype))
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from llmopt.engines.int8 import install_int8_linears_
+
+    raw = json.loads((artifact / "config.json").read_text())
+    qcfg = raw.pop("quantization_config")
+    config = AutoConfig.for_model(**raw)
+    model = _auto_class(task).from_config(config, dtype=torch.float32)
+    state = load_file(artifact / "model.safetensors")
+    install_int8_linears_(model, state, qcfg["llmopt"]["quantized_modules"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"{artifact}: parameters did not load: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def _copy_tokenizer_files(source: Path, out: Path) -> None:
+    for f in source.iterdir():
+        is_tok = f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens"))
+        if f.is_file() and (is_tok or f.name in ST_FILES or f.name == "chat_template.jinja"):
+            if not (out / f.name).exists():
+                shutil.copy2(f, out / f.name)
+    for d in ST_DIRS:
+        if (source / d).is_dir() and not (out / d).exists():
+            shutil.copytree(source / d, out / d)

@@ -1,0 +1,243 @@
+"""What the report says, as plain text: summary line and table rows.
+
+Both renderers lay these out (Markdown escapes them for Markdown, HTML for HTML), so the two
+reports cannot disagree.
+"""
+
+from __future__ import annotations
+
+from llmopt.report.view import (
+    QUALITY_ORDER,
+    SPEED_ORDER,
+    CandidateView,
+    RunView,
+    fmt_bytes,
+    fmt_num,
+    fmt_pct,
+    fmt_value,
+    fmt_x,
+    order_names,
+)
+
+__all__ = [
+    "BENCH_HEADERS",
+    "VERIFY_HEADERS",
+    "bench_facts",
+    "bench_rows",
+    "candidate_cells",
+    "candidate_headers",
+    "env_rows",
+    "model_rows",
+    "plan_rows",
+    "summary_line",
+    "verify_rows",
+]
+
+VERIFY_HEADERS = ["metric", "reference", "candidate", "delta", "threshold", "gate", "n", "unit"]
+BENCH_HEADERS = ["metric", "median", "p50", "p90", "p99", "min", "max", "n", "unit"]
+
+
+def summary_line(view: RunView) -> str:
+    """One sentence: the chosen candidate with its speedup and quality drop, or why none was.
+
+    Args:
+        view: the loaded run.
+    """
+    budget = f"budget {fmt_pct(view.max_quality_drop)}"
+    if view.selection is None:
+        return f"No selection yet (selection.json missing); {len(view.candidates)} candidates."
+    chosen = view.chosen
+    if view.selection.chosen and chosen is None:
+        return (
+            f"Chosen: {view.selection.chosen}, but candidates/{view.selection.chosen}/ is missing."
+        )
+    if chosen is None:
+        return f"No candidate was chosen: none passed the quality gates within the {budget}."
+    drop = fmt_pct(chosen.verify.quality_drop) if chosen.verify else "n/a"
+    speed = fmt_num(view.speed(chosen))
+    return (
+        f"Chosen: {chosen.id} ({chosen.recipe} on {chosen.engine}): "
+        f"{fmt_x(view.speedup(chosen))} the reference's {view.primary_metric} ({speed}), "
+        f"quality drop {drop} ({budget})."
+    )
+
+
+def candidate_headers(view: RunView) -> list[str]:
+    """Column names of the candidates table (`candidate_cells` fills them).
+
+    Args:
+        view: the loaded run.
+    """
+    q, p = view.quality_metric or "quality", view.primary_metric or "speed"
+    return [
+        "candidate",
+        "engine",
+        "recipe",
+        f"{q} (delta)",
+        "quality drop",
+        "gate",
+        f"{p} median (p90)",
+        "speedup",
+        "peak RSS (vs ref)",
+        "artifact",
+        "status",
+    ]
+
+
+def candidate_cells(view: RunView, cv: CandidateView) -> list[str]:
+    """The candidates-table row of `cv` as plain strings.
+
+    Args:
+        view: the loaded run.
+        cv: one candidate of `view`.
+    """
+    quality = drop = gate = "n/a"
+    if cv.verify is not None:
+        metric = next((m for m in cv.verify.metrics if m.name == view.quality_metric), None)
+        if metric is not None:
+            quality = f"{fmt_num(metric.candidate)} ({fmt_num(metric.delta, sign=True)})"
+        drop = fmt_pct(cv.verify.quality_drop)
+        gate = "pass" if cv.verify.passed else "FAIL"
+    speed = speedup = rss = artifact = "n/a"
+    if cv.bench is not None:
+        st = cv.bench.metrics.get(view.primary_metric or "")
+        if st is not None:
+            speed = f"{fmt_num(st.median)} ({fmt_num(st.p90)})"
+        speedup = fmt_x(view.speedup(cv))
+        rss = f"{fmt_bytes(cv.bench.peak_rss_bytes)} ({fmt_x(view.memory_ratio(cv))})"
+        artifact = fmt_bytes(cv.bench.artifact_bytes)
+    elif cv.build and "artifact_bytes" in cv.build:
+        artifact = fmt_bytes(cv.build["artifact_bytes"])
+    cid = cv.id + (" (reference)" if cv.reference else "")
+    return [
+        cid,
+        cv.engine,
+        cv.recipe,
+        quality,
+        drop,
+        gate,
+        speed,
+        speedup,
+        rss,
+        artifact,
+        view.status(cv).text,
+    ]
+
+
+def verify_rows(cv: CandidateView) -> list[list[str]]:
+    """One row per verify metric (known names first), columns as `VERIFY_HEADERS`.
+
+    Args:
+        cv: one candidate; no rows without verify.json.
+    """
+    by_name = {m.name: m for m in (cv.verify.metrics if cv.verify else [])}
+    rows = []
+    for name in order_names(list(by_name), QUALITY_ORDER):
+        m = by_name[name]
+        gate = {True: "pass", False: "FAIL", None: "report only"}[m.passed]
+        rows.append(
+            [
+                name,
+                fmt_num(m.reference),
+                fmt_num(m.candidate),
+                fmt_num(m.delta, sign=True),
+                fmt_num(m.threshold),
+                gate,
+                fmt_num(m.n),
+                m.unit,
+            ]
+        )
+    return rows
+
+
+def bench_rows(cv: CandidateView) -> list[list[str]]:
+    """One row per bench metric (known names first, primary marked), columns as `BENCH_HEADERS`.
+
+    Args:
+        cv: one candidate; no rows without bench.json.
+    """
+    if cv.bench is None:
+        return []
+    rows = []
+    for name in order_names(list(cv.bench.metrics), SPEED_ORDER):
+        s = cv.bench.metrics[name]
+        nums = [fmt_num(x) for x in (s.median, s.p50, s.p90, s.p99, s.min, s.max, s.n)]
+        rows.append([name + (" (primary)" if name == cv.bench.primary else ""), *nums, s.unit])
+    return rows
+
+
+def bench_facts(cv: CandidateView) -> list[list[str]]:
+    """(fact, value) rows of a bench result besides its metrics: memory, load time, settings.
+
+    Args:
+        cv: one candidate; no rows without bench.json.
+    """
+    b = cv.bench
+    if b is None:
+        return []
+    keys = ("peak_rss_bytes", "model_rss_bytes", "artifact_bytes", "load_seconds", "warmup_seconds")
+    rows = [[k, fmt_value(k, getattr(b, k))] for k in keys]
+    return rows + [["settings", fmt_value("", b.settings)]]
+
+
+def env_rows(view: RunView) -> tuple[str | None, list[list[str]], list[str]]:
+    """The bench environment: (candidate it came from, (key, value) rows, keys that differ).
+
+    Args:
+        view: the loaded run.
+    """
+    envs = [(cv.id, cv.bench.env) for cv in view.candidates if cv.bench and cv.bench.env]
+    if not envs:
+        return None, [], []
+    cid, env = envs[0]
+    differ = sorted({k for _, e in envs[1:] for k in set(e) | set(env) if e.get(k) != env.get(k)})
+    return cid, [[k, fmt_value(k, v)] for k, v in env.items()], differ
+
+
+def model_rows(view: RunView) -> list[list[str]]:
+    """(fact, value) rows of model.json, sizes and counts made readable.
+
+    Args:
+        view: the loaded run.
+    """
+    rows = []
+    for k, v in view.model.items():
+        if k == "num_parameters" and isinstance(v, int):
+            rows.append([k, f"{v / 1e6:,.1f} M ({v:,})"])
+        elif k == "weight_files" and isinstance(v, list):
+            rows.append(
+                [
+                    k,
+                    f"{len(v)} file(s): {', '.join(map(str, v[:4]))}"
+                    + (" ..." if len(v) > 4 else ""),
+                ]
+            )
+        elif k == "kv_bytes_per_token" and isinstance(v, dict):
+            rows.append([k, ", ".join(f"{d}: {fmt_bytes(b)}" for d, b in v.items())])
+        else:
+            rows.append([k, fmt_value(k, v)])
+    return rows
+
+
+def plan_rows(view: RunView) -> list[list[str]]:
+    """(fact, value) rows of the plan: target, workload and the memory math.
+
+    Args:
+        view: the loaded run.
+    """
+    plan = view.plan or {}
+    rows = [[f"target.{k}", fmt_value(k, v)] for k, v in (plan.get("target") or {}).items()]
+    rows += [[f"workload.{k}", fmt_value(k, v)] for k, v in (plan.get("workload") or {}).items()]
+    mem = plan.get("memory") or {}
+    total = (plan.get("target") or {}).get("memory_bytes")
+    for dtype, b in (mem.get("weights_bytes") or {}).items():
+        share = (
+            f" ({b / total:.1%} of target memory)" if total and isinstance(b, int | float) else ""
+        )
+        rows.append([f"weights in {dtype}", fmt_bytes(b) + share])
+    for dtype, b in (mem.get("kv_bytes_per_token") or {}).items():
+        rows.append([f"KV cache per token in {dtype}", fmt_bytes(b)])
+    for k, v in mem.items():
+        if k not in ("weights_bytes", "kv_bytes_per_token", "notes"):
+            rows.append([f"memory.{k}", fmt_value(k, v)])
+    return rows

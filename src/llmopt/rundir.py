@@ -1,0 +1,112 @@
+"""The run directory: where every stage of `optimize` reads and writes (layout in DESIGN.md).
+
+    RUN/run.json  model.json  plan.json  selection.json  report.md  report.html
+    RUN/candidates/<id>/{candidate.json, artifact/, build.json, verify.json, bench.json, log.txt}
+    RUN/reference/   outputs of the reference candidate other candidates compare against
+    RUN/best/        the chosen candidate's artifact and launch configuration
+
+A stage is finished when its JSON exists: each is written atomically after the stage's work, and
+artifacts are built under a temporary name and renamed (llmopt.atomic). Resuming therefore means
+"skip what exists"; a killed stage leaves only `.tmp-*` entries, which are ignored and cleared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmopt.atomic import read_json, write_json
+from llmopt.errors import RunDirError
+
+__all__ = ["RunDir", "CandidateDir", "STAGES"]
+
+STAGES = ("build", "verify", "bench")
+# run.json keys that must match for a run directory to be resumed rather than refused.
+IDENTITY_KEYS = ("model_fingerprint", "target", "settings")
+
+
+@dataclass(frozen=True)
+class CandidateDir:
+    root: Path
+
+    @property
+    def id(self) -> str:
+        return self.root.name
+
+    @property
+    def artifact(self) -> Path:
+        return self.root / "artifact"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "log.txt"
+
+    def stage_file(self, stage: str) -> Path:
+        assert stage in STAGES or stage in ("candidate", "error"), f"unknown stage {stage!r}"
+        return self.root / f"{stage}.json"
+
+    def done(self, stage: str) -> bool:
+        return self.stage_file(stage).exists()
+
+    def read(self, stage: str) -> dict[str, Any] | None:
+        f = self.stage_file(stage)
+        return read_json(f) if f.exists() else None
+
+
+class RunDir:
+    """Paths and resume rules of one run directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __getattr__(self, name: str) -> Path:
+        files = {"run_json", "model_json", "plan_json", "selection_json", "report_md", "report_html"}
+        if name in files:
+            stem, ext = name.rsplit("_", 1)
+            return self.root / f"{stem}.{ext}"
+        raise AttributeError(name)
+
+    @property
+    def reference(self) -> Path:
+        return self.root / "reference"
+
+    @property
+    def best(self) -> Path:
+        return self.root / "best"
+
+    def candidate(self, cid: str) -> CandidateDir:
+        return CandidateDir(self.root / "candidates" / cid)
+
+    def candidates(self) -> list[CandidateDir]:
+        base = self.root / "candidates"
+        return sorted((CandidateDir(p) for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                      key=lambda c: c.id) if base.exists() else []
+
+    def open(self, meta: dict[str, Any], force: bool = False) -> bool:
+        """Start a new run or resume a matching one. Returns True when resuming.
+
+        Raises RunDirError when the folder holds a run of a different model or settings
+        (unless `force`, which starts over in place).
+        """
+        if self.run_json.exists():
+            old = read_json(self.run_json)
+            diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.get(k)]
+            if not diff:
+                return True
+            if not force:
+                raise RunDirError(
+                    f"{self.root} holds a run with different {', '.join(diff)} "
+                    f"(model {old.get('model')!r}, target {old.get('target')!r})",
+                    hint="choose another --out folder, or pass --force to discard that run",
+                )
+            import shutil
+
+            shutil.rmtree(self.root)
+        elif self.root.exists() and any(self.root.iterdir()):
+            raise RunDirError(
+                f"{self.root} exists, is not empty and is not an llmopt run directory",
+                hint="choose a new or empty --out folder",
+            )
+        write_json(self.run_json, meta)
+        return False

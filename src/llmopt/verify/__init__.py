@@ -1,0 +1,1 @@
+"""Verification: does a candidate compute what the reference computes (see `lm.py`, `embedding.py`)."""

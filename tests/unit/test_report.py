@@ -1,0 +1,330 @@
+"""Reports render from fake-but-schema-valid run directories: complete, failed, partial."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from llmopt.atomic import write_json
+from llmopt.report import load_run, render_html, render_markdown, write_report
+from llmopt.report.plots import nice_ticks
+from llmopt.report.view import fmt_bytes, fmt_num, fmt_pct, fmt_x, order_names
+from llmopt.schema import BenchResult, Candidate, Metric, Selection, VerifyResult, summarize
+
+XSS = "<script>alert(1)</script>"
+GiB = 1024**3
+
+
+def _run_json(root: Path, model: str, task: str) -> None:
+    write_json(root / "run.json", {
+        "schema_version": 1, "llmopt_version": "0.1.0", "created": "2026-05-09T12:34:56+00:00",
+        "command": f"llmopt optimize {model} --target cpu --max-quality-drop 0.01",
+        "model": model, "model_path": f"/models/{model}", "target": "cpu",
+        "max_quality_drop": 0.01, "objective": "throughput",
+    })  # fmt: skip
+    write_json(root / "model.json", {
+        "name": model, "path": f"/models/{model}", "builtin": True, "task": task,
+        "architecture": "LlamaForCausalLM", "model_type": "llama", "num_parameters": 134_515_008,
+        "num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+        "intermediate_size": 1536, "vocab_size": 49152, "max_context": 8192, "dtype": "bfloat16",
+        "weights_dtype": "bfloat16", "bytes_on_disk": 269_060_552,
+        "weight_files": ["model.safetensors"], "weight_format": "safetensors",
+        "tied_embeddings": True, "kv_bytes_per_token": {"float32": 46080, "bfloat16": 23040},
+        "pooling": None, "normalize": None, "fingerprint": "sha256:abc",
+    })  # fmt: skip
+
+
+def _plan(root: Path, cands: list[Candidate]) -> None:
+    write_json(root / "plan.json", {
+        "schema_version": 1,
+        "target": {"device": "cpu", "threads": 2, "cpu": "Test CPU", "memory_bytes": 8 * GiB,
+                   "features": ["avx2"]},
+        "workload": {"prompt_tokens": 128, "new_tokens": 64},
+        "memory": {"weights_bytes": {"float32": 538_060_032, "bfloat16": 269_030_016,
+                                     "int8": 150_000_000},
+                   "kv_bytes_per_token": {"float32": 46080}, "notes": ["weights fit 15x over"]},
+        "candidates": [c.to_dict() for c in cands],
+        "skipped": [{"id": "gguf-q4", "engine": "llamacpp", "recipe": "gguf-q4_k_m",
+                     "reason": "llama-cpp-python not installed: pip install llmopt[llamacpp]"}],
+        "notes": ["plan note"],
+    })  # fmt: skip
+
+
+def _cand(root: Path, c: Candidate, verify=None, bench=None, error=None) -> None:
+    d = root / "candidates" / c.id
+    write_json(d / "candidate.json", c.to_dict())
+    write_json(d / "build.json", {"seconds": 1.5, "artifact_bytes": 100_000_000})
+    if verify is not None:
+        write_json(d / "verify.json", verify.to_dict())
+    if bench is not None:
+        write_json(d / "bench.json", bench.to_dict())
+    if error is not None:
+        write_json(d / "error.json", error)
+
+
+def _lm_verify(cid: str, ppl: float, top1: float, passed: bool) -> VerifyResult:
+    ref = 12.3456
+    return VerifyResult(cid, "causal-lm", [
+        Metric("perplexity", ref, ppl, False, threshold=ref * 1.01, passed=ppl <= ref * 1.01,
+               n=4096, note="wikitext sample"),
+        Metric("top1_agreement", 1.0, top1, True, threshold=0.9, passed=top1 >= 0.9, n=4096),
+        Metric("kl_divergence_mean", 0.0, 0.0123, False, n=4096, unit="nats"),
+        Metric("custom_metric_xyz", None, 7.5, True),
+    ], passed=passed, quality_drop=(ppl - ref) / ref, seconds=3.2)  # fmt: skip
+
+
+def _lm_bench(cid: str, decode: list[float], rss: int, artifact: int) -> BenchResult:
+    return BenchResult(
+        cid, "causal-lm",
+        {"decode_tokens_per_s": summarize(decode, "tok/s"),
+         "prefill_tokens_per_s": summarize([x * 10 for x in decode], "tok/s")},
+        "decode_tokens_per_s", rss, rss - 200_000_000, artifact, 1.1, 0.4,
+        settings={"threads": 2}, env={"torch": "2.5.1", "cpu": "Test CPU", "threads": 2},
+        notes=["bench note"],
+    )  # fmt: skip
+
+
+@pytest.fixture
+def lm_run(tmp_path: Path) -> Path:
+    root = tmp_path / "lm"
+    ref = Candidate("torch-fp32", "torch", "fp32", {"dtype": "float32"}, True, "the reference")
+    bf16 = Candidate("torch-bf16", "torch", "bf16", {"dtype": "bfloat16"}, False, XSS)
+    w8 = Candidate("torch-w8a16", "torch", "w8a16", {"weight_bits": 8}, False, "int8 weights")
+    _run_json(root, "smollm2-135m", "causal-lm")
+    _plan(root, [ref, bf16, w8])
+    _cand(root, ref, _lm_verify(ref.id, 12.3456, 1.0, True),
+          _lm_bench(ref.id, [40.0, 41.0, 42.5], 900_000_000, 538_000_000))  # fmt: skip
+    _cand(root, bf16, _lm_verify(bf16.id, 12.3789, 0.987, True),
+          _lm_bench(bf16.id, [70.0, 74.25, 75.0], 600_000_000, 269_000_000))  # fmt: skip
+    _cand(root, w8, _lm_verify(w8.id, 13.9012, 0.91, False),
+          _lm_bench(w8.id, [90.0, 95.5, 99.0], 450_000_000, 150_000_000))  # fmt: skip
+    write_json(root / "selection.json", Selection(
+        "throughput", bf16.id, 0.01,
+        {ref.id: "reference; slower than torch-bf16", bf16.id: "fastest within budget",
+         w8.id: "perplexity 13.9 above threshold 12.47 (quality drop 12.60% > 1.00%)"},
+        [bf16.id, ref.id], [ref.id, bf16.id, w8.id],
+    ).to_dict())  # fmt: skip
+    write_json(root / "doctor.json", {"findings": [
+        {"check": "python", "status": "ok", "evidence": "3.11", "fix": ""},
+        {"check": "numa", "status": "warn", "evidence": "1 node", "fix": "none needed"}]})  # fmt: skip
+    return root
+
+
+@pytest.fixture
+def emb_run(tmp_path: Path) -> Path:
+    root = tmp_path / "emb"
+    ref = Candidate("torch-fp32", "torch", "fp32", reference=True)
+    ort = Candidate("ort-int8", "onnxruntime", "ort-int8")
+    _run_json(root, "minilm-l6", "embedding")
+    _plan(root, [ref, ort])
+    for c, cos, rate in ((ref, 1.0, 100.0), (ort, 0.9912, 260.0)):
+        v = VerifyResult(c.id, "embedding", [
+            Metric("cosine_mean", 1.0, cos, True, 0.99, cos >= 0.99, 1000),
+            Metric("cosine_p1", 1.0, cos - 0.01, True, n=1000),
+            Metric("cosine_min", 1.0, cos - 0.02, True, n=1000),
+            Metric("wordsim353_spearman", 0.8, 0.795, True, n=353),
+        ], passed=True, quality_drop=1 - cos)  # fmt: skip
+        b = BenchResult(c.id, "embedding",
+                        {"sentences_per_s_b1": summarize([rate / 4, rate / 4.2], "sent/s"),
+                         "sentences_per_s_b32": summarize([rate, rate * 1.02], "sent/s")},
+                        "sentences_per_s_b32", 300_000_000, 90_000_000, 23_000_000, 0.3, 0.1)  # fmt: skip
+        _cand(root, c, v, b)
+    write_json(root / "selection.json", Selection("throughput", ort.id, 0.01,
+               {ref.id: "reference", ort.id: "fastest within budget"}, [ort.id, ref.id]).to_dict())  # fmt: skip
+    return root
+
+
+@pytest.fixture
+def failed_run(tmp_path: Path) -> Path:
+    root = tmp_path / "failed"
+    ref = Candidate("torch-fp32", "torch", "fp32", reference=True)
+    bad = Candidate("ort-int8", "onnxruntime", "ort-int8")
+    todo = Candidate("torch-bf16", "torch", "bf16")
+    _run_json(root, "smollm2-135m", "causal-lm")
+    _plan(root, [bad, ref, todo])  # reference not first in the plan: the view puts it first
+    _cand(root, ref, _lm_verify(ref.id, 12.3456, 1.0, True),
+          _lm_bench(ref.id, [40.0, 41.0, 42.5], 900_000_000, 538_000_000))  # fmt: skip
+    _cand(root, bad, error={"stage": "build", "error": "onnx export failed: <op> Unsupported",
+                            "traceback": "Traceback (most recent call last):\n  boom ```"})  # fmt: skip
+    return root
+
+
+@pytest.fixture
+def bare_run(tmp_path: Path) -> Path:
+    root = tmp_path / "bare"
+    _run_json(root, "smollm2-135m", "causal-lm")
+    return root
+
+
+class _Balance(HTMLParser):
+    VOID = {"meta", "br", "hr", "img", "input", "link", "line", "rect", "circle", "path",
+            "polyline"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        pass
+
+    def handle_endtag(self, tag):
+        if tag in self.VOID:
+            return
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:]}")
+        else:
+            self.stack.pop()
+
+
+def _check_html(html: str) -> None:
+    p = _Balance()
+    p.feed(html)
+    p.close()
+    assert not p.errors and not p.stack, (p.errors, p.stack)
+    assert html.startswith("<!DOCTYPE html>")
+    assert not re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", html, re.I)
+    assert "http://" not in html and "https://" not in html
+    assert "<script" not in html.lower().replace("&lt;script", "")
+
+
+def test_lm_run(lm_run: Path) -> None:
+    before = {p: p.read_bytes() for p in lm_run.rglob("*") if p.is_file()}
+    md_path, html_path = write_report(lm_run)
+    assert md_path == lm_run / "report.md" and html_path == lm_run / "report.html"
+    after = {p: p.read_bytes() for p in lm_run.rglob("*") if p.is_file()}
+    assert {p for p in after if p not in before} == {md_path, html_path}
+    assert all(after[p] == b for p, b in before.items()), "the run directory was modified"
+    md, html = md_path.read_text(), html_path.read_text()
+    _check_html(html)
+    assert "<svg" in html and "<details" in html
+    view = load_run(lm_run)
+    assert [c.id for c in view.candidates] == ["torch-fp32", "torch-bf16", "torch-w8a16"]
+    bf16 = view.get("torch-bf16")
+    assert view.speedup(bf16) == pytest.approx(74.25 / 41.0)
+    assert view.memory_ratio(bf16) == pytest.approx(600 / 900)
+    assert view.status(bf16).text == "chosen: fastest within budget"
+    assert view.status(view.get("torch-w8a16")).kind == "dropped"
+    for text in (md, html):
+        for cid in ("torch-fp32", "torch-bf16", "torch-w8a16", "gguf-q4"):
+            assert cid in text
+        for num in ("12.35", "12.38", "13.9", "+0.0333", "74.25", "75", "95.5", "1.81x",
+                    "2.33x", "572.2 MiB", fmt_pct(view.get("torch-w8a16").verify.quality_drop),
+                    "custom_metric_xyz", "kl_divergence_mean", "2.5.1"):  # fmt: skip
+            assert num in text, num
+        assert "Chosen: torch-bf16" in text
+        assert "perplexity 13.9 above threshold 12.47" in text
+        assert "llama-cpp-python not installed" in text
+        assert "llmopt optimize smollm2-135m --target cpu" in text
+        assert "2026-05-09T12:34:56+00:00" in text
+        assert XSS not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "&lt;script>alert(1)&lt;/script>" in md  # no raw HTML can form in Markdown either
+    for text in (md, html):
+        assert "Quantization applied and verified" in text and "gate failed" in text
+    # Known metrics first, unknown after, in both reports.
+    assert md.index("| perplexity") < md.index("| kl_divergence_mean") < md.index("| custom_")
+
+
+def test_embedding_run(emb_run: Path) -> None:
+    md_path, html_path = write_report(emb_run)
+    md, html = md_path.read_text(), html_path.read_text()
+    _check_html(html)
+    for text in (md, html):
+        assert "ort-int8" in text and "onnxruntime" in text
+        for name in ("cosine_mean", "cosine_p1", "cosine_min", "wordsim353_spearman",
+                     "sentences_per_s_b32", "sentences_per_s_b1", "0.9912", "2.60x"):  # fmt: skip
+            assert name in text, name
+    assert "Chosen: ort-int8" in md
+
+
+def test_failed_candidate(failed_run: Path) -> None:
+    md_path, html_path = write_report(failed_run)
+    md, html = md_path.read_text(), html_path.read_text()
+    _check_html(html)
+    view = load_run(failed_run)
+    assert [c.id for c in view.candidates] == ["torch-fp32", "ort-int8", "torch-bf16"]
+    assert view.status(view.get("ort-int8")).label == "failed at build"
+    assert view.status(view.get("torch-bf16")).kind == "incomplete"
+    assert "selection.json" in view.missing
+    assert "failed at build: onnx export failed: &lt;op> Unsupported" in md
+    assert "failed at build: onnx export failed: &lt;op&gt; Unsupported" in html
+    assert "Traceback (most recent call last)" in md and "````text" in md  # fence outgrows ```
+    assert "No selection yet" in md and "no verify.json, bench.json" in md
+
+
+def test_bare_run(bare_run: Path) -> None:
+    md_path, html_path = write_report(bare_run)
+    md, html = md_path.read_text(), html_path.read_text()
+    _check_html(html)
+    for text in (md, html):
+        assert "smollm2-135m" in text and "plan.json missing" in text
+        assert "No candidates yet" in text and "selection.json" in text
+
+
+def test_unreadable_file_is_reported(lm_run: Path) -> None:
+    (lm_run / "candidates" / "torch-w8a16" / "bench.json").write_text("{not json")
+    md, _ = (p.read_text() for p in write_report(lm_run))
+    assert "Unreadable: candidates/torch-w8a16/bench.json" in md
+
+
+def test_any_file_missing_or_corrupt(lm_run: Path) -> None:
+    files = sorted(p for p in lm_run.rglob("*.json"))
+    for i, victim in enumerate(files):
+        saved = victim.read_bytes()
+        # Alternate between a missing file and one holding the wrong JSON shape.
+        victim.unlink() if i % 2 else victim.write_text("[1, 2]")
+        view = load_run(lm_run)
+        _check_html(render_html(view))
+        assert "smollm2-135m" in render_markdown(view)
+        victim.write_bytes(saved)
+
+
+@pytest.mark.parametrize("fixture", ["lm_run", "emb_run", "failed_run", "bare_run"])
+def test_deterministic(fixture: str, request: pytest.FixtureRequest) -> None:
+    root = request.getfixturevalue(fixture)
+    a = render_markdown(load_run(root)), render_html(load_run(root))
+    write_report(root)  # the reports themselves must not change the next rendering
+    b = render_markdown(load_run(root)), render_html(load_run(root))
+    assert a == b
+
+
+def test_nonfinite_metric_fails_integrity(lm_run: Path) -> None:
+    p = lm_run / "candidates" / "torch-w8a16" / "verify.json"
+    d = json.loads(p.read_text())
+    d["metrics"][0]["candidate"] = float("nan")
+    p.write_text(json.dumps(d))
+    md = render_markdown(load_run(lm_run))
+    assert "❌ **Integrity**" in md and "perplexity candidate = nan" in md
+
+
+def test_formatters() -> None:
+    assert fmt_num(12.34567) == "12.35" and fmt_num(123456.7) == "123,457"
+    assert fmt_num(None) == "n/a" and fmt_num(0.0333, sign=True) == "+0.0333"
+    assert fmt_pct(0.0042) == "0.42%" and fmt_x(1.849) == "1.85x"
+    assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(12) == "12 B"
+    assert nice_ticks(0, 97) == [0, 20, 40, 60, 80, 100]
+    assert nice_ticks(0, 0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert order_names(["z", "cosine_min", "perplexity"], ("perplexity", "cosine_min")) == [
+        "perplexity", "cosine_min", "z"]  # fmt: skip
+
+
+def test_import_without_torch() -> None:
+    code = "import sys, llmopt.report; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": _src()})
+
+
+def _src() -> str:
+    import llmopt
+
+    return str(Path(llmopt.__file__).parents[1])
