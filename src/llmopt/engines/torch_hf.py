@@ -226,9 +226,9 @@ def _load_model(artifact: Path, task: str, recipe: Recipe):
 def _copy_tokenizer_files(source: Path, out: Path) -> None:
     for f in source.iterdir():
         is_tok = f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens"))
-        if f.is_file() and (is_tok or f.name in ST_FILES or f.name == "chat_template.jinja"):
-            if not (out / f.name).exists():
-                shutil.copy2(f, out / f.name)
+        wanted = is_tok or f.name in ST_FILES or f.name == "chat_template.jinja"
+        if f.is_file() and wanted and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
     for d in ST_DIRS:
         if (source / d).is_dir() and not (out / d).exists():
             shutil.copytree(source / d, out / d)

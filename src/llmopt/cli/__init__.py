@@ -1,0 +1,1 @@
+"""The `llmopt` command. Thin: it parses, calls the library, and renders results."""

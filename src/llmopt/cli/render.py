@@ -1,0 +1,113 @@
+"""Rich rendering of results for people (the `--json` paths bypass this module)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.optimize import OptimizeResult
+    from llmopt.plan import Plan
+
+console = Console(stderr=False)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def render_inspect(info: ModelInfo) -> None:
+    t = Table(title=f"{info.name}  ({info.path})", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    rows = [
+        ("task", info.task), ("architecture", info.architecture), ("model type", info.model_type),
+        ("parameters", f"{info.num_parameters:,} ({info.num_parameters / 1e6:.1f} M)"),
+        ("layers", info.num_layers), ("hidden size", info.hidden_size),
+        ("attention heads", info.num_heads), ("KV heads", info.num_kv_heads),
+        ("head dim", info.head_dim), ("intermediate size", info.intermediate_size),
+        ("vocab", info.vocab_size), ("max context", info.max_context),
+        ("dtype (config / stored)", f"{info.dtype} / {info.weights_dtype}"),
+        ("on disk", f"{_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)"),
+        ("tied embeddings", info.tied_embeddings),
+    ]
+    if info.task == "embedding":
+        rows.append(("pooling", f"{info.pooling}{', normalized' if info.normalize else ''}"))
+    for dt, b in info.kv_bytes_per_token.items():
+        rows.append((f"KV cache / token ({dt})", _bytes(b)))
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t)
+
+
+def render_plan(info: ModelInfo, plan: Plan) -> None:
+    tg = plan.target
+    console.print(f"[bold]target[/] {tg.device}: {tg.cpu}, {tg.threads} threads, "
+                  f"{_bytes(tg.memory_bytes)}, features {' '.join(tg.features) or '-'}")
+    for dt, b in plan.memory["weights_bytes"].items():
+        console.print(f"  weights in {dt}: {_bytes(b)}")
+    for n in plan.memory.get("notes", []):
+        console.print(f"  {n}")
+    t = Table(title="candidates")
+    for col in ("id", "engine", "recipe", "status"):
+        t.add_column(col)
+    for c in plan.candidates:
+        t.add_row(c.id, c.engine, c.recipe, "reference" if c.reference else "planned")
+    for s in plan.skipped:
+        t.add_row(s["id"], s["engine"], s["recipe"], f"[dim]skipped: {s['reason']}[/]")
+    console.print(t)
+
+
+def render_selection(res: OptimizeResult) -> None:
+    sel = res.selection
+    t = Table(title=f"selection ({sel.objective}, max quality drop {sel.max_quality_drop:.2%})")
+    t.add_column("candidate")
+    t.add_column("verdict")
+    for cid, why in sel.reasons.items():
+        style = "green" if cid == sel.chosen else ("red" if why.startswith(("failed", "dropped")) else "")
+        t.add_row(f"[{style}]{cid}[/]" if style else cid, why)
+    console.print(t)
+    if res.resumed:
+        console.print(f"resumed: {len(res.skipped)} finished stage(s) reused, {len(res.ran)} run now")
+    console.print(f"chosen: [bold]{sel.chosen or 'none'}[/]" + (f"  (artifact in {res.run_dir / 'best'})" if sel.chosen else ""))
+    console.print(f"report: [bold]{res.report_html}[/]\n        {res.report_md}")
+
+
+class OptimizeProgress:
+    """Progress bar over candidate stages; used as the `progress` callback of `optimize`."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                            TextColumn("{task.completed}/{task.total} stages"), TimeElapsedColumn(),
+                            console=console, transient=False, disable=not enabled)
+        self.task = None
+
+    def __enter__(self) -> OptimizeProgress:
+        self.bar.__enter__()
+        self.task = self.bar.add_task("planning", total=None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, event: str, cid: str, stage: str, detail: str) -> None:
+        if self.bar.tasks[0].total is None:
+            self.bar.update(self.task, total=0)
+        verb = {"build": "building", "verify": "verifying", "bench": "benchmarking"}[stage]
+        if event == "start":
+            self.bar.update(self.task, description=f"{verb} {cid}", total=self.bar.tasks[0].total + 1)
+        elif event == "skip":
+            self.bar.update(self.task, total=self.bar.tasks[0].total + 1, advance=1)
+        else:
+            self.bar.advance(self.task)
+            if event == "fail" and self.enabled:
+                self.bar.console.print(f"[red]{cid}: {stage} failed: {detail}[/]")

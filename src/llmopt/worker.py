@@ -1,0 +1,170 @@
+"""One stage of one candidate, in its own process: `python -m llmopt.worker RUN CANDIDATE STAGE`.
+
+Why a process per stage: peak memory is then the candidate's own (not the sum of everything loaded
+before it), a crash or an out-of-memory kill in one candidate cannot take the run down, and the
+run directory stays the only channel between stages, which is what makes resuming exact.
+The stage's JSON is written atomically at the very end; on failure `error.json` is written instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from llmopt.atomic import atomic_dir, read_json, write_json
+from llmopt.rundir import CandidateDir, RunDir
+from llmopt.schema import BenchResult, Candidate
+
+log = logging.getLogger("llmopt.worker")
+
+__all__ = ["run_stage", "main"]
+
+
+def _context(run: RunDir, cid: str):
+    from llmopt.engines import get_engine
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.recipes import get_recipe
+
+    meta = read_json(run.run_json)
+    info = ModelInfo.from_dict(read_json(run.model_json))
+    cand = Candidate.from_dict(read_json(run.candidate(cid).stage_file("candidate")))
+    return meta, info, cand, get_engine(cand.engine), get_recipe(cand.recipe)
+
+
+def _reference_id(run: RunDir) -> str:
+    plan = read_json(run.plan_json)
+    return next(c["id"] for c in plan["candidates"] if c.get("reference"))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def build(run: RunDir, cid: str) -> dict[str, Any]:
+    meta, info, cand, engine, recipe = _context(run, cid)
+    cdir = run.candidate(cid)
+    t0 = time.perf_counter()
+    with atomic_dir(cdir.artifact) as tmp:
+        facts = engine.build(Path(meta["model_path"]), info, recipe, tmp)
+    facts.update(seconds=time.perf_counter() - t0, artifact_bytes=_dir_bytes(cdir.artifact))
+    return facts
+
+
+def verify(run: RunDir, cid: str) -> dict[str, Any]:
+    meta, info, cand, engine, recipe = _context(run, cid)
+    s = meta["settings"]
+    runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
+    if info.task == "embedding":
+        return _verify_embedding(run, cid, cand, runner, s).to_dict()
+    from llmopt.assets.text import evaluation_text
+    from llmopt.verify.lm import token_windows, verify_causal_lm
+
+    windows = token_windows(runner.tokenizer, evaluation_text(), s["window"], s["eval_windows"])
+    reference = None
+    if not cand.reference:
+        _, _, rc, re, rr = _context(run, _reference_id(run))
+        reference = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
+    return verify_causal_lm(cid, runner, windows, reference, s["max_quality_drop"]).to_dict()
+
+
+def _verify_embedding(run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any]):
+    import numpy as np
+
+    from llmopt.assets.text import evaluation_sentences, wordsim353
+    from llmopt.verify.embedding import reference_outputs, verify_embedding
+
+    sentences = evaluation_sentences(s["sentences"])
+    ref_file = run.reference / "embeddings.npy"
+    if cand.reference:
+        emb = reference_outputs(runner, sentences)
+        run.reference.mkdir(parents=True, exist_ok=True)
+        tmp = ref_file.with_name(".tmp-embeddings.npy")
+        np.save(tmp, emb, allow_pickle=False)
+        tmp.replace(ref_file)
+        ref_emb, ref_spearman = None, None
+    else:
+        ref_emb = np.load(ref_file, allow_pickle=False)
+        ref_verify = run.candidate(_reference_id(run)).read("verify")
+        ref_spearman = next(
+            m["candidate"] for m in ref_verify["metrics"] if m["name"] == "wordsim353_spearman"
+        )
+    return verify_embedding(
+        cid, runner, sentences, ref_emb, wordsim353(), ref_spearman, 1.0 - s["max_quality_drop"]
+    )
+
+
+def bench(run: RunDir, cid: str) -> dict[str, Any]:
+    from llmopt.bench.timing import environment, peak_rss_bytes, rss_bytes
+
+    meta, info, cand, engine, recipe = _context(run, cid)
+    s = meta["settings"]
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
+    load_s = time.perf_counter() - t0
+    if info.task == "embedding":
+        from llmopt.assets.text import evaluation_sentences
+        from llmopt.bench.embedding import bench_embedding
+
+        sentences = evaluation_sentences(s["sentences"])[: s["bench_sentences"]]
+        metrics, warm = bench_embedding(runner, sentences, repeats=s["bench_repeats"])
+        primary, settings = "sentences_per_s_b32", {"sentences": len(sentences), "batch_sizes": [1, 32]}
+    else:
+        import torch
+
+        from llmopt.assets.text import evaluation_text
+        from llmopt.bench.lm import bench_causal_lm
+
+        ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
+        prompt = torch.tensor([ids[: s["prompt_tokens"]]], dtype=torch.long)
+        metrics, warm = bench_causal_lm(runner, prompt, s["new_tokens"], s["bench_repeats"])
+        primary = "decode_tokens_per_s"
+        settings = {"batch": 1, "prompt_tokens": s["prompt_tokens"], "new_tokens": s["new_tokens"]}
+    peak = peak_rss_bytes()
+    settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
+    return BenchResult(
+        candidate_id=cid,
+        task=info.task,
+        metrics=metrics,
+        primary=primary,
+        peak_rss_bytes=peak,
+        model_rss_bytes=max(0, peak - before),
+        artifact_bytes=_dir_bytes(run.candidate(cid).artifact),
+        load_seconds=load_s,
+        warmup_seconds=warm,
+        settings=settings,
+        env=environment(),
+    ).to_dict()
+
+
+STAGE_FUNCS = {"build": build, "verify": verify, "bench": bench}
+
+
+def run_stage(run: RunDir, cid: str, stage: str) -> None:
+    """Run `stage` for candidate `cid` in this process and write its JSON (or error.json)."""
+    cdir: CandidateDir = run.candidate(cid)
+    err = cdir.stage_file("error")
+    err.unlink(missing_ok=True)
+    try:
+        result = STAGE_FUNCS[stage](run, cid)
+    except Exception as e:
+        log.exception("%s of %s failed", stage, cid)
+        write_json(err, {"stage": stage, "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
+                         "traceback": traceback.format_exc()})
+        raise SystemExit(1) from None
+    write_json(cdir.stage_file(stage), result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    assert len(argv) == 3, "usage: python -m llmopt.worker RUN_DIR CANDIDATE_ID STAGE"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_stage(RunDir(argv[0]), argv[1], argv[2])
+
+
+if __name__ == "__main__":
+    main()
