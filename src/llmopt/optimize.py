@@ -88,7 +88,10 @@ def optimize(
         raise ValueError(f"--max-quality-drop must be a fraction in [0, 1), got {max_quality_drop}")
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    path, builtin = resolve_model(model)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
+    path, _ = resolve_model(model)
     info = inspect_model(path)
     tgt = detect_target(target, threads)
     settings = {**PROFILES[profile], "profile": profile, "max_quality_drop": max_quality_drop}
@@ -203,15 +206,11 @@ def _write_best(run: RunDir, cand: Candidate) -> None:
     with atomic_dir(run.best) as tmp:
         shutil.copytree(src, tmp / "artifact", copy_function=link_or_copy)
         write_json(tmp / "candidate.json", cand.to_dict())
+        shutil.copy2(run.model_json, tmp / "model.json")
         write_json(tmp / "launch.json", {
             "engine": cand.engine,
             "recipe": cand.recipe,
             "settings": cand.settings,
             "artifact": "artifact",
-            "python": (
-                "from llmopt.engines import get_engine; from llmopt.recipes import get_recipe; "
-                "from llmopt.modelinfo import inspect_model; "
-                f"runner = get_engine({cand.engine!r}).load(Path('best/artifact'), "
-                f"inspect_model(MODEL), get_recipe({cand.recipe!r}), {cand.settings!r})"
-            ),
+            "python": "from llmopt.engines import load_best; runner = load_best('RUN/best')",
         })

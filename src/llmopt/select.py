@@ -58,7 +58,8 @@ def select(
         else:
             eligible.append(c.id)
 
-    ranking = sorted(eligible, key=lambda i: bench[i].primary_value, reverse=True)
+    # Fastest first; equal speed goes to the smaller quality drop.
+    ranking = sorted(eligible, key=lambda i: (-bench[i].primary_value, verify[i].quality_drop))
     chosen = ranking[0] if ranking else None
     if chosen:
         best = bench[chosen]

@@ -63,7 +63,8 @@ def verify(run: RunDir, cid: str) -> dict[str, Any]:
     from llmopt.assets.text import evaluation_text
     from llmopt.verify.lm import token_windows, verify_causal_lm
 
-    windows = token_windows(runner.tokenizer, evaluation_text(), s["window"], s["eval_windows"])
+    window = min(s["window"], info.max_context or s["window"])  # never past the model's context
+    windows = token_windows(runner.tokenizer, evaluation_text(), window, s["eval_windows"])
     reference = None
     if not cand.reference:
         _, _, rc, re, rr = _context(run, _reference_id(run))
@@ -120,10 +121,12 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
         from llmopt.bench.lm import bench_causal_lm
 
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
-        prompt = torch.tensor([ids[: s["prompt_tokens"]]], dtype=torch.long)
-        metrics, warm = bench_causal_lm(runner, prompt, s["new_tokens"], s["bench_repeats"])
+        ctx = info.max_context or 2048
+        new = min(s["new_tokens"], ctx // 2)
+        prompt = torch.tensor([ids[: min(s["prompt_tokens"], ctx - new)]], dtype=torch.long)
+        metrics, warm = bench_causal_lm(runner, prompt, new, s["bench_repeats"])
         primary = "decode_tokens_per_s"
-        settings = {"batch": 1, "prompt_tokens": s["prompt_tokens"], "new_tokens": s["new_tokens"]}
+        settings = {"batch": 1, "prompt_tokens": prompt.shape[1], "new_tokens": new}
     peak = peak_rss_bytes()
     settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
     return BenchResult(
@@ -163,6 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     assert len(argv) == 3, "usage: python -m llmopt.worker RUN_DIR CANDIDATE_ID STAGE"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Per-tensor loading bars from transformers would flood log.txt; the parent shows progress.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     run_stage(RunDir(argv[0]), argv[1], argv[2])
 
 

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from llmopt.engines.base import CausalLMRunner, EmbeddingRunner, Engine
 
-__all__ = ["ENGINES", "register_engine", "get_engine", "Engine", "CausalLMRunner", "EmbeddingRunner"]
+__all__ = [
+    "ENGINES",
+    "register_engine",
+    "get_engine",
+    "load_best",
+    "Engine",
+    "CausalLMRunner",
+    "EmbeddingRunner",
+]
 
 ENGINES: dict[str, Engine] = {}
 
@@ -29,6 +37,26 @@ def get_engine(name: str) -> Engine:
         return ENGINES[name]
     except KeyError:
         raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}") from None
+
+
+def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:
+    """Load the runner of a run's chosen candidate from its `best/` folder.
+
+    >>> runner = load_best("runs/minilm-l6/best")           # doctest: +SKIP
+    >>> runner.embed(["hello world"]).shape                    # doctest: +SKIP
+    (1, 384)
+    """
+    from pathlib import Path
+
+    from llmopt.atomic import read_json
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.recipes import get_recipe
+    from llmopt.schema import Candidate
+
+    best = Path(best_dir)
+    cand = Candidate.from_dict(read_json(best / "candidate.json"))
+    info = ModelInfo.from_dict(read_json(best / "model.json"))
+    return get_engine(cand.engine).load(best / "artifact", info, get_recipe(cand.recipe), cand.settings)
 
 
 # Explicit registration. These modules import their heavy libraries lazily, inside methods.

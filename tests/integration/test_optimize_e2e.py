@@ -1,0 +1,123 @@
+"""End to end: `llmopt optimize minilm-l6` as a real CLI process, then resume and crash recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
+STAGES = ("build", "verify", "bench")
+
+
+def _optimize(out: Path, *extra: str) -> tuple[int, dict]:
+    proc = subprocess.run(
+        [*LLMOPT, "optimize", "minilm-l6", "--quick", "--out", str(out), "--json", *extra],
+        capture_output=True, text=True, timeout=1500, check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("e2e") / "minilm"
+    rc, res = _optimize(out)
+    assert rc == 0, res
+    return out, res
+
+
+def _plan_ids(out: Path) -> list[str]:
+    return [c["id"] for c in json.loads((out / "plan.json").read_text())["candidates"]]
+
+
+def test_run_directory_is_complete_and_consistent(run):
+    out, res = run
+    for name in ("run.json", "model.json", "plan.json", "selection.json", "report.md", "report.html"):
+        assert (out / name).is_file(), name
+    ids = _plan_ids(out)
+    assert ids[0] == "torch-fp32"
+    assert {"onnxruntime-fp32", "onnxruntime-w8a8-dynamic"} <= set(ids)
+    for cid in ids:
+        cdir = out / "candidates" / cid
+        for stage in STAGES:
+            assert (cdir / f"{stage}.json").is_file(), f"{cid}/{stage}"
+        assert not (cdir / "error.json").exists(), (cdir / "error.json").read_text()
+        assert any((cdir / "artifact").iterdir())
+        verify = json.loads((cdir / "verify.json").read_text())
+        names = {m["name"] for m in verify["metrics"]}
+        assert {"cosine_mean", "cosine_min", "wordsim353_spearman"} <= names
+        assert next(m for m in verify["metrics"] if m["name"] == "cosine_mean")["n"] >= 1000
+        bench = json.loads((cdir / "bench.json").read_text())
+        assert bench["metrics"]["sentences_per_s_b32"]["median"] > 0
+        assert bench["metrics"]["sentences_per_s_b1"]["median"] > 0
+        assert bench["peak_rss_bytes"] > 0
+    sel = json.loads((out / "selection.json").read_text())
+    chosen = sel["chosen"]
+    assert chosen == res["selection"]["chosen"] and chosen in ids
+    cv = json.loads((out / "candidates" / chosen / "verify.json").read_text())
+    cos = next(m for m in cv["metrics"] if m["name"] == "cosine_mean")["candidate"]
+    assert cv["passed"] and cos >= 1 - sel["max_quality_drop"]
+    # The chosen one is the fastest of those that passed.
+    speed = {c: json.loads((out / "candidates" / c / "bench.json").read_text())["metrics"]["sentences_per_s_b32"]["median"] for c in sel["ranking"]}
+    assert max(speed, key=speed.get) == chosen
+    assert set(sel["reasons"]) == set(ids)
+    assert (out / "best" / "artifact").is_dir() and (out / "best" / "launch.json").is_file()
+    html = (out / "report.html").read_text()
+    for cid in ids:
+        assert cid in html
+
+
+def test_rerun_resumes_without_redoing_anything(run):
+    out, _ = run
+    before = {p: p.stat().st_mtime_ns for p in (out / "candidates").rglob("*.json")}
+    rc, res = _optimize(out)
+    assert rc == 0
+    assert res["resumed"] is True and res["ran"] == []
+    assert len(res["skipped"]) == 3 * len(_plan_ids(out))
+    assert {p: p.stat().st_mtime_ns for p in (out / "candidates").rglob("*.json")} == before
+
+
+def test_partial_and_killed_stages_are_redone(run, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(run[0], out)
+    # 1) a finished stage's JSON is missing: only that stage runs again.
+    (out / "candidates" / "torch-fp32" / "bench.json").unlink()
+    # 2) a build killed mid-way: SIGKILL the worker while it exports the ONNX model.
+    cdir = out / "candidates" / "onnxruntime-fp32"
+    for stage in STAGES:
+        (cdir / f"{stage}.json").unlink()
+    shutil.rmtree(cdir / "artifact")
+    worker = subprocess.Popen([sys.executable, "-m", "llmopt.worker", str(out), cdir.name, "build"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(cdir.glob(".tmp-artifact.*")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # wait until the build is writing its artifact, then kill it mid-way
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    # Whatever moment the kill hit, the build is not taken as finished.
+    assert not (cdir / "build.json").exists()
+    rc, res = _optimize(out)
+    assert rc == 0
+    assert "torch-fp32/bench" in res["ran"]
+    assert {"onnxruntime-fp32/build", "onnxruntime-fp32/verify", "onnxruntime-fp32/bench"} <= set(res["ran"])
+    assert not any(k.startswith("onnxruntime-w8a8-dynamic") for k in res["ran"])
+    assert json.loads((cdir / "verify.json").read_text())["passed"]
+    assert not list(cdir.glob(".tmp-*"))
+
+
+def test_other_model_in_same_run_dir_is_refused(run):
+    out, _ = run
+    proc = subprocess.run([*LLMOPT, "optimize", "smollm2-135m", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2
+    assert "different" in proc.stdout and "--force" in proc.stdout

@@ -1,0 +1,83 @@
+"""The `llmopt` command as a user runs it: a real process, exit codes, JSON, error messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
+
+
+def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*LLMOPT, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_help_is_instant_and_imports_no_torch():
+    code = "import sys; sys.argv=['llmopt','--help']\nfrom llmopt.cli.main import main\ntry: main()\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert "optimize" in proc.stdout
+    assert proc.stdout.strip().endswith("False"), "llmopt --help must not import torch"
+
+
+def test_inspect_json_on_a_folder(tiny_llama_dir):
+    proc = _run("inspect", str(tiny_llama_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["task"] == "causal-lm" and info["num_layers"] == 2 and info["num_kv_heads"] == 2
+    assert info["kv_bytes_per_token"]["float32"] == 2 * 2 * 16 * 2 * 4
+
+
+def test_inspect_table_on_a_folder(tiny_bert_dir):
+    proc = _run("inspect", str(tiny_bert_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "embedding" in proc.stdout and "BertModel" in proc.stdout and "mean" in proc.stdout
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    proc = _run("inspect", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert "fix:" in proc.stdout and "smollm2-135m" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_pickle_only_folder_is_refused_without_opt_in(tiny_llama_dir):
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(tiny_llama_dir / "model.safetensors")
+    (tiny_llama_dir / "model.safetensors").unlink()
+    torch.save(state, tiny_llama_dir / "pytorch_model.bin")
+    proc = _run("inspect", str(tiny_llama_dir))
+    assert proc.returncode == 2 and "--allow-pickle" in proc.stdout
+    ok = _run("inspect", str(tiny_llama_dir), "--allow-pickle", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["weight_format"] == "pickle"
+
+
+def test_plan_json_lists_skips(tiny_llama_dir):
+    proc = _run("plan", str(tiny_llama_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["candidates"][0]["id"] == "torch-fp32"
+    assert any(s["id"] == "torch-fp16" for s in plan["skipped"])
+
+
+def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
+    proc = _run("optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--max-quality-drop", "2")
+    assert proc.returncode == 2 and "max-quality-drop" in proc.stdout
+    assert not (tmp_path / "r").exists(), "a refused run writes nothing"
+
+
+def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = _run("optimize", str(tiny_llama_dir), "--out", str(out), "--quick", "--json", timeout=600)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    res = json.loads(proc.stdout)
+    ids = {"torch-fp32", "torch-bf16", "torch-w8a16"}
+    assert set(res["selection"]["reasons"]) == ids
+    for cid in ids:
+        for stage in ("build", "verify", "bench"):
+            assert (out / "candidates" / cid / f"{stage}.json").is_file(), f"{cid}/{stage}"
+    ref = json.loads((out / "candidates" / "torch-fp32" / "verify.json").read_text())
+    assert ref["passed"] and ref["quality_drop"] == 0.0
+    assert (out / "report.html").is_file()

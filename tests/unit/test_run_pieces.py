@@ -1,0 +1,126 @@
+"""Atomic writes, the run directory's resume rules, planning and selection."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmopt.atomic import atomic_dir, write_json
+from llmopt.errors import RunDirError
+from llmopt.modelinfo import inspect_model
+from llmopt.plan import Target, make_plan
+from llmopt.rundir import RunDir
+from llmopt.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.select import pareto_front, select
+
+CPU = Target(device="cpu", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
+
+
+def test_atomic_dir_failure_leaves_nothing(tmp_path):
+    final = tmp_path / "artifact"
+    with pytest.raises(RuntimeError), atomic_dir(final) as d:
+        (d / "half.bin").write_bytes(b"x" * 100)
+        raise RuntimeError("killed mid-way")
+    assert not final.exists()
+    assert list(tmp_path.iterdir()) == [], "no temporary leftovers"
+
+
+def test_atomic_dir_replaces_and_clears_stale_tmp(tmp_path):
+    final = tmp_path / "artifact"
+    stale = tmp_path / ".tmp-artifact.dead"
+    stale.mkdir()
+    (stale / "junk").write_text("from a killed run")
+    with atomic_dir(final) as d:
+        (d / "a").write_text("1")
+    with atomic_dir(final) as d:
+        (d / "b").write_text("2")
+    assert sorted(p.name for p in final.iterdir()) == ["b"]
+    assert not stale.exists()
+
+
+def test_write_json_is_complete_or_absent(tmp_path):
+    p = write_json(tmp_path / "x.json", {"a": [1, 2]})
+    assert json.loads(p.read_text()) == {"a": [1, 2]}
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "y.json", {"bad": object()})
+    assert not (tmp_path / "y.json").exists()
+    assert [q.name for q in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_rundir_resumes_same_run_and_refuses_another(tmp_path):
+    meta = {"model_fingerprint": "abc", "target": "cpu", "settings": {"window": 512}}
+    run = RunDir(tmp_path / "run")
+    assert run.open(meta) is False
+    assert run.open(dict(meta)) is True
+    with pytest.raises(RunDirError, match="model_fingerprint"):
+        run.open({**meta, "model_fingerprint": "other"})
+    with pytest.raises(RunDirError, match="settings"):
+        run.open({**meta, "settings": {"window": 256}})
+    assert run.open({**meta, "target": "cuda"}, force=True) is False
+    other = tmp_path / "not-a-run"
+    other.mkdir()
+    (other / "precious.txt").write_text("user data")
+    with pytest.raises(RunDirError, match="not empty"):
+        RunDir(other).open(meta)
+    assert (other / "precious.txt").read_text() == "user data"
+
+
+def test_plan_lists_reference_first_and_skips_with_reasons(tiny_llama_dir):
+    plan = make_plan(inspect_model(tiny_llama_dir), CPU)
+    ids = [c.id for c in plan.candidates]
+    assert ids[0] == "torch-fp32" and plan.candidates[0].reference
+    assert {"torch-bf16", "torch-w8a16"} <= set(ids)
+    skipped = {s["id"]: s["reason"] for s in plan.skipped}
+    assert "bf16" in skipped["torch-fp16"]  # fp16 on CPU: use bf16
+    assert "causal-lm" in skipped["onnxruntime-fp32"]
+    assert plan.memory["weights_bytes"]["float32"] == 4 * plan.memory["weights_bytes"]["int8"]
+    assert plan.memory["max_sequences_at_context"]["float32"] > 0
+
+
+def test_plan_only_and_unknown_ids(tiny_llama_dir):
+    info = inspect_model(tiny_llama_dir)
+    plan = make_plan(info, CPU, only=["torch-bf16"])
+    assert [c.id for c in plan.candidates] == ["torch-fp32", "torch-bf16"]
+    with pytest.raises(ValueError, match="torch-int3"):
+        make_plan(info, CPU, only=["torch-int3"])
+
+
+def _verify(cid: str, drop: float, budget: float = 0.01) -> VerifyResult:
+    ref = 10.0
+    m = Metric("perplexity", ref, ref * (1 + drop), False, ref * (1 + budget), drop <= budget, 100)
+    return VerifyResult(cid, "causal-lm", [m], m.passed, drop)
+
+
+def _bench(cid: str, values: list[float]) -> BenchResult:
+    return BenchResult(cid, "causal-lm", {"decode_tokens_per_s": summarize(values)},
+                       "decode_tokens_per_s", 1, 1, 1, 0.0, 0.0)
+
+
+def test_select_fastest_within_budget_with_reasons():
+    cands = [Candidate("ref", "torch", "fp32", reference=True), Candidate("fast-bad", "torch", "x"),
+             Candidate("fast-ok", "torch", "y"), Candidate("broken", "torch", "z"),
+             Candidate("same", "torch", "w")]
+    verify = {"ref": _verify("ref", 0.0), "fast-bad": _verify("fast-bad", 0.05),
+              "fast-ok": _verify("fast-ok", 0.004), "same": _verify("same", 0.0)}
+    bench = {"ref": _bench("ref", [10, 10.5, 11]), "fast-bad": _bench("fast-bad", [40, 41, 42]),
+             "fast-ok": _bench("fast-ok", [20, 21, 22]), "same": _bench("same", [19, 20.5, 23])}
+    sel = select(cands, verify, bench, {"broken": "build: OSError: disk full"}, 0.01)
+    assert sel.chosen == "fast-ok"
+    assert sel.ranking == ["fast-ok", "same", "ref"]
+    assert sel.reasons["fast-ok"].startswith("chosen") and "2.00x the reference" in sel.reasons["fast-ok"]
+    assert sel.reasons["fast-bad"].startswith("dropped: quality gate failed (perplexity")
+    assert sel.reasons["broken"] == "failed at build: OSError: disk full"
+    assert "noise" in sel.reasons["same"] and "noise" not in sel.reasons["ref"]
+    # ref is dominated by "same" (as accurate, faster).
+    assert set(sel.pareto) == {"same", "fast-ok", "fast-bad"}
+
+
+def test_select_nothing_passes():
+    cands = [Candidate("ref", "torch", "fp32", reference=True)]
+    sel = select(cands, {}, {}, {"ref": "verify: boom"}, 0.01)
+    assert sel.chosen is None and sel.ranking == [] and "boom" in sel.reasons["ref"]
+
+
+def test_pareto_front():
+    assert pareto_front({"a": (1, 0.0), "b": (2, 0.0), "c": (3, 0.5)}) == ["b", "c"]
