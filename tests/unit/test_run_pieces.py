@@ -124,3 +124,19 @@ def test_select_nothing_passes():
 
 def test_pareto_front():
     assert pareto_front({"a": (1, 0.0), "b": (2, 0.0), "c": (3, 0.5)}) == ["b", "c"]
+
+
+def test_peak_rss_is_the_process_own_not_inherited():
+    import subprocess
+    import sys
+
+    from llmopt.bench.timing import peak_rss_bytes
+
+    ballast = bytearray(400 * 2**20)  # the parent touches 400 MiB
+    ballast[:: 4096] = b"x" * len(ballast[:: 4096])
+    assert peak_rss_bytes() > 400 * 2**20
+    code = "from llmopt.bench.timing import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)
+    assert child < 200 * 2**20, f"child reports {child / 2**20:.0f} MiB: inherited the parent's peak"
+    del ballast

@@ -61,8 +61,19 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """Peak resident set size of this process so far.
+
+    On Linux this reads VmHWM from /proc: `ru_maxrss` survives exec(), so a worker started by a
+    parent that once held a large model would report the parent's peak, not its own.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
