@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from llmopt.cli.render import console, render_inspect, render_plan, render_selection
+from llmopt.cli.render import console, render_inspect, render_selection
 
 app = typer.Typer(
     name="llmopt",
@@ -31,7 +31,7 @@ ModelArg = Annotated[str, typer.Argument(help="A built-in name (smollm2-135m, mi
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 
 
-def _emit_json(obj: Any) -> None:
+def emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
@@ -46,23 +46,7 @@ def inspect(
 
     with console.status(f"inspecting {model}"):
         info = inspect_model(model, allow_pickle=allow_pickle)
-    _emit_json(info.to_dict()) if as_json else render_inspect(info)
-
-
-@app.command()
-def plan(
-    model: ModelArg,
-    target: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """What fits and what would run it? Memory math and the candidate list with skip reasons."""
-    from llmopt.modelinfo import inspect_model
-    from llmopt.plan import detect_target, make_plan
-
-    info = inspect_model(model)
-    p = make_plan(info, detect_target(target, threads))
-    _emit_json(p.to_dict()) if as_json else render_plan(info, p)
+    emit_json(info.to_dict()) if as_json else render_inspect(info)
 
 
 @app.command()
@@ -88,7 +72,7 @@ def optimize(
                            candidates=only, threads=threads, profile="quick" if quick else "full",
                            force=force, progress=prog)
     if as_json:
-        _emit_json({"run_dir": str(res.run_dir), "selection": res.selection.to_dict(),
+        emit_json({"run_dir": str(res.run_dir), "selection": res.selection.to_dict(),
                     "resumed": res.resumed, "ran": res.ran, "skipped": res.skipped,
                     "report_html": str(res.report_html), "report_md": str(res.report_md)})
     else:
@@ -131,7 +115,13 @@ def assets_status(as_json: JsonOpt = False) -> None:
     from llmopt.assets import assets_status as status
 
     s = status()
-    _emit_json(s) if as_json else console.print_json(json.dumps(s, default=str))
+    emit_json(s) if as_json else console.print_json(json.dumps(s, default=str))
+
+
+# doctor / plan / deploy live in their own module (environment and serving operations).
+from llmopt.cli import ops as _ops  # noqa: E402
+
+_ops.register(app)
 
 
 def main() -> None:
