@@ -41,7 +41,9 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write `obj` as indented JSON atomically. Dataclasses must be converted by the caller."""
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    return write_text(
+        path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n"
+    )
 
 
 def read_json(path: str | os.PathLike) -> Any:

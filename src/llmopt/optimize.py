@@ -29,10 +29,24 @@ __all__ = ["optimize", "OptimizeResult", "PROFILES"]
 # Sizes of the verification and benchmark work. "full" is the default; "quick" is for tests and
 # smoke runs (still >= 1000 sentences for embeddings, so the cosine statistics mean something).
 PROFILES: dict[str, dict[str, Any]] = {
-    "full": {"eval_windows": 16, "window": 512, "sentences": 2000, "bench_sentences": 512,
-             "bench_repeats": 5, "prompt_tokens": 100, "new_tokens": 128},
-    "quick": {"eval_windows": 4, "window": 256, "sentences": 1000, "bench_sentences": 128,
-              "bench_repeats": 3, "prompt_tokens": 64, "new_tokens": 32},
+    "full": {
+        "eval_windows": 16,
+        "window": 512,
+        "sentences": 2000,
+        "bench_sentences": 512,
+        "bench_repeats": 5,
+        "prompt_tokens": 100,
+        "new_tokens": 128,
+    },
+    "quick": {
+        "eval_windows": 4,
+        "window": 256,
+        "sentences": 1000,
+        "bench_sentences": 128,
+        "bench_repeats": 3,
+        "prompt_tokens": 64,
+        "new_tokens": 32,
+    },
 }
 
 # progress(event, candidate_id, stage, detail): event is "start", "done", "skip" or "fail".
@@ -131,8 +145,14 @@ def _run_candidate(run: RunDir, cand: Candidate, result: OptimizeResult, progres
     cdir = run.candidate(cand.id)
     if not cdir.stage_file("candidate").exists():
         write_json(cdir.stage_file("candidate"), cand.to_dict())
-    ref_id = None if cand.reference else next(
-        c.id for c in map(Candidate.from_dict, read_json(run.plan_json)["candidates"]) if c.reference
+    ref_id = (
+        None
+        if cand.reference
+        else next(
+            c.id
+            for c in map(Candidate.from_dict, read_json(run.plan_json)["candidates"])
+            if c.reference
+        )
     )
     for stage in STAGES:
         key = f"{cand.id}/{stage}"
@@ -141,7 +161,14 @@ def _run_candidate(run: RunDir, cand: Candidate, result: OptimizeResult, progres
             progress and progress("skip", cand.id, stage, "already finished")
             continue
         if stage == "verify" and ref_id and not run.candidate(ref_id).done("verify"):
-            write_json(cdir.stage_file("error"), {"stage": stage, "error": "the reference failed, nothing to compare against", "traceback": ""})
+            write_json(
+                cdir.stage_file("error"),
+                {
+                    "stage": stage,
+                    "error": "the reference failed, nothing to compare against",
+                    "traceback": "",
+                },
+            )
             progress and progress("fail", cand.id, stage, "the reference failed")
             return
         progress and progress("start", cand.id, stage, "")
@@ -162,13 +189,18 @@ def _spawn(run: RunDir, cid: str, stage: str) -> tuple[bool, str]:
         log.flush()
         proc = subprocess.run(
             [sys.executable, "-m", "llmopt.worker", str(run.root), cid, stage],
-            stdout=log, stderr=subprocess.STDOUT, env=env, check=False,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            check=False,
         )
     if proc.returncode == 0 and cdir.done(stage):
         return True, ""
     err = cdir.read("error")
     if err is None:  # killed without a word: most often the kernel's out-of-memory killer
-        why = f"worker exited with code {proc.returncode}" + (" (killed: out of memory?)" if proc.returncode in (-9, 137) else "")
+        why = f"worker exited with code {proc.returncode}" + (
+            " (killed: out of memory?)" if proc.returncode in (-9, 137) else ""
+        )
         err = {"stage": stage, "error": why, "traceback": f"see {cdir.log}"}
         write_json(cdir.stage_file("error"), err)
     return False, err["error"]
@@ -207,10 +239,13 @@ def _write_best(run: RunDir, cand: Candidate) -> None:
         shutil.copytree(src, tmp / "artifact", copy_function=link_or_copy)
         write_json(tmp / "candidate.json", cand.to_dict())
         shutil.copy2(run.model_json, tmp / "model.json")
-        write_json(tmp / "launch.json", {
-            "engine": cand.engine,
-            "recipe": cand.recipe,
-            "settings": cand.settings,
-            "artifact": "artifact",
-            "python": "from llmopt.engines import load_best; runner = load_best('RUN/best')",
-        })
+        write_json(
+            tmp / "launch.json",
+            {
+                "engine": cand.engine,
+                "recipe": cand.recipe,
+                "settings": cand.settings,
+                "artifact": "artifact",
+                "python": "from llmopt.engines import load_best; runner = load_best('RUN/best')",
+            },
+        )

@@ -61,7 +61,14 @@ class RunDir:
         self.root = Path(root)
 
     def __getattr__(self, name: str) -> Path:
-        files = {"run_json", "model_json", "plan_json", "selection_json", "report_md", "report_html"}
+        files = {
+            "run_json",
+            "model_json",
+            "plan_json",
+            "selection_json",
+            "report_md",
+            "report_html",
+        }
         if name in files:
             stem, ext = name.rsplit("_", 1)
             return self.root / f"{stem}.{ext}"
@@ -80,8 +87,18 @@ class RunDir:
 
     def candidates(self) -> list[CandidateDir]:
         base = self.root / "candidates"
-        return sorted((CandidateDir(p) for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                      key=lambda c: c.id) if base.exists() else []
+        return (
+            sorted(
+                (
+                    CandidateDir(p)
+                    for p in base.iterdir()
+                    if p.is_dir() and not p.name.startswith(".")
+                ),
+                key=lambda c: c.id,
+            )
+            if base.exists()
+            else []
+        )
 
     def open(self, meta: dict[str, Any], force: bool = False) -> bool:
         """Start a new run or resume a matching one. Returns True when resuming.

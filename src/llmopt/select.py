@@ -53,7 +53,9 @@ def select(
             reasons[c.id] = "incomplete: " + ("not verified" if v is None else "not benchmarked")
         elif not v.passed:
             failed = [m for m in v.metrics if m.passed is False]
-            why = "; ".join(f"{m.name} {m.candidate:.4g} vs limit {m.threshold:.4g}" for m in failed)
+            why = "; ".join(
+                f"{m.name} {m.candidate:.4g} vs limit {m.threshold:.4g}" for m in failed
+            )
             reasons[c.id] = f"dropped: quality gate failed ({why or 'integrity check'})"
         else:
             eligible.append(c.id)

@@ -113,7 +113,10 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
 
         sentences = evaluation_sentences(s["sentences"])[: s["bench_sentences"]]
         metrics, warm = bench_embedding(runner, sentences, repeats=s["bench_repeats"])
-        primary, settings = "sentences_per_s_b32", {"sentences": len(sentences), "batch_sizes": [1, 32]}
+        primary, settings = (
+            "sentences_per_s_b32",
+            {"sentences": len(sentences), "batch_sizes": [1, 32]},
+        )
     else:
         import torch
 
@@ -156,8 +159,14 @@ def run_stage(run: RunDir, cid: str, stage: str) -> None:
         result = STAGE_FUNCS[stage](run, cid)
     except Exception as e:
         log.exception("%s of %s failed", stage, cid)
-        write_json(err, {"stage": stage, "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
-                         "traceback": traceback.format_exc()})
+        write_json(
+            err,
+            {
+                "stage": stage,
+                "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
+                "traceback": traceback.format_exc(),
+            },
+        )
         raise SystemExit(1) from None
     write_json(cdir.stage_file(stage), result)
 

@@ -22,7 +22,10 @@ STAGES = ("build", "verify", "bench")
 def _optimize(out: Path, *extra: str) -> tuple[int, dict]:
     proc = subprocess.run(
         [*LLMOPT, "optimize", "minilm-l6", "--quick", "--out", str(out), "--json", *extra],
-        capture_output=True, text=True, timeout=1500, check=False,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
     )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     return proc.returncode, json.loads(proc.stdout)
@@ -42,7 +45,14 @@ def _plan_ids(out: Path) -> list[str]:
 
 def test_run_directory_is_complete_and_consistent(run):
     out, res = run
-    for name in ("run.json", "model.json", "plan.json", "selection.json", "report.md", "report.html"):
+    for name in (
+        "run.json",
+        "model.json",
+        "plan.json",
+        "selection.json",
+        "report.md",
+        "report.html",
+    ):
         assert (out / name).is_file(), name
     ids = _plan_ids(out)
     assert ids[0] == "torch-fp32"
@@ -68,7 +78,12 @@ def test_run_directory_is_complete_and_consistent(run):
     cos = next(m for m in cv["metrics"] if m["name"] == "cosine_mean")["candidate"]
     assert cv["passed"] and cos >= 1 - sel["max_quality_drop"]
     # The chosen one is the fastest of those that passed.
-    speed = {c: json.loads((out / "candidates" / c / "bench.json").read_text())["metrics"]["sentences_per_s_b32"]["median"] for c in sel["ranking"]}
+    speed = {
+        c: json.loads((out / "candidates" / c / "bench.json").read_text())["metrics"][
+            "sentences_per_s_b32"
+        ]["median"]
+        for c in sel["ranking"]
+    }
     assert max(speed, key=speed.get) == chosen
     assert set(sel["reasons"]) == set(ids)
     assert (out / "best" / "artifact").is_dir() and (out / "best" / "launch.json").is_file()
@@ -97,8 +112,11 @@ def test_partial_and_killed_stages_are_redone(run, tmp_path):
     for stage in STAGES:
         (cdir / f"{stage}.json").unlink()
     shutil.rmtree(cdir / "artifact")
-    worker = subprocess.Popen([sys.executable, "-m", "llmopt.worker", str(out), cdir.name, "build"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "llmopt.worker", str(out), cdir.name, "build"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not list(cdir.glob(".tmp-artifact.*")) and time.monotonic() < deadline:
         time.sleep(0.05)  # wait until the build is writing its artifact, then kill it mid-way
@@ -109,7 +127,9 @@ def test_partial_and_killed_stages_are_redone(run, tmp_path):
     rc, res = _optimize(out)
     assert rc == 0
     assert "torch-fp32/bench" in res["ran"]
-    assert {"onnxruntime-fp32/build", "onnxruntime-fp32/verify", "onnxruntime-fp32/bench"} <= set(res["ran"])
+    assert {"onnxruntime-fp32/build", "onnxruntime-fp32/verify", "onnxruntime-fp32/bench"} <= set(
+        res["ran"]
+    )
     assert not any(k.startswith("onnxruntime-w8a8-dynamic") for k in res["ran"])
     assert json.loads((cdir / "verify.json").read_text())["passed"]
     assert not list(cdir.glob(".tmp-*"))
@@ -117,7 +137,12 @@ def test_partial_and_killed_stages_are_redone(run, tmp_path):
 
 def test_other_model_in_same_run_dir_is_refused(run):
     out, _ = run
-    proc = subprocess.run([*LLMOPT, "optimize", "smollm2-135m", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [*LLMOPT, "optimize", "smollm2-135m", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "different" in proc.stdout and "--force" in proc.stdout

@@ -35,11 +35,13 @@ def test_greedy_decode_matches_transformers_generate(smollm2):
     src, _, runners = smollm2
     runner = runners["fp32"]
     msgs = [{"role": "user", "content": "Write a long story about a dragon who learns to read."}]
-    prompt = runner.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
+    prompt = runner.tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=True, return_tensors="pt"
+    )
     prompt = prompt["input_ids"] if not isinstance(prompt, torch.Tensor) else prompt
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.inference_mode():
-        want = hf.generate(prompt, max_new_tokens=64, do_sample=False)[0, prompt.shape[1]:]
+        want = hf.generate(prompt, max_new_tokens=64, do_sample=False)[0, prompt.shape[1] :]
     logits, state = runner.prefill(prompt)
     got = []
     for _ in range(64):
@@ -56,7 +58,9 @@ def test_greedy_decode_matches_transformers_generate(smollm2):
 def test_w8a16_keeps_perplexity_within_one_percent(smollm2):
     _, _, runners = smollm2
     windows = token_windows(runners["fp32"].tokenizer, evaluation_text(), 256, 2)
-    res = verify_causal_lm("w8a16", runners["w8a16"], windows, runners["fp32"], max_quality_drop=0.01)
+    res = verify_causal_lm(
+        "w8a16", runners["w8a16"], windows, runners["fp32"], max_quality_drop=0.01
+    )
     ppl = res.metric("perplexity")
     assert 5 < ppl.reference < 60, "held-out Wikipedia perplexity of SmolLM2-135M is ~20"
     assert res.passed and abs(res.quality_drop) < 0.01

@@ -10,12 +10,16 @@ LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
 
 
 def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*LLMOPT, *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [*LLMOPT, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def test_help_is_instant_and_imports_no_torch():
     code = "import sys; sys.argv=['llmopt','--help']\nfrom llmopt.cli.main import main\ntry: main()\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert "optimize" in proc.stdout
     assert proc.stdout.strip().endswith("False"), "llmopt --help must not import torch"
 
@@ -63,14 +67,18 @@ def test_plan_json_lists_skips(tiny_llama_dir):
 
 
 def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
-    proc = _run("optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--max-quality-drop", "2")
+    proc = _run(
+        "optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--max-quality-drop", "2"
+    )
     assert proc.returncode == 2 and "max-quality-drop" in proc.stdout
     assert not (tmp_path / "r").exists(), "a refused run writes nothing"
 
 
 def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
-    proc = _run("optimize", str(tiny_llama_dir), "--out", str(out), "--quick", "--json", timeout=600)
+    proc = _run(
+        "optimize", str(tiny_llama_dir), "--out", str(out), "--quick", "--json", timeout=600
+    )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     res = json.loads(proc.stdout)
     ids = {"torch-fp32", "torch-bf16", "torch-w8a16"}

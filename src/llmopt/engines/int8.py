@@ -58,14 +58,18 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_scale", scale.float().contiguous())
         # The CPU kernel wants the scale as a flat vector in the activation dtype.
         self.register_buffer("_scale_bf16", scale.flatten().to(torch.bfloat16), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if x2.device.type == "cpu" and x2.shape[0] <= SMALL_M:
             # A16: the int8 kernel reads 1 byte per weight; activations go in as bf16.
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self._scale_bf16)
+            y = torch._weight_int8pack_mm(
+                x2.to(torch.bfloat16).contiguous(), self.weight, self._scale_bf16
+            )
             y = y.to(x.dtype)
         else:
             w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)  # (out, in)
@@ -99,7 +103,9 @@ def quantize_linears_(model: nn.Module, ignore: tuple[str, ...] = ("lm_head",)) 
     return done
 
 
-def install_int8_linears_(model: nn.Module, state: dict[str, torch.Tensor], names: list[str]) -> None:
+def install_int8_linears_(
+    model: nn.Module, state: dict[str, torch.Tensor], names: list[str]
+) -> None:
     """Swap the Linear modules `names` for Int8WeightOnlyLinear built from saved tensors, in place."""
     for name in names:
         linear = model.get_submodule(name)

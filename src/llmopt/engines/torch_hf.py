@@ -83,7 +83,7 @@ class TorchEngine(Engine):
         model = _load_model(artifact, info.task, recipe).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(artifact)
         if info.task == "embedding":
-            return HFEmbeddingRunner(model, tokenizer, info, device, settings.get("max_length", 256))
+            return HFEmbeddingRunner(model, tokenizer, info, device, settings)
         return HFCausalLMRunner(model, tokenizer, device)
 
 
@@ -95,7 +95,9 @@ class HFCausalLMRunner:
 
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # transformers 5.2x renamed `past_key_values` to `cache` (input and output); support both.
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         import torch
@@ -123,31 +125,36 @@ class HFCausalLMRunner:
 class HFEmbeddingRunner:
     """EmbeddingRunner over a transformers encoder, pooled by `llmopt.engines.pooling.pool`."""
 
-    def __init__(self, model, tokenizer, info: ModelInfo, device: str = "cpu", max_length: int = 256):
+    def __init__(self, model, tokenizer, info: ModelInfo, device: str = "cpu", settings=None):
+        settings = settings or {}
         self.model, self.tokenizer, self.info, self.device = model, tokenizer, info, device
-        self.max_length = min(int(max_length), int(info.max_context or max_length))
+        limit = getattr(info, "max_seq_length", None) or info.max_context or 512
+        self.max_length = min(int(settings.get("max_length", limit)), int(limit))
+        self.sort_by_length = bool(settings.get("sort_by_length", True))
 
     def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
-        import numpy as np
+        from llmopt.engines.pooling import embed_in_batches
+
+        dim = int(self.info.hidden_size)
+        return embed_in_batches(texts, batch_size, self._embed_batch, dim, self.sort_by_length)
+
+    def _embed_batch(self, batch: list[str]) -> np.ndarray:
         import torch
 
         from llmopt.engines.pooling import pool
 
-        parts = []
         with torch.inference_mode():
-            for i in range(0, len(texts), batch_size):
-                enc = self.tokenizer(
-                    list(texts[i : i + batch_size]),
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
-                ).to(self.device)
-                hidden = self.model(**enc).last_hidden_state.float().cpu().numpy()  # (B, T, D)
-                mask = enc["attention_mask"].cpu().numpy()
-                parts.append(pool(hidden, mask, self.info.pooling, self.info.normalize))
-        dim = int(self.info.hidden_size)
-        return np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+            enc = self.tokenizer(
+                batch,
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
+            hidden = self.model(**enc).last_hidden_state.float().cpu().numpy()  # (B, T, D)
+        return pool(
+            hidden, enc["attention_mask"].cpu().numpy(), self.info.pooling, self.info.normalize
+        )
 
 
 def _auto_class(task: str):
@@ -193,7 +200,9 @@ def _save_int8(model, names: list[str], recipe: Recipe, out: Path) -> None:
     # Tied output head: keep one copy (the embedding), as save_pretrained does.
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", {"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", {"format": "pt"}
+    )
     config = model.config.to_dict()
     config["quantization_config"] = _quantization_config(recipe, names)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -230,7 +239,9 @@ def _load_model(artifact: Path, task: str, recipe: Recipe):
 
 def _copy_tokenizer_files(source: Path, out: Path) -> None:
     for f in source.iterdir():
-        is_tok = f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens"))
+        is_tok = f.name.startswith(
+            ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")
+        )
         wanted = is_tok or f.name in ST_FILES or f.name == "chat_template.jinja"
         if f.is_file() and wanted and not (out / f.name).exists():
             shutil.copy2(f, out / f.name)

@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 from llmopt.engines.base import EmbeddingRunner
 from llmopt.schema import Metric, VerifyResult
 
-__all__ = ["reference_outputs", "verify_embedding", "word_similarity_spearman", "read_word_pairs"]
+__all__ = ["reference_outputs", "verify_embedding", "word_similarity_spearman"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def word_similarity_spearman(
 
     Args:
         runner: any embedding runner.
-        word_pairs: (word1, word2, human score) triples, e.g. from `read_word_pairs`.
+        word_pairs: (word1, word2, human score) triples, e.g. `llmopt.assets.text.wordsim353()`.
         batch_size: words per batch.
 
     >>> word_similarity_spearman(runner, [("cat", "tiger", 7.35), ("cup", "food", 5.0)])  # doctest: +SKIP
@@ -141,7 +140,9 @@ def verify_embedding(
         rho = word_similarity_spearman(runner, word_pairs, batch_size=batch_size)
         if reference_spearman is None and reference_embeddings is None:
             reference_spearman = rho  # this candidate is the reference
-        metrics.append(Metric("wordsim353_spearman", reference_spearman, rho, True, n=len(word_pairs)))
+        metrics.append(
+            Metric("wordsim353_spearman", reference_spearman, rho, True, n=len(word_pairs))
+        )
     else:
         notes.append("no word pairs given: wordsim353_spearman skipped")
     if n < _FEW_SENTENCES:
@@ -158,26 +159,6 @@ def verify_embedding(
     )
     log.info("verified %s: cosine_mean=%.5f passed=%s", candidate_id, cos_mean, passed)
     return result
-
-
-def read_word_pairs(path: str | Path) -> list[tuple[str, str, float]]:
-    """Read a word-similarity file: tab-separated `word1 word2 score` lines, '#' comments.
-
-    Args:
-        path: e.g. gensim's `test/test_data/wordsim353.tsv`.
-
-    >>> pairs = read_word_pairs(gensim_data / "wordsim353.tsv")  # doctest: +SKIP
-    >>> len(pairs), pairs[0]  # doctest: +SKIP
-    (353, ('love', 'sex', 6.77))
-    """
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip() or line.startswith("#"):
-                continue
-            w1, w2, score = line.rstrip("\n").split("\t")[:3]
-            pairs.append((w1, w2, float(score)))
-    return pairs
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

@@ -39,7 +39,9 @@ def token_windows(tokenizer, text: str, window: int = 512, count: int = 16) -> t
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     n = min(count, len(ids) // window)
     if n == 0:
-        raise ValueError(f"evaluation text has {len(ids)} tokens, fewer than one window of {window}")
+        raise ValueError(
+            f"evaluation text has {len(ids)} tokens, fewer than one window of {window}"
+        )
     return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)
 
 
@@ -95,16 +97,46 @@ def verify_causal_lm(
     limit = ppl_r * (1.0 + max_quality_drop)
     ppl_ok = (not nonfinite) and ppl_c <= limit
     metrics = [
-        Metric("perplexity", ppl_r, ppl_c, higher_is_better=False, threshold=limit,
-               passed=ppl_ok, n=tokens, note=f"{len(windows)} windows x {windows.shape[1]} tokens"),
-        Metric("top1_agreement", 1.0, top1, higher_is_better=True, n=tokens,
-               note="share of positions where candidate and reference pick the same next token"),
-        Metric("kl_divergence_mean", 0.0, kl_mean, higher_is_better=False, n=tokens, unit="nats",
-               note="KL(reference || candidate) per position"),
+        Metric(
+            "perplexity",
+            ppl_r,
+            ppl_c,
+            higher_is_better=False,
+            threshold=limit,
+            passed=ppl_ok,
+            n=tokens,
+            note=f"{len(windows)} windows x {windows.shape[1]} tokens",
+        ),
+        Metric(
+            "top1_agreement",
+            1.0,
+            top1,
+            higher_is_better=True,
+            n=tokens,
+            note="share of positions where candidate and reference pick the same next token",
+        ),
+        Metric(
+            "kl_divergence_mean",
+            0.0,
+            kl_mean,
+            higher_is_better=False,
+            n=tokens,
+            unit="nats",
+            note="KL(reference || candidate) per position",
+        ),
     ]
-    notes = ["non-finite log-probabilities in the candidate's output (NaN/Inf)"] if nonfinite else []
+    notes = (
+        ["non-finite log-probabilities in the candidate's output (NaN/Inf)"] if nonfinite else []
+    )
     if reference is None:
         notes.append("this is the reference: comparison metrics are 1.0/0.0 by definition")
     drop = (ppl_c / ppl_r - 1.0) if not nonfinite else float("inf")
-    return VerifyResult(candidate_id, "causal-lm", metrics, passed=ppl_ok, quality_drop=drop,
-                        seconds=time.perf_counter() - t0, notes=notes)
+    return VerifyResult(
+        candidate_id,
+        "causal-lm",
+        metrics,
+        passed=ppl_ok,
+        quality_drop=drop,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )

@@ -1,0 +1,117 @@
+"""Rich rendering of doctor reports, serving plans and deploy results (--json bypasses this)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from llmopt.cli.render import _bytes, console
+
+if TYPE_CHECKING:
+    from llmopt.deploy import DeployResult
+    from llmopt.doctor import DoctorReport
+    from llmopt.serving_plan import ServingPlan
+
+__all__ = ["render_doctor", "render_serving", "render_deploy"]
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "passed": "green", "failed": "bold red",
+          "skipped": "dim"}  # fmt: skip
+
+
+def _status(s: str) -> str:
+    return f"[{_STYLE.get(s, '')}]{s}[/]"
+
+
+def render_doctor(report: DoctorReport) -> None:
+    t = Table(title=f"llmopt doctor (target {report.target})", show_lines=True)
+    for col in ("status", "check", "evidence", "fix"):
+        t.add_column(col, overflow="fold")
+    for f in report.findings:
+        t.add_row(_status(f.status), f.title, escape(f.evidence), escape(f.fix or ""))
+    console.print(t)
+    for f in report.findings:
+        causes = (
+            f.details.get("likely_causes") if f.status != "ok" or f.id == "gpu.driver" else None
+        )
+        if not causes or report.gpus:
+            continue
+        console.print("[bold]Why no NVIDIA driver answered (most likely first):[/]")
+        for i, c in enumerate(causes, 1):
+            console.print(f"  {i}. {escape(c['cause'])}\n     evidence: {escape(c['evidence'])}")
+            console.print(
+                "     confirm: " + "\n              ".join(escape(x) for x in c["confirm"])
+            )
+            console.print(f"     fix: {escape(c['fix'])}")
+    if report.compat:
+        ct = Table(title="compute capability -> precisions and engines")
+        for col in ("GPU", "cc", "bf16", "fp8", "fp4", "engines"):
+            ct.add_column(col)
+        for row in report.compat:
+            d = row["dtypes"]
+            eng = ", ".join(f"{k}: {v}" for k, v in row["engines"].items())
+            ct.add_row(
+                str(row["gpu"]),
+                row["compute_capability"],
+                ("yes" if d["bfloat16"] else "no"),
+                ("yes" if d["fp8"] else "no"),
+                ("yes" if d["fp4"] else "no"),
+                eng,
+            )
+        console.print(ct)
+    c = report.counts()
+    console.print(
+        f"{c['ok']} ok, {c['warn']} warn, {c['fail']} fail -> exit code {report.exit_code}"
+    )
+
+
+def render_serving(plan: ServingPlan) -> None:
+    m, t = plan.memory, plan.target
+    console.print(
+        f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
+    )
+    mt = Table(show_header=False, title="memory per GPU (one replica)")
+    mt.add_column("item", style="bold")
+    mt.add_column("value")
+    rows = [
+        ("layout", f"tensor parallel {m.tp} x pipeline parallel {m.pp}, {plan.replicas} replica(s)"
+                   + ("" if plan.fits else "  [bold red]does not fit[/]")),
+        ("usable", f"{_bytes(m.usable_bytes)} ({m.utilization:.0%} of {_bytes(m.gpu_memory_bytes)})"),
+        ("weights", f"{m.precision}: {_bytes(m.weights_total_bytes)} total, {_bytes(m.weights_per_gpu_bytes)} per GPU"),
+        ("reserve", f"{_bytes(m.reserve_bytes)} = runtime {_bytes(m.runtime_bytes)} + activations "
+                    f"{_bytes(m.activation_bytes)} + logits {_bytes(m.logits_bytes)}"),
+        ("KV cache", f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per GPU); "
+                     f"budget {_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
+        ("sequences", f"{m.sequences_at(plan.max_model_len):,} at max-model-len {plan.max_model_len:,}; "
+                      f"{m.sequences_at(plan.workload.input_len + plan.workload.output_len):,} at "
+                      f"{plan.workload.input_len}+{plan.workload.output_len} tokens"),
+    ]  # fmt: skip
+    if plan.estimates:
+        e = plan.estimates
+        rows.append(("decode (batch 1)", f"ceiling {e['decode_tokens_per_s_ceiling']} tok/s "
+                     f"(TPOT >= {e['tpot_floor_ms']} ms), expected ~{e['tpot_expected_ms']} ms"))  # fmt: skip
+    for k, v in rows:
+        mt.add_row(k, v)
+    console.print(mt)
+    console.print(f"[bold]engine[/] {plan.engine}: {escape(plan.engine_reason)}")
+    for a in plan.alternatives:
+        console.print(f"  alternative {a['engine']}: {escape(a['why'])}")
+    for n in plan.notes:
+        console.print(f"  note: {escape(n)}")
+    for name, cfg in plan.launch.items():
+        console.print(f"[bold]{name}[/]: {escape(cfg.command)}")
+        for n in cfg.notes:
+            console.print(f"  [dim]{escape(n)}[/]")
+
+
+def render_deploy(res: DeployResult) -> None:
+    render_serving(res.plan)
+    t = Table(title=f"bundle {res.out} validation")
+    for col in ("check", "status", "tool", "detail"):
+        t.add_column(col, overflow="fold")
+    for c in res.checks:
+        t.add_row(c.name, _status(c.status), c.tool, escape(c.detail[:400]))
+    console.print(t)
+    console.print(f"files: {', '.join(res.files)}")
+    console.print(f"next: cd {res.out} && docker compose up -d --build   (README.md says more)")
