@@ -74,9 +74,15 @@ def detect_target(device: str = "cpu", threads: int | None = None) -> Target:
         if not torch.cuda.is_available():
             raise ValueError("target cuda asked for, but torch sees no CUDA GPU; use --target cpu")
         p = torch.cuda.get_device_properties(0)
-        gpu = {"name": p.name, "memory_bytes": p.total_memory, "compute_capability": f"{p.major}.{p.minor}"}
+        gpu = {
+            "name": p.name,
+            "memory_bytes": p.total_memory,
+            "compute_capability": f"{p.major}.{p.minor}",
+        }
         mem = p.total_memory
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     return Target(
         device=device,
         threads=threads or cores,
@@ -109,7 +115,10 @@ class Plan:
 def memory_math(info: ModelInfo, target: Target, context: int | None = None) -> dict[str, Any]:
     """Weights per precision, KV cache per token, and how many full-context sequences fit."""
     weights = {dt: info.num_parameters * b for dt, b in BYTES.items() if dt != "float16"}
-    out: dict[str, Any] = {"weights_bytes": weights, "kv_bytes_per_token": dict(info.kv_bytes_per_token)}
+    out: dict[str, Any] = {
+        "weights_bytes": weights,
+        "kv_bytes_per_token": dict(info.kv_bytes_per_token),
+    }
     notes = []
     if info.task == "causal-lm" and info.kv_bytes_per_token:
         ctx = int(context or info.max_context or 2048)
@@ -155,7 +164,11 @@ def make_plan(
         for engine in ENGINES.values():
             cid = f"{engine.name}-{recipe.name}"
             reason = (
-                (f"engine does not run {info.task} models" if info.task not in engine.tasks else None)
+                (
+                    f"engine does not run {info.task} models"
+                    if info.task not in engine.tasks
+                    else None
+                )
                 or engine.missing()
                 or engine.incompatible(info, recipe, target.device)
             )
@@ -163,7 +176,9 @@ def make_plan(
             if reason is None and only and cid not in only and not is_ref:
                 reason = "not selected (--candidates)"
             if reason:
-                skipped.append({"id": cid, "engine": engine.name, "recipe": recipe.name, "reason": reason})
+                skipped.append(
+                    {"id": cid, "engine": engine.name, "recipe": recipe.name, "reason": reason}
+                )
                 continue
             desc = f"{recipe.description} on {engine.name}"
             cands.append(Candidate(cid, engine.name, recipe.name, dict(settings), is_ref, desc))

@@ -1,0 +1,182 @@
+"""`llmopt deploy`: a ready-to-run bundle for a run's chosen candidate or a model folder.
+
+    resolve_source   run directory (best/ artifact + chosen recipe) or model folder -> ModelInfo
+    plan_serving     the same plan `llmopt plan` prints, for the model mounted at /models/model
+    render           Dockerfile, compose, nginx, Kubernetes, start.sh, launch/, README, plan.json
+    validate         every validator available here (deploy.validate), results in bundle.json
+
+The bundle is built under a temporary name and renamed when complete (atomic_dir). It never
+holds weights: the model folder stays where it is and is mounted read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmopt.atomic import atomic_dir, write_json, write_text
+from llmopt.deploy import templates as T
+from llmopt.deploy.readme import bundle_readme
+from llmopt.deploy.validate import CheckResult, validate_bundle
+from llmopt.errors import LlmoptError
+
+if TYPE_CHECKING:
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.serving_plan import ServingPlan
+    from llmopt.serving_target import ServingTarget, Workload
+
+__all__ = ["DeploySource", "DeployResult", "resolve_source", "write_bundle"]
+
+# Recipe (from a run's chosen candidate) -> (serving weight precision, dtype of the rest).
+_RECIPE_PRECISION = {
+    "fp32": ("float32", "float32"),
+    "bf16": ("bfloat16", "bfloat16"),
+    "fp16": ("float16", "float16"),
+    "w8a16": ("int8", None),  # compressed-tensors int8 weights; vLLM reads the scheme from config
+    "w8a8-dynamic": ("int8", None),
+}
+
+
+class DeployError(LlmoptError):
+    """The source cannot be deployed (wrong kind of folder, unsupported task)."""
+
+
+@dataclass
+class DeploySource:
+    """What is deployed: the model facts, the folder to mount, and the verified recipe if any."""
+
+    info: ModelInfo
+    model_dir: Path
+    kind: str  # "run" | "model" | "config"
+    recipe: str | None = None
+    candidate: str | None = None
+
+
+@dataclass
+class DeployResult:
+    out: Path
+    plan: ServingPlan
+    source: DeploySource
+    files: list[str]
+    checks: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != "failed" for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"out": str(self.out), "ok": self.ok, "source": {"kind": self.source.kind,
+                "model_dir": str(self.source.model_dir), "recipe": self.source.recipe,
+                "candidate": self.source.candidate}, "files": self.files,
+                "checks": [c.to_dict() for c in self.checks], "plan": self.plan.to_dict()}  # fmt: skip
+
+
+def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySource:
+    """A run directory (its best/ artifact) or a model folder, as something to deploy.
+
+    Args:
+        path: `runs/NAME` written by `llmopt optimize`, its `best/` folder, or an HF folder.
+        params: parameter count override for config-only folders.
+
+    Raises:
+        DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
+    """
+    from llmopt.atomic import read_json
+    from llmopt.model_config import load_model_info
+    from llmopt.modelinfo import ModelInfo
+
+    p = Path(path).resolve()
+    best = p / "best" if (p / "run.json").is_file() else p
+    if (best / "candidate.json").is_file() and (best / "model.json").is_file():
+        cand = read_json(best / "candidate.json")
+        info = ModelInfo.from_dict(read_json(best / "model.json"))
+        src = DeploySource(info, best / "artifact", "run", cand["recipe"], cand["id"])
+    elif (p / "run.json").is_file():
+        raise DeployError(f"{p} has no best/: no candidate passed its quality gate",
+                          hint="look at report.html, relax --max-quality-drop, or deploy the model folder")  # fmt: skip
+    else:
+        info, how = load_model_info(str(p), params=params)
+        src = DeploySource(info, p, "config" if how == "config" else "model")
+    if src.info.task != "causal-lm":
+        raise DeployError(f"{src.info.name} is an embedding model; bundles serve causal LMs (vLLM) today",
+                          hint="serve embedders in Python with llmopt.engines.load_best(RUN/best)")  # fmt: skip
+    return src
+
+
+def _files(plan: ServingPlan, image: str, model_dir: Path) -> dict[str, str]:
+    files = {
+        "Dockerfile": T.dockerfile(plan),
+        ".dockerignore": T.dockerignore(),
+        "start.sh": T.start_script(plan),
+        "plan.json": json.dumps(plan.to_dict(), indent=2, default=str) + "\n",
+        "docker-compose.yml": T.compose(plan),
+        ".env": f"# Host folder with the model (mounted read-only at {T.MODEL_MOUNT}).\n"
+                f"MODEL_DIR={model_dir}\nIMAGE={image}\n",
+        "nginx/llm.conf": T.nginx_conf(),
+        "k8s.yaml": T.kubernetes(plan, image),
+    }  # fmt: skip
+    for name, cfg in plan.launch.items():  # the alternatives, ready to run by hand
+        files[f"launch/{name}.sh"] = (
+            f'#!/usr/bin/env bash\n# {name}: {"; ".join(cfg.notes) or "see README.md"}\nexec {cfg.command} "$@"\n'
+        )
+        for fname, content in cfg.files.items():
+            files[f"launch/{fname}"] = content
+    return files
+
+
+def write_bundle(
+    source: DeploySource, out: str | Path, target: ServingTarget, workload: Workload | None = None, *,
+    image: str | None = None, validate: bool = True, **plan_kw: Any,
+) -> DeployResult:  # fmt: skip
+    """Plan serving for `source` on `target` and write the bundle folder `out` atomically.
+
+    Args:
+        source: from `resolve_source`.
+        out: bundle folder (replaced if it exists).
+        target: hardware, e.g. `ServingTarget.gpu("H200")`.
+        workload: request shape and SLOs.
+        image: container image name used by compose and Kubernetes.
+        validate: run the validators available here (results in bundle.json).
+        plan_kw: passed to `plan_serving` (precision, kv_dtype, tp, ...).
+
+    >>> src = resolve_source("runs/smollm2-135m")                        # doctest: +SKIP
+    >>> res = write_bundle(src, "deploy/smollm2", ServingTarget.gpu("L4"))  # doctest: +SKIP
+    >>> res.ok                                                             # doctest: +SKIP
+    True
+    """
+    from llmopt.serving_plan import plan_serving
+
+    if source.recipe in _RECIPE_PRECISION:  # serve what was verified, unless told otherwise
+        precision, dtype = _RECIPE_PRECISION[source.recipe]
+        plan_kw.setdefault("precision", precision)
+        if dtype:
+            plan_kw.setdefault("dtype", dtype)
+    plan = plan_serving(source.info, target, workload, model_path=T.MODEL_MOUNT, **plan_kw)
+    image = image or f"llmopt/{T.slug(source.info.name)}:latest"
+    files = _files(plan, image, source.model_dir)
+    files["README.md"] = bundle_readme(plan, source, image)
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        tmp.chmod(0o755)  # a bundle is shared and built by others: not the temp dir's 0700
+        for rel, text in files.items():
+            write_text(tmp / rel, text)
+            (tmp / rel).chmod(0o755 if rel.endswith(".sh") else 0o644)
+            (tmp / rel).parent.chmod(0o755)
+        checks = validate_bundle(tmp) if validate else []
+        # A bundle for a plan that does not fit is written (to inspect) but reported as failed.
+        checks.insert(
+            0,
+            CheckResult("plan", "passed" if plan.fits else "failed", "llmopt plan", plan.notes[0]),
+        )
+        manifest = {
+            "generator": "llmopt deploy",
+            "source": {"kind": source.kind, "model_dir": str(source.model_dir), "recipe": source.recipe,
+                       "candidate": source.candidate, "fingerprint": source.info.fingerprint},
+            "files": {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in sorted(files.items())},
+            "checks": [c.to_dict() for c in checks],
+        }  # fmt: skip
+        write_json(tmp / "bundle.json", manifest).chmod(0o644)
+    return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)
