@@ -1,0 +1,9 @@
+"""CLI commands of the bench stage (filled in by the bench issue's work)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the `llmopt` app."""
