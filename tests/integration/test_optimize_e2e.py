@@ -33,9 +33,15 @@ def _optimize(out: Path, *extra: str) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, dict]:
+    from llmopt.assets import prepare_builtin
+
+    src = prepare_builtin("minilm-l6")
+    before = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
     out = tmp_path_factory.mktemp("e2e") / "minilm"
     rc, res = _optimize(out)
     assert rc == 0, res
+    after = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    assert after == before, "the source model folder must never be written"
     return out, res
 
 

@@ -89,3 +89,13 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     ref = json.loads((out / "candidates" / "torch-fp32" / "verify.json").read_text())
     assert ref["passed"] and ref["quality_drop"] == 0.0
     assert (out / "report.html").is_file()
+
+
+def test_optimize_on_a_broken_folder_writes_nothing(tiny_llama_dir, tmp_path):
+    weights = tiny_llama_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated copy
+    out = tmp_path / "run"
+    proc = _run("optimize", str(tiny_llama_dir), "--out", str(out))
+    assert proc.returncode == 2
+    assert "model.safetensors" in proc.stdout and "fix:" in proc.stdout
+    assert not out.exists()
