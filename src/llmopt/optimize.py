@@ -108,7 +108,12 @@ def optimize(
     path, _ = resolve_model(model)
     info = inspect_model(path)
     tgt = detect_target(target, threads)
-    settings = {**PROFILES[profile], "profile": profile, "max_quality_drop": max_quality_drop}
+    settings = {
+        **PROFILES[profile],
+        "profile": profile,
+        "max_quality_drop": max_quality_drop,
+        "threads": tgt.threads,
+    }  # part of the run's identity: a resume must not mix them
     run = RunDir(out)
     resumed = run.open(_run_meta(model, path, info, tgt.device, settings), force=force)
     write_json(run.model_json, info.to_dict())

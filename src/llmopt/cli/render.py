@@ -120,7 +120,9 @@ class OptimizeProgress:
 
     def __enter__(self) -> OptimizeProgress:
         self.bar.__enter__()
-        self.task = self.bar.add_task("planning", total=None)
+        self.task = self.bar.add_task(
+            "inspecting and planning (a built-in is prepared once)", total=None
+        )
         return self
 
     def __exit__(self, *exc) -> None:
