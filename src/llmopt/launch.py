@@ -71,7 +71,7 @@ class LaunchSpec:
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     prefix_caching: bool = True
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told otherwise; containers pass 0.0.0.0
     port: int = 8000
     kv_cache_gib: int | None = None
     threads: int | None = None

@@ -262,7 +262,8 @@ def _rate_to_concurrency(info: ModelInfo, target: ServingTarget, wl: Workload, k
 def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | None = None, *,
                  precision: str | None = None, dtype: str | None = None, kv_dtype: str = "auto",
                  utilization: float | None = None,
-                 tp: int | None = None, pp: int | None = None, model_path: str = "/models/model") -> ServingPlan:  # fmt: skip
+                 tp: int | None = None, pp: int | None = None, model_path: str = "/models/model",
+                 host: str = "127.0.0.1") -> ServingPlan:  # fmt: skip
     """Plan serving `info` on `target` for `workload`.
 
     Args:
@@ -276,6 +277,8 @@ def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | No
         utilization: memory share the engine takes (default 0.90 GPU, 0.80 CPU RAM).
         tp, pp: force a split instead of the smallest that fits.
         model_path: where the server finds the model (a mounted volume in a container).
+        host: the address launch commands bind (loopback by default; deploy bundles use 0.0.0.0
+            inside the container and publish on loopback).
 
     >>> plan = plan_serving(info_8b, ServingTarget.gpu("H200"))   # doctest: +SKIP
     >>> plan.memory.tp, plan.launch["vllm"].argv[:2]               # doctest: +SKIP
@@ -334,6 +337,7 @@ def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | No
         kv_cache_gib=max(1, mp.kv_budget_bytes // GiB) if not gpu else None,
         input_len=wl.input_len, output_len=wl.output_len, batch_size=wl.batch_size,
         onnx_inputs=("input_ids", "attention_mask") + (("token_type_ids",) if info.model_type == "bert" else ()),
+        host=host,
     )  # fmt: skip
     names = ["vllm", "sglang", "tensorrt-llm", "llama.cpp"] if gpu else ["vllm", "llama.cpp"]
     if engine in ("tensorrt", "onnxruntime") and gpu:

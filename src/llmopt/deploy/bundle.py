@@ -154,7 +154,9 @@ def write_bundle(
         plan_kw.setdefault("precision", precision)
         if dtype:
             plan_kw.setdefault("dtype", dtype)
-    plan = plan_serving(source.info, target, workload, model_path=T.MODEL_MOUNT, **plan_kw)
+    # Inside the container the server must listen on all interfaces so the published port and
+    # the nginx sidecar reach it; the host side publishes it on 127.0.0.1 unless told otherwise.
+    plan = plan_serving(source.info, target, workload, model_path=T.MODEL_MOUNT, host="0.0.0.0", **plan_kw)
     image = image or f"llmopt/{T.slug(source.info.name)}:latest"
     files = _files(plan, image, source.model_dir)
     files["README.md"] = bundle_readme(plan, source, image)

@@ -51,7 +51,8 @@ curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \
   -d '{{"model": "{plan.model["name"]}", "messages": [{{"role": "user", "content": "Hello"}}], "stream": true}}'
 ```
 
-`.env` holds `MODEL_DIR` (the host folder) and `IMAGE`. On Kubernetes: push the image, create a
+`.env` holds `MODEL_DIR` (the host folder) and `IMAGE`. The proxy is published on 127.0.0.1
+only; set `BIND_ADDR=0.0.0.0` (and put authentication in front) to expose it. On Kubernetes: push the image, create a
 PersistentVolumeClaim `{name}-weights` holding the model folder, then `kubectl apply -f k8s.yaml`
 (a Deployment with {plan.replicas} replica(s) of {m.tp * m.pp} GPU(s) each, startup/readiness/
 liveness probes on `/health`, and a Service on port 80).

@@ -114,7 +114,8 @@ def compose(plan: ServingPlan) -> str:
     proxy = {
         "image": "nginx:1.27-alpine",
         "volumes": ["./nginx/llm.conf:/etc/nginx/conf.d/default.conf:ro"],
-        "ports": ["${PROXY_PORT:-8080}:80"],
+        # Published on loopback unless BIND_ADDR says otherwise (safe default; see the README).
+        "ports": ["${BIND_ADDR:-127.0.0.1}:${PROXY_PORT:-8080}:80"],
         "depends_on": {"llm": {"condition": "service_healthy"}},
         "restart": "unless-stopped",
     }
