@@ -94,7 +94,6 @@ def optimize(
         >>> r.selection.chosen                                # doctest: +SKIP
         'onnxruntime-w8a8-dynamic'
     """
-    from llmopt.assets import resolve_model
     from llmopt.modelinfo import inspect_model
     from llmopt.plan import detect_target, make_plan
 
@@ -105,8 +104,8 @@ def optimize(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
-    path, _ = resolve_model(model)
-    info = inspect_model(path)
+    info = inspect_model(model)  # resolves (and prepares) a built-in name; keeps the name
+    path = Path(info.path)
     tgt = detect_target(target, threads)
     settings = {
         **PROFILES[profile],

@@ -60,6 +60,8 @@ def test_run_directory_is_complete_and_consistent(run):
         "report.html",
     ):
         assert (out / name).is_file(), name
+    model = json.loads((out / "model.json").read_text())
+    assert model["builtin"] == "minilm-l6" and model["task"] == "embedding"
     ids = _plan_ids(out)
     assert ids[0] == "torch-fp32"
     assert {"onnxruntime-fp32", "onnxruntime-w8a8-dynamic"} <= set(ids)
@@ -96,6 +98,7 @@ def test_run_directory_is_complete_and_consistent(run):
     html = (out / "report.html").read_text()
     for cid in ids:
         assert cid in html
+    assert "kept: kept" not in html and "chosen: chosen" not in html
 
 
 def test_rerun_resumes_without_redoing_anything(run):

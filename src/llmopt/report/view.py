@@ -76,7 +76,9 @@ class Status:
 
     @property
     def text(self) -> str:
-        return f"{self.label}: {self.reason}" if self.reason else self.label
+        if not self.reason or self.reason.startswith(f"{self.label}:"):  # selection's own wording
+            return self.reason or self.label
+        return f"{self.label}: {self.reason}"
 
 
 @dataclass
