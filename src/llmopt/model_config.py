@@ -95,15 +95,17 @@ def info_from_config(
     >>> info.kv_bytes_per_token["bfloat16"]
     131072
     """
-    from llmopt.modelinfo import SUPPORTED_ARCHITECTURES, ModelInfo
+    from llmopt.modelinfo import (
+        SUPPORTED_ARCHITECTURES,
+        ModelInfo,
+        config_shape,
+        kv_bytes_per_token,
+    )
 
     cfg = config.get("text_config") or config
     arch = (config.get("architectures") or [""])[0]
     task = SUPPORTED_ARCHITECTURES.get(arch, "causal-lm")
-    h, layers = _need(cfg, "hidden_size"), _need(cfg, "num_hidden_layers")
-    heads = _need(cfg, "num_attention_heads")
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    hd = int(cfg.get("head_dim") or h // heads)
+    shape = config_shape(config, name)
     params = int(num_parameters) if num_parameters else estimate_parameters(config)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
     width = _KV_DTYPES.get(dtype, 2)
@@ -115,24 +117,14 @@ def info_from_config(
         architecture=arch,
         model_type=str(config.get("model_type", "")),
         num_parameters=params,
-        num_layers=layers,
-        hidden_size=h,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hd,
-        intermediate_size=cfg.get("intermediate_size"),
-        vocab_size=_need(cfg, "vocab_size"),
-        max_context=cfg.get("max_position_embeddings"),
+        **shape,
         dtype=dtype,
         weights_dtype=dtype,
         bytes_on_disk=params * width,  # what the checkpoint would take; nothing is on disk
         weight_files=[],
         weight_format="none (config only)",
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # K and V per token: layers * kv_heads * head_dim elements each.
-        kv_bytes_per_token={k: layers * kv * hd * 2 * b for k, b in _KV_DTYPES.items()}
-        if task == "causal-lm"
-        else {},  # fmt: skip
+        kv_bytes_per_token=kv_bytes_per_token(shape) if task == "causal-lm" else {},
         fingerprint=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
     )
 

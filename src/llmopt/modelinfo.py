@@ -27,7 +27,14 @@ from llmopt.errors import (
 )
 from llmopt.schema import SCHEMA_VERSION, Task, _Serializable
 
-__all__ = ["ModelInfo", "SUPPORTED_ARCHITECTURES", "inspect_model", "check_weights"]
+__all__ = [
+    "ModelInfo",
+    "SUPPORTED_ARCHITECTURES",
+    "inspect_model",
+    "check_weights",
+    "config_shape",
+    "kv_bytes_per_token",
+]
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +364,49 @@ def _stored_tensors(folder: Path, allow_pickle: bool) -> tuple[list[Path], str, 
     return files, "pickle", _pickle_tensors(files)
 
 
+def config_shape(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The sizes `ModelInfo` needs, read from a config.json dict (no weights).
+
+    Multimodal configs nest the language model under `text_config`; GPT-2 style key names are
+    accepted too. Shared by `inspect_model` and config-only planning (`llmopt.model_config`).
+
+    Args:
+        config: the parsed config.json.
+        source: named in the error when a required size is missing.
+
+    >>> config_shape({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+    ...               "vocab_size": 100})["head_dim"]
+    16
+    """
+    cfg = config.get("text_config") or config
+
+    def need(*keys: str) -> int:
+        value = _get(cfg, *keys)
+        if value is None:
+            raise NotAModelFolderError(
+                f"{source} has no {keys[0]}", hint="repair or re-download config.json"
+            )
+        return int(value)
+
+    hidden, heads = need("hidden_size", "n_embd", "d_model"), need("num_attention_heads", "n_head")
+    return {
+        "num_layers": need("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": int(_get(cfg, "num_key_value_heads", "num_kv_heads") or heads),
+        "head_dim": int(_get(cfg, "head_dim") or hidden // heads),
+        "intermediate_size": _get(cfg, "intermediate_size", "n_inner", "ffn_dim"),
+        "vocab_size": need("vocab_size"),
+        "max_context": _get(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
+    }
+
+
+def kv_bytes_per_token(shape: dict[str, Any]) -> dict[str, int]:
+    """KV-cache bytes per token for each KV dtype: K and V, layers x kv_heads x head_dim each."""
+    elems = shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2
+    return {k: elems * b for k, b in _KV_DTYPES.items()}
+
+
 def inspect_model(
     model: str | os.PathLike, *, allow_pickle: bool = False, progress: Progress = None
 ) -> ModelInfo:
@@ -387,21 +437,8 @@ def inspect_model(
     weights_dtype = by_bytes.most_common(1)[0][0] if by_bytes else "unknown"
     num_parameters = sum(n for name, _, n, _ in tensors if not name.endswith(_BUFFER_SUFFIXES))
 
+    shape = config_shape(config, str(folder / "config.json"))
     cfg = config.get("text_config") or config  # multimodal configs nest the LM
-
-    def need(*keys: str) -> int:
-        value = _get(cfg, *keys)
-        if value is None:
-            raise NotAModelFolderError(
-                f"{folder / 'config.json'} has no {keys[0]}",
-                hint="repair or re-download config.json",
-            )
-        return int(value)
-
-    hidden, heads = need("hidden_size", "n_embd", "d_model"), need("num_attention_heads", "n_head")
-    kv_heads = int(_get(cfg, "num_key_value_heads", "num_kv_heads") or heads)
-    head_dim = int(_get(cfg, "head_dim") or hidden // heads)
-    layers = need("num_hidden_layers", "n_layer", "num_layers")
     tied, kv, pooling, normalize, max_len = False, {}, None, False, None
     if task == "causal-lm":
         # config.json may omit the flag (it is then the class default, which varies by model);
@@ -409,8 +446,7 @@ def inspect_model(
         explicit = _get(cfg, "tie_word_embeddings")
         stored_head = any(name.endswith("lm_head.weight") for name, *_ in tensors)
         tied = bool(explicit) if explicit is not None else not stored_head
-        # K and V: layers * kv_heads * head_dim elements each, per token.
-        kv = {k: layers * kv_heads * head_dim * 2 * b for k, b in _KV_DTYPES.items()}
+        kv = kv_bytes_per_token(shape)
     else:
         pooling, normalize, max_len = _embedding_head(folder, str(config.get("model_type", "")))
 
@@ -426,14 +462,7 @@ def inspect_model(
         architecture=(config.get("architectures") or [""])[0],
         model_type=str(config.get("model_type", "")),
         num_parameters=num_parameters,
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=_get(cfg, "intermediate_size", "n_inner", "ffn_dim"),
-        vocab_size=need("vocab_size"),
-        max_context=_get(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
+        **shape,
         dtype=str(_get(config, "dtype", "torch_dtype") or weights_dtype),
         weights_dtype=weights_dtype,
         bytes_on_disk=sum(f.stat().st_size for f in files),
