@@ -75,6 +75,11 @@ class Metric(_Serializable):
     n: int = 0  # samples behind the number (tokens, sentences, pairs)
     unit: str = ""
     note: str = ""
+    # 95% paired-bootstrap interval of `delta` (None when not computed); `noise` is True when
+    # that interval contains 0, i.e. the delta is within sampling noise.
+    ci_low: float | None = None
+    ci_high: float | None = None
+    noise: bool | None = None
 
     @property
     def delta(self) -> float | None:
@@ -183,6 +188,8 @@ class BenchResult(_Serializable):
     settings: dict[str, Any] = field(default_factory=dict)  # threads, batch sizes, lengths
     env: dict[str, Any] = field(default_factory=dict)  # torch version, CPU, threads...
     notes: list[str] = field(default_factory=list)
+    # Measured ceilings and per-phase attribution (llmopt.bench.roofline); {} in older runs.
+    roofline: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchResult:

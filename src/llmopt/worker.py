@@ -107,29 +107,35 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
     load_s = time.perf_counter() - t0
+    roofline: dict[str, Any] = {}
     if info.task == "embedding":
         from llmopt.assets.text import evaluation_sentences
         from llmopt.bench.embedding import bench_embedding
 
         sentences = evaluation_sentences(s["sentences"])[: s["bench_sentences"]]
         metrics, warm = bench_embedding(runner, sentences, repeats=s["bench_repeats"])
-        primary, settings = (
-            "sentences_per_s_b32",
-            {"sentences": len(sentences), "batch_sizes": [1, 32]},
-        )
+        primary, settings = "sentences_per_s_b32", {"sentences": len(sentences), "batch_sizes": [1, 32]}
     else:
         import torch
 
         from llmopt.assets.text import evaluation_text
         from llmopt.bench.lm import bench_causal_lm
+        from llmopt.bench.lm_run import lm_roofline
+        from llmopt.bench.roofline import measure_ceilings
 
+        # The machine's ceilings, measured in this process, so each phase's achieved bandwidth
+        # and FLOP/s can be read as a share of what this machine does right now.
+        ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
         ctx = info.max_context or 2048
         new = min(s["new_tokens"], ctx // 2)
         prompt = torch.tensor([ids[: min(s["prompt_tokens"], ctx - new)]], dtype=torch.long)
-        metrics, warm = bench_causal_lm(runner, prompt, new, s["bench_repeats"])
+        batches = tuple(s.get("bench_batch_sizes", (1,)))
+        metrics, warm = bench_causal_lm(runner, prompt, new, s["bench_repeats"], batch_sizes=batches)
+        roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
         primary = "decode_tokens_per_s"
-        settings = {"batch": 1, "prompt_tokens": prompt.shape[1], "new_tokens": new}
+        settings = {"batch": 1, "batch_sizes": list(batches), "prompt_tokens": prompt.shape[1],
+                    "new_tokens": new}
     peak = peak_rss_bytes()
     settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
     return BenchResult(
@@ -144,6 +150,7 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
         warmup_seconds=warm,
         settings=settings,
         env=environment(),
+        roofline=roofline,
     ).to_dict()
 
 

@@ -328,3 +328,22 @@ def _src() -> str:
     import llmopt
 
     return str(Path(llmopt.__file__).parents[1])
+
+
+def test_roofline_rows_render(tmp_path):
+    from llmopt.report.facts import roofline_rows
+    from llmopt.report.view import CandidateView
+
+    phase = {"phase": "decode b1", "achieved_bytes_per_s": 6.0e9, "bandwidth_share": 0.5,
+             "achieved_flops_per_s": 2.5e9, "flops_share": 0.02, "verdict": "memory-bound",
+             "implication": "fewer bytes per token help"}  # fmt: skip
+    bench = BenchResult("c", "causal-lm", {"decode_tokens_per_s": summarize([10.0])},
+                        "decode_tokens_per_s", 1, 1, 1, 0.0, 0.0,
+                        roofline={"ceilings": {}, "phases": [phase]})  # fmt: skip
+    cv = CandidateView.__new__(CandidateView)
+    cv.bench = bench
+    rows = roofline_rows(cv)
+    want = ["decode b1", "6", "50.00%", "2.5", "2.00%", "memory-bound", "fewer bytes per token help"]
+    assert rows == [want]
+    cv.bench = BenchResult("c", "embedding", {}, "x", 1, 1, 1, 0.0, 0.0)
+    assert roofline_rows(cv) == []

@@ -1,9 +1,230 @@
-"""CLI commands of the bench stage (filled in by the bench issue's work)."""
+"""CLI commands of the bench stage: `llmopt bench serve | compare | roofline | lm`.
+
+Wiring only: each command builds typed inputs, calls one library function in `llmopt.bench` and
+renders the result (tables, or JSON with --json). Library imports happen inside the commands so
+`llmopt --help` stays instant.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+
+__all__ = ["register", "bench_app"]
+
+bench_app = typer.Typer(
+    help="Benchmarks: online load against an OpenAI-compatible server, in-process LM speed with "
+    "roofline attribution, and side-by-side comparison of runs.",
+    no_args_is_help=True,
+)
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+]
+
+
+def _emit(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _write(out: Path | None, doc: dict[str, Any]) -> Path | None:
+    if out is None:
+        return None
+    from llmopt.atomic import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench.json", doc)
+    return out / "bench.json"
+
+
+@bench_app.command("serve")
+def serve(
+    url: Annotated[
+        str, typer.Option(help="Server root (loopback unless --allow-remote).")
+    ] = "http://127.0.0.1:8000",
+    model: Annotated[
+        str | None, typer.Option(help="Model id (default: the server's first).")
+    ] = None,
+    mode: Annotated[str, typer.Option(help="concurrency, rate or poisson.")] = "concurrency",
+    values: Annotated[
+        str, typer.Option(help="Sweep values: concurrencies or req/s, e.g. 1,2,4.")
+    ] = "1",
+    burstiness: Annotated[
+        float, typer.Option(help="Gamma shape for poisson (1 = Poisson, <1 burstier).")
+    ] = 1.0,
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per run.")] = 16,
+    max_seconds: Annotated[
+        float, typer.Option("--max-seconds", help="Wall-time bound per run.")
+    ] = 300.0,
+    input_len: Annotated[int, typer.Option("--input-len", help="Synthetic prompt tokens.")] = 128,
+    output_len: Annotated[int, typer.Option("--output-len", help="max_tokens per request.")] = 64,
+    range_ratio: Annotated[
+        float, typer.Option("--range-ratio", help="Lengths uniform in len*(1±r).")
+    ] = 0.0,
+    prompts: Annotated[Path | None, typer.Option(help='JSONL of {"prompt", "max_tokens"}.')] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Ask the server to ignore EOS.")
+    ] = False,
+    repeats: Annotated[int, typer.Option(help="Runs per point (>= 2 measures the noise).")] = 3,
+    ttft_ms: Annotated[
+        float | None, typer.Option("--ttft-ms", help="Goodput SLO: TTFT, ms.")
+    ] = None,
+    tpot_ms: Annotated[
+        float | None, typer.Option("--tpot-ms", help="Goodput SLO: TPOT, ms.")
+    ] = None,
+    e2el_ms: Annotated[
+        float | None, typer.Option("--e2el-ms", help="Goodput SLO: E2E latency, ms.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Per-request timeout, s.")] = 120.0,
+    label: Annotated[str, typer.Option(help="Name of this run in comparisons.")] = "",
+    out: Annotated[Path | None, typer.Option(help="Folder to write bench.json into.")] = None,
+    allow_remote: Annotated[
+        bool, typer.Option("--allow-remote", help="Permit a non-loopback host.")
+    ] = False,
+    seed: Annotated[int, typer.Option(help="Seed for arrivals and lengths.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Load an OpenAI-compatible endpoint; TTFT/TPOT/ITL/E2EL and goodput as vLLM defines them."""
+    from rich.progress import Progress
+
+    from llmopt.bench.loadgen import Workload
+    from llmopt.bench.serve_metrics import SLO
+    from llmopt.bench.sweep import parse_points, run_sweep
+
+    points = parse_points(mode, values, burstiness=burstiness, num_requests=num_requests,
+                          max_seconds=max_seconds, seed=seed)  # fmt: skip
+    w = Workload(input_len, output_len, range_ratio, prompts, ignore_eos)
+    slo = SLO(ttft_ms, tpot_ms, e2el_ms)
+    with Progress(disable=as_json, transient=True) as prog:
+        task = prog.add_task("load runs", total=len(points) * repeats)
+        res = run_sweep(url, points, w, repeats, slo, model, label, allow_remote, timeout,
+                        on_run=lambda k, n, r: prog.update(task, completed=k))  # fmt: skip
+    path = _write(out, res)
+    if as_json:
+        _emit(res if path is None else {"bench_json": str(path)} | res)
+    else:
+        _render_serve(res, path)
+    # Failures are data (recorded above), but a run where nothing succeeded must not look green.
+    if all(r["metrics"]["completed"] == 0 for pt in res["points"] for r in pt["runs"]):
+        raise typer.Exit(1)
+
+
+def _render_serve(res: dict[str, Any], path: Path | None) -> None:
+    from rich.table import Table
+
+    from llmopt.bench.sweep import HEADLINE
+    from llmopt.cli.render import console
+
+    # Metrics as rows, sweep points as columns: stays readable in 80 columns for a few points.
+    t = Table(title=f"{res['label']} @ {res['url']}: median \\[min-max] of {res['repeats']} runs")
+    t.add_column("metric")
+    for pt in res["points"]:
+        t.add_column(pt["spec"]["label"], justify="right")
+    for key, unit, _ in HEADLINE:
+        cells = []
+        for pt in res["points"]:
+            st = pt["summary"].get(key)
+            cells.append(f"{st['median']:.1f} [{st['min']:.1f}-{st['max']:.1f}]" if st else "-")
+        t.add_row(f"{key} ({unit})", *cells)
+    console.print(t)
+    for pt in res["points"]:
+        reasons = pt["runs"][0].get("finish_reasons", {})
+        if set(reasons) - {"length", "stop"}:
+            console.print(f"{pt['spec']['label']}: finish reasons {reasons} (streams cut short?)")
+    if path:
+        console.print(f"wrote {path}")
+
+
+@bench_app.command("compare")
+def compare(
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Two or more runs: serve bench.json (or its folder) or optimize run dirs."
+        ),
+    ],
+    html: Annotated[
+        Path | None, typer.Option(help="Write a self-contained HTML page with plots.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Side-by-side table (the first RUN is the baseline); changes inside the spread say 'noise'."""
+    from llmopt.bench.compare import compare_runs, to_html, to_markdown
+
+    cmp = compare_runs(list(runs))
+    if html is not None:
+        from llmopt.atomic import write_text
+
+        write_text(html, to_html(cmp))
+    if as_json:
+        _emit(cmp | {"html": str(html) if html else None})
+        return
+    sys.stdout.write(to_markdown(cmp))
+    if html is not None:
+        sys.stdout.write(f"wrote {html}\n")
+
+
+@bench_app.command("roofline")
+def roofline(
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure this machine's ceilings: memory copy bandwidth and matmul FLOP/s per dtype."""
+    from llmopt.bench.roofline import measure_ceilings
+
+    dtypes = ("float32", "bfloat16") if device == "cpu" else ("float32", "bfloat16", "float16")
+    c = measure_ceilings(device, dtypes=dtypes)
+    if as_json:
+        _emit(c.to_dict())
+        return
+    sys.stdout.write(f"copy bandwidth: {c.copy_bytes_per_s / 1e9:.1f} GB/s (read + write)\n")
+    for k, v in c.matmul_flops_per_s.items():
+        sys.stdout.write(
+            f"matmul {k}: {v / 1e9:.1f} GFLOP/s; ridge {v / c.copy_bytes_per_s:.1f} FLOP/byte\n"
+        )
+
+
+@bench_app.command("lm")
+def lm(
+    model: Annotated[
+        str, typer.Argument(help="A built-in name or a Hugging Face folder.")
+    ] = "smollm2-135m",
+    engine: Annotated[str, typer.Option(help="Engine registry name.")] = "torch",
+    recipe: Annotated[str, typer.Option(help="Recipe preset (fp32, bf16, w8a16, ...).")] = "fp32",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Decode batch sizes.")] = "1,4",
+    prompt_lengths: Annotated[
+        str, typer.Option("--prompt-lengths", help="Extra prefill lengths.")
+    ] = "32",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens")] = 100,
+    new_tokens: Annotated[int, typer.Option("--new-tokens")] = 32,
+    repeats: Annotated[int, typer.Option()] = 3,
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """In-process prefill/decode sweep of one engine+recipe, with roofline attribution."""
+    from llmopt.bench.lm_run import bench_lm_model
+
+    res = bench_lm_model(model, engine, recipe, [int(b) for b in batch_sizes.split(",") if b],
+                         [int(p) for p in prompt_lengths.split(",") if p], prompt_tokens,
+                         new_tokens, repeats, threads)  # fmt: skip
+    if as_json:
+        _emit(res)
+        return
+    for name, st in res["metrics"].items():
+        sys.stdout.write(
+            f"{name}: {st['median']:.1f} {st['unit']} [{st['min']:.1f}-{st['max']:.1f}]\n"
+        )
+    for r in res["roofline"]:
+        sys.stdout.write(
+            f"{r['metric']}: {r['achieved_bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}% "
+            f"of copy), {r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * r['flops_share']:.0f}%): "
+            f"{r['verdict']}; {r['implication']}\n"
+        )
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `llmopt` app."""
+    app.add_typer(bench_app, name="bench")

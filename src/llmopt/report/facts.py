@@ -21,6 +21,7 @@ from llmopt.report.view import (
 
 __all__ = [
     "BENCH_HEADERS",
+    "ROOFLINE_HEADERS",
     "VERIFY_HEADERS",
     "bench_facts",
     "bench_rows",
@@ -29,12 +30,15 @@ __all__ = [
     "env_rows",
     "model_rows",
     "plan_rows",
+    "roofline_rows",
     "summary_line",
     "verify_rows",
 ]
 
 VERIFY_HEADERS = ["metric", "reference", "candidate", "delta", "threshold", "gate", "n", "unit"]
 BENCH_HEADERS = ["metric", "median", "p50", "p90", "p99", "min", "max", "n", "unit"]
+ROOFLINE_HEADERS = ["phase", "achieved GB/s", "share of copy bandwidth", "achieved GFLOP/s",
+                    "share of matmul peak", "verdict", "what it implies"]  # fmt: skip
 
 
 def summary_line(view: RunView) -> str:
@@ -164,6 +168,22 @@ def bench_rows(cv: CandidateView) -> list[list[str]]:
         nums = [fmt_num(x) for x in (s.median, s.p50, s.p90, s.p99, s.min, s.max, s.n)]
         rows.append([name + (" (primary)" if name == cv.bench.primary else ""), *nums, s.unit])
     return rows
+
+
+def roofline_rows(cv: CandidateView) -> list[list[str]]:
+    """One row per benchmarked phase with its roofline verdict (bench.json `roofline.phases`).
+
+    Args:
+        cv: one candidate; no rows without a roofline (embedding runs, older runs).
+    """
+    phases = (getattr(cv.bench, "roofline", None) or {}).get("phases", []) if cv.bench else []
+    return [
+        [str(p.get("phase", p.get("metric", "?"))),
+         fmt_num(p["achieved_bytes_per_s"] / 1e9), fmt_pct(p["bandwidth_share"]),
+         fmt_num(p["achieved_flops_per_s"] / 1e9), fmt_pct(p["flops_share"]),
+         str(p["verdict"]), str(p.get("implication", ""))]
+        for p in phases
+    ]  # fmt: skip
 
 
 def bench_facts(cv: CandidateView) -> list[list[str]]:

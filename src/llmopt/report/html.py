@@ -11,6 +11,7 @@ from html import escape
 from llmopt.report.checklist import checklist
 from llmopt.report.facts import (
     BENCH_HEADERS,
+    ROOFLINE_HEADERS,
     VERIFY_HEADERS,
     bench_facts,
     bench_rows,
@@ -19,6 +20,7 @@ from llmopt.report.facts import (
     env_rows,
     model_rows,
     plan_rows,
+    roofline_rows,
     summary_line,
     verify_rows,
 )
@@ -270,6 +272,9 @@ def _detail(view: RunView, cv: CandidateView) -> str:
         out.append(_notes([f"{m.name}: {m.note}" for m in v.metrics if m.note] + list(v.notes)))
     if cv.bench is not None:
         out += ["<h3>Bench</h3>", _table(BENCH_HEADERS, bench_rows(cv)), _kv(bench_facts(cv))]
+        if roof := roofline_rows(cv):
+            out += ["<h3>Roofline</h3><p class='muted'>ceilings measured in the same process</p>",
+                    _table(ROOFLINE_HEADERS, roof)]  # fmt: skip
         out.append(_notes(cv.bench.notes))
     if cv.error:
         e = cv.error

@@ -11,6 +11,7 @@ from typing import Any
 from llmopt.report.checklist import CHECK_MARK, checklist
 from llmopt.report.facts import (
     BENCH_HEADERS,
+    ROOFLINE_HEADERS,
     VERIFY_HEADERS,
     bench_facts,
     bench_rows,
@@ -19,6 +20,7 @@ from llmopt.report.facts import (
     env_rows,
     model_rows,
     plan_rows,
+    roofline_rows,
     summary_line,
     verify_rows,
 )
@@ -156,6 +158,9 @@ def _detail(view: RunView, cv: CandidateView) -> list[str]:
     if cv.bench:
         out += ["Bench:", "", *_table(BENCH_HEADERS, bench_rows(cv))]
         out += [f"- {k}: {_md(v)}" for k, v in bench_facts(cv)]
+        if roof := roofline_rows(cv):
+            out += ["", "Roofline (ceilings measured in the same process):", "",
+                    *_table(ROOFLINE_HEADERS, roof)]  # fmt: skip
         out += [f"- {_md(n)}" for n in cv.bench.notes] + [""]
     if cv.error:
         e = cv.error

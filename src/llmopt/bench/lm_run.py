@@ -1,0 +1,137 @@
+"""`llmopt bench lm`: one engine+recipe benchmarked in process, with roofline attribution.
+
+This is the same measurement `optimize` runs per candidate (`bench_causal_lm`), plus the sweep
+over decode batch sizes and prefill lengths, and the machine's ceilings measured in the same
+process just before, so each phase gets an achieved bandwidth/FLOP/s and a verdict.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["bench_lm_model", "lm_roofline", "weight_bytes"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_bytes(num_parameters: int, dtype: str, weight_bits: int | None) -> float:
+    """Bytes of weights read per forward (int8 weight-only: 1 byte per weight, approximately).
+
+    Example:
+        >>> weight_bytes(100, "float32", None), weight_bytes(100, "float32", 8)
+        (400.0, 100.0)
+    """
+    if weight_bits:
+        return num_parameters * weight_bits / 8.0
+    return float(num_parameters * _DTYPE_BYTES.get(dtype, 4))
+
+
+def lm_roofline(
+    metrics, info, recipe, prompt_tokens: int, new_tokens: int, ceilings
+) -> dict[str, Any]:
+    """{"ceilings", "phases"} for `BenchResult.roofline`: every phase of `metrics` attributed.
+
+    Args:
+        metrics: {name: Stat} from `bench_causal_lm`.
+        info: the model's `ModelInfo` (parameters, KV bytes per token).
+        recipe: the candidate's `Recipe` (dtype, weight bits).
+        prompt_tokens / new_tokens: the benchmark's lengths.
+        ceilings: `measure_ceilings()` from the same process.
+
+    Example:
+        >>> roof = lm_roofline(metrics, info, recipe, 100, 128, measure_ceilings())  # doctest: +SKIP
+    """
+    from llmopt.bench.roofline import attribute_lm
+
+    kv = info.kv_bytes_per_token.get(recipe.dtype) or info.kv_bytes_per_token.get("float32", 0)
+    wb = weight_bytes(info.num_parameters, recipe.dtype, recipe.weight_bits)
+    rows = attribute_lm(metrics, prompt_tokens, new_tokens, info.num_parameters, wb, kv, ceilings,
+                        recipe.dtype)  # fmt: skip
+    return {"ceilings": ceilings.to_dict(), "phases": rows}
+
+
+def bench_lm_model(
+    model: str,
+    engine: str = "torch",
+    recipe: str = "fp32",
+    batch_sizes: Sequence[int] = (1, 4),
+    prompt_lengths: Sequence[int] = (32,),
+    prompt_tokens: int = 100,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Build (when the recipe changes the weights), load and benchmark one causal LM candidate.
+
+    Args:
+        model: built-in name or Hugging Face folder.
+        engine / recipe: registry names, as `llmopt plan` lists them.
+        batch_sizes: decode batch sizes; prompt_lengths: extra prefill lengths.
+        prompt_tokens / new_tokens: the full prompt and decode steps per repeat.
+        repeats: timed repetitions per point (warm-up excluded and reported).
+        threads: CPU threads.
+
+    Returns:
+        {"metrics": {name: Stat dict}, "warmup_seconds", "ceilings", "roofline": [rows], "settings",
+        "env", "peak_rss_bytes"}.
+
+    Example:
+        >>> res = bench_lm_model("smollm2-135m", batch_sizes=(1, 4), repeats=2)  # doctest: +SKIP
+    """
+    import torch
+
+    from llmopt.assets import resolve_model
+    from llmopt.assets.text import evaluation_text
+    from llmopt.bench.lm import bench_causal_lm
+    from llmopt.bench.roofline import measure_ceilings
+    from llmopt.bench.timing import environment, peak_rss_bytes
+    from llmopt.engines import get_engine
+    from llmopt.modelinfo import inspect_model
+    from llmopt.recipes import get_recipe
+
+    folder, _ = resolve_model(model)
+    info = inspect_model(folder)
+    if info.task != "causal-lm":
+        raise ValueError(f"{model} is a {info.task} model; `bench lm` measures causal LMs")
+    eng, rec = get_engine(engine), get_recipe(recipe)
+    why = eng.missing() or eng.incompatible(info, rec, "cpu")
+    if why:
+        raise ValueError(f"{engine}/{recipe} cannot run {model}: {why}")
+    settings = {"threads": threads} if threads else {}
+    with tempfile.TemporaryDirectory(prefix="llmopt-bench-") as tmp:
+        artifact = Path(tmp) / "artifact"
+        artifact.mkdir()
+        eng.build(folder, info, rec, artifact)
+        t0 = time.perf_counter()
+        runner = eng.load(artifact, info, rec, settings)
+        load_s = time.perf_counter() - t0
+        # Ceilings first, in this process and with these threads, so the shares are like for like.
+        ceilings = measure_ceilings("cpu")
+        ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
+        prompt = torch.tensor([ids[:prompt_tokens]], dtype=torch.long)
+        metrics, warm = bench_causal_lm(runner, prompt, new_tokens, repeats,
+                                        batch_sizes=batch_sizes, prompt_lengths=prompt_lengths)  # fmt: skip
+    roof = lm_roofline(metrics, info, rec, prompt.shape[1], new_tokens, ceilings)
+    return {
+        "model": info.name,
+        "candidate": f"{engine}-{recipe}",
+        "metrics": {k: v.to_dict() for k, v in metrics.items()},
+        "warmup_seconds": warm,
+        "load_seconds": load_s,
+        "ceilings": roof["ceilings"],
+        "roofline": roof["phases"],
+        "settings": {
+            "prompt_tokens": prompt.shape[1],
+            "new_tokens": new_tokens,
+            "repeats": repeats,
+            "batch_sizes": list(batch_sizes),
+            "prompt_lengths": list(prompt_lengths),
+            "threads": torch.get_num_threads(),
+        },  # fmt: skip
+        "peak_rss_bytes": peak_rss_bytes(),
+        "env": environment(),
+    }
