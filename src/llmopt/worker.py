@@ -55,11 +55,17 @@ def build(run: RunDir, cid: str) -> dict[str, Any]:
 
 
 def verify(run: RunDir, cid: str) -> dict[str, Any]:
+    from llmopt.verify.gates import Gates
+    from llmopt.verify.integrity import check_weights, raise_on_problems
+
     meta, info, cand, engine, recipe = _context(run, cid)
     s = meta["settings"]
+    # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
+    raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
+    gates = Gates(max_quality_drop=s["max_quality_drop"])
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
-        return _verify_embedding(run, cid, cand, runner, s).to_dict()
+        return _verify_embedding(run, cid, cand, runner, s, gates).to_dict()
     from llmopt.assets.text import evaluation_text
     from llmopt.verify.lm import token_windows, verify_causal_lm
 
@@ -69,13 +75,15 @@ def verify(run: RunDir, cid: str) -> dict[str, Any]:
     if not cand.reference:
         _, _, rc, re, rr = _context(run, _reference_id(run))
         reference = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
-    return verify_causal_lm(cid, runner, windows, reference, s["max_quality_drop"]).to_dict()
+    return verify_causal_lm(
+        cid, runner, windows, reference, s["max_quality_drop"], gates=gates
+    ).to_dict()
 
 
-def _verify_embedding(run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any]):
+def _verify_embedding(run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any], gates):
     import numpy as np
 
-    from llmopt.assets.text import evaluation_sentences, wordsim353
+    from llmopt.assets.text import evaluation_sentences, simlex999, wordsim353
     from llmopt.verify.embedding import reference_outputs, verify_embedding
 
     sentences = evaluation_sentences(s["sentences"])
@@ -86,15 +94,23 @@ def _verify_embedding(run: RunDir, cid: str, cand: Candidate, runner, s: dict[st
         tmp = ref_file.with_name(".tmp-embeddings.npy")
         np.save(tmp, emb, allow_pickle=False)
         tmp.replace(ref_file)
-        ref_emb, ref_spearman = None, None
+        ref_emb, ref_spearman, scores = None, None, None
     else:
         ref_emb = np.load(ref_file, allow_pickle=False)
         ref_verify = run.candidate(_reference_id(run)).read("verify")
-        ref_spearman = next(
-            m["candidate"] for m in ref_verify["metrics"] if m["name"] == "wordsim353_spearman"
-        )
+        scores = {m["name"]: m["candidate"] for m in ref_verify["metrics"]}
+        ref_spearman = scores["wordsim353_spearman"]
     return verify_embedding(
-        cid, runner, sentences, ref_emb, wordsim353(), ref_spearman, 1.0 - s["max_quality_drop"]
+        cid,
+        runner,
+        sentences,
+        ref_emb,
+        wordsim353(),
+        ref_spearman,
+        1.0 - s["max_quality_drop"],
+        gates=gates,
+        simlex_pairs=simlex999(),
+        reference_scores=scores,
     )
 
 
@@ -114,7 +130,10 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
 
         sentences = evaluation_sentences(s["sentences"])[: s["bench_sentences"]]
         metrics, warm = bench_embedding(runner, sentences, repeats=s["bench_repeats"])
-        primary, settings = "sentences_per_s_b32", {"sentences": len(sentences), "batch_sizes": [1, 32]}
+        primary, settings = (
+            "sentences_per_s_b32",
+            {"sentences": len(sentences), "batch_sizes": [1, 32]},
+        )
     else:
         import torch
 
@@ -131,11 +150,17 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
         new = min(s["new_tokens"], ctx // 2)
         prompt = torch.tensor([ids[: min(s["prompt_tokens"], ctx - new)]], dtype=torch.long)
         batches = tuple(s.get("bench_batch_sizes", (1,)))
-        metrics, warm = bench_causal_lm(runner, prompt, new, s["bench_repeats"], batch_sizes=batches)
+        metrics, warm = bench_causal_lm(
+            runner, prompt, new, s["bench_repeats"], batch_sizes=batches
+        )
         roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
         primary = "decode_tokens_per_s"
-        settings = {"batch": 1, "batch_sizes": list(batches), "prompt_tokens": prompt.shape[1],
-                    "new_tokens": new}
+        settings = {
+            "batch": 1,
+            "batch_sizes": list(batches),
+            "prompt_tokens": prompt.shape[1],
+            "new_tokens": new,
+        }
     peak = peak_rss_bytes()
     settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
     return BenchResult(

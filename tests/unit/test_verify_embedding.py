@@ -13,6 +13,7 @@ from llmopt.verify.embedding import (
     verify_embedding,
     word_similarity_spearman,
 )
+from llmopt.verify.gates import Gates
 
 SENTENCES = [f"sentence number {i} about topic {i % 7}" for i in range(50)]
 
@@ -67,10 +68,15 @@ def test_noisy_runner_fails_gate():
     assert 0.8 < mean.candidate < 0.99
     assert r.quality_drop == pytest.approx(1 - mean.candidate)
     assert r.metric("cosine_min").candidate <= r.metric("cosine_p1").candidate <= mean.candidate
-    # Reported, not gated.
-    assert r.metric("cosine_min").passed is None and r.metric("cosine_p1").passed is None
-    # A looser gate lets the same candidate through.
-    assert verify_embedding("noisy", HashRunner(noise=0.3), SENTENCES, ref, [], None, 0.8).passed
+    # Without gates only the mean is gated (the optimize worker's call); Gates() adds the minimum.
+    assert r.metric("cosine_p1").passed is None and r.metric("cosine_min").passed is None
+    g = verify_embedding("noisy", HashRunner(noise=0.3), SENTENCES, ref, [], None, gates=Gates())
+    assert g.metric("cosine_min").threshold == 0.9
+    # Looser gates let the same candidate through.
+    loose = Gates(min_cosine=0.5)
+    assert verify_embedding(
+        "noisy", HashRunner(noise=0.3), SENTENCES, ref, [], None, 0.8, gates=loose
+    ).passed
 
 
 def test_nan_embeddings_fail():
@@ -141,3 +147,96 @@ def test_bench_embedding_keys_and_subset():
     assert all(s.n == 3 and s.median > 0 and s.unit == "sentences/s" for s in metrics.values())
     assert warm >= 0
     assert runner.calls == [1] * 4 + [8] * 4  # (1 warm-up + 3 timed) per batch size
+
+
+# --- planted fault on a real (tiny) encoder, retrieval, recalibration, bootstrap ---------------
+
+WIKI = [
+    f"The {w} river flows through the {v} valley and reaches the sea near the old {u} harbour."
+    for w, v, u in zip(
+        ["northern", "eastern", "long", "cold", "quiet", "wide", "green", "slow"] * 5,
+        ["green", "deep", "broad", "narrow", "high", "low", "dry", "wet", "red", "blue"] * 4,
+        ["fishing", "trading", "naval", "roman", "ancient"] * 8,
+        strict=True,
+    )
+]
+
+
+def _shuffle_rows(folder, lo: int, hi: int) -> None:
+    # The planted fault: a block of embedding rows permuted (ids now point at other words).
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    state = load_file(f)
+    key = next(k for k in state if k.endswith("word_embeddings.weight"))
+    g = torch.Generator().manual_seed(0)
+    state[key][lo:hi] = state[key][lo:hi][torch.randperm(hi - lo, generator=g)]
+    save_file(state, f, {"format": "pt"})
+
+
+def test_shuffled_embedding_rows_fail_the_cosine_gate(tiny_bert_dir, tmp_path):
+    import shutil
+
+    from llmopt.verify.api import load_runner
+
+    bad = shutil.copytree(tiny_bert_dir, tmp_path / "shuffled")
+    _shuffle_rows(bad, 1000, 10000)  # the common-word block of the BERT vocabulary
+    ref = load_runner(tiny_bert_dir, threads=1)[0]
+    ref_emb = reference_outputs(ref, WIKI)
+    same = verify_embedding(
+        "same", load_runner(tiny_bert_dir, threads=1)[0], WIKI, ref_emb, [], None
+    )
+    assert same.passed and same.metric("cosine_mean").noise is True
+    r = verify_embedding("shuffled", load_runner(bad, threads=1)[0], WIKI, ref_emb, [], None)
+    assert not r.passed
+    assert r.metric("cosine_mean").passed is False and r.metric("cosine_mean").noise is False
+
+
+def test_retrieval_and_recalibration_metrics():
+    many = [f"alpha beta gamma delta sentence {i} of topic {i % 11} ends here" for i in range(60)]
+    ref_runner = HashRunner()
+    ref = verify_embedding("ref", ref_runner, many, None, [], None)
+    scores = {m.name: m.candidate for m in ref.metrics}
+    assert "retrieval_recall@10" in scores
+    ref_emb = reference_outputs(ref_runner, many)
+    r = verify_embedding(
+        "noisy",
+        HashRunner(noise=0.2),
+        many,
+        ref_emb,
+        [],
+        None,
+        reference_scores=scores,
+        gates=Gates(min_cosine=None),
+    )
+    assert ref.metric("retrieval_recall@10").passed is None
+    recall = r.metric("retrieval_recall@10")
+    assert recall.reference == scores["retrieval_recall@10"] and recall.threshold is not None
+    assert r.metric("recalibrated_agreement").candidate >= r.metric("decision_agreement").candidate
+    assert r.metric("recalibrated_threshold").reference == 0.5
+
+
+def test_recall_at_k_and_recalibration_by_hand():
+    from llmopt.verify.retrieval import recalibrate_threshold, recall_at_k
+
+    p = np.eye(4)
+    q = np.array([[1.0, 0.0, 0.0, 0.0], [0.9, 0.1, 0.0, 0.0]])
+    assert recall_at_k(q, p, np.array([0, 1]), k=1).tolist() == [1.0, 0.0]
+    assert recall_at_k(q, p, np.array([0, 1]), k=2).tolist() == [1.0, 1.0]
+    # A uniform shift of -0.1 flips decisions at the old threshold; recalibration restores them.
+    rc = np.linspace(0, 1, 101)
+    t, before, after = recalibrate_threshold(rc, rc - 0.1, 0.5)
+    assert before < 1.0 and after == 1.0 and t == pytest.approx(0.4, abs=0.011)
+
+
+def test_bootstrap_helpers():
+    from llmopt.verify.stats import bootstrap_ci, is_noise, paired_bootstrap
+
+    x = np.random.default_rng(1).standard_normal(200)
+    assert bootstrap_ci(lambda i: float(x[i].mean()), 200) == bootstrap_ci(
+        lambda i: float(x[i].mean()), 200
+    )
+    assert is_noise(paired_bootstrap(x, x + 1e-9 * np.random.default_rng(2).standard_normal(200)))
+    assert not is_noise(paired_bootstrap(x, x + 0.5))
+    assert is_noise((float("nan"), 1.0)) is None

@@ -21,6 +21,14 @@ import numpy as np
 
 from llmopt.engines.base import EmbeddingRunner
 from llmopt.schema import Metric, VerifyResult
+from llmopt.verify.gates import Gates
+from llmopt.verify.retrieval import (
+    recalibrate_threshold,
+    recall_at_k,
+    retrieval_queries,
+    sentence_pairs,
+)
+from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
 
 __all__ = ["reference_outputs", "verify_embedding", "word_similarity_spearman"]
 
@@ -82,6 +90,14 @@ def verify_embedding(
     reference_spearman: float | None,
     min_mean_cosine: float = 0.99,
     batch_size: int = 32,
+    *,
+    gates: Gates | None = None,
+    simlex_pairs: Sequence[tuple[str, str, float]] = (),
+    reference_scores: dict[str, float] | None = None,
+    retrieval_k: int = 10,
+    decision_threshold: float | None = 0.5,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = DEFAULT_SEED,
 ) -> VerifyResult:
     """Compare a candidate's embeddings with the reference's and score word similarity.
 
@@ -95,56 +111,105 @@ def verify_embedding(
         reference_spearman: the reference's word-similarity Spearman (None for the reference).
         min_mean_cosine: the gate on the mean cosine to the reference.
         batch_size: sentences per batch.
+        gates: the other gates (minimum cosine, recall drop); None gates the mean cosine only.
+        simlex_pairs: SimLex-999 triples (`llmopt.assets.text.simlex999()`); empty to skip.
+        reference_scores: the reference's own values of the task metrics by name
+            (wordsim353_spearman, simlex999_spearman, retrieval_recall@k), read from its
+            verify.json; missing ones are reported with reference None.
+        retrieval_k: k of retrieval recall@k.
+        decision_threshold: a reference similarity threshold to recalibrate; None to skip.
+        resamples, seed: bootstrap settings (over sentences).
 
     Returns:
-        A VerifyResult with metrics cosine_mean (gated), cosine_p1, cosine_min and
-        wordsim353_spearman (reported); quality_drop = 1 - cosine_mean.
+        A VerifyResult with metrics cosine_mean (gated), cosine_p1, cosine_min (gated by
+        `gates.min_cosine`), retrieval_recall@k (gated by `gates.max_recall_drop` when the
+        reference's value is known), wordsim353/simlex999 Spearman and the threshold
+        recalibration (reported); quality_drop = 1 - cosine_mean.
 
     >>> ref = reference_outputs(torch_runner, sentences)  # doctest: +SKIP
     >>> r = verify_embedding("ort-int8", ort_runner, sentences, ref, pairs, 0.82)  # doctest: +SKIP
     >>> r.passed, r.metric("cosine_mean").candidate  # doctest: +SKIP
     (True, 0.9931)
     """
+    # No gates given (the optimize worker today): only the mean cosine is gated, as before.
+    gates = gates or Gates(min_cosine=None, max_recall_drop=None)
+    reference_scores = dict(reference_scores or {})
+    is_reference = reference_embeddings is None
     t0 = time.perf_counter()
     sentences = list(sentences)
     n = len(sentences)
     notes: list[str] = []
-    if reference_embeddings is None:
-        # The reference against itself: 1.0 by definition, no need to embed the sentences.
-        cos_mean = cos_p1 = cos_min = 1.0
+    cand = np.asarray(runner.embed(sentences, batch_size=batch_size), dtype=np.float32)
+    if is_reference:
+        # The reference against itself: 1.0 by definition.
+        cos = np.ones(n)
         note = "reference"
     else:
         assert reference_embeddings.shape[0] == n, (
             f"{reference_embeddings.shape[0]} reference embeddings for {n} sentences"
         )
-        cand = runner.embed(sentences, batch_size=batch_size)
         assert cand.shape == reference_embeddings.shape, (
             f"candidate embeddings {cand.shape} vs reference {reference_embeddings.shape}"
         )
         cos = (_unit(cand) * _unit(reference_embeddings)).sum(1)  # (N,)
-        cos_mean = float(cos.mean())
-        cos_p1 = float(np.percentile(cos, 1))
-        cos_min = float(cos.min())
         note = ""
         if not np.isfinite(cand).all():
             notes.append("candidate produced non-finite embeddings")
-            cos_mean = cos_p1 = cos_min = float("nan")
-    # NaN compares False, so a candidate with NaN embeddings fails the gate.
-    mean_ok = bool(cos_mean >= min_mean_cosine)
+            cos = np.full(n, np.nan)
+    cos_mean, cos_p1, cos_min = float(cos.mean()), float(np.percentile(cos, 1)), float(cos.min())
+    ci = (None, None)
+    if not is_reference and np.isfinite(cos).all():
+        lo, hi = bootstrap_ci(lambda i: float(cos[i].mean()), n, resamples, seed=seed)
+        ci = (lo - 1.0, hi - 1.0)
+    noise = None if ci[0] is None else is_noise(ci)
+    # NaN compares False, so a candidate with NaN embeddings fails the gates.
+    min_ok = None if gates.min_cosine is None else bool(cos_min >= gates.min_cosine)
     metrics = [
-        Metric("cosine_mean", 1.0, cos_mean, True, min_mean_cosine, mean_ok, n, "", note),
+        Metric(
+            "cosine_mean",
+            1.0,
+            cos_mean,
+            True,
+            min_mean_cosine,
+            bool(cos_mean >= min_mean_cosine),
+            n,
+            "",
+            note,
+            ci[0],
+            ci[1],
+            noise,
+        ),
         Metric("cosine_p1", 1.0, cos_p1, True, None, None, n, "", note or "1st percentile"),
-        Metric("cosine_min", 1.0, cos_min, True, None, None, n, "", note),
+        Metric("cosine_min", 1.0, cos_min, True, gates.min_cosine, min_ok, n, "", note),
     ]
-    if word_pairs:
-        rho = word_similarity_spearman(runner, word_pairs, batch_size=batch_size)
-        if reference_spearman is None and reference_embeddings is None:
-            reference_spearman = rho  # this candidate is the reference
+    if len(retrieval_queries(sentences)[0]) >= 10:
         metrics.append(
-            Metric("wordsim353_spearman", reference_spearman, rho, True, n=len(word_pairs))
+            _retrieval(
+                runner,
+                sentences,
+                cand,
+                retrieval_k,
+                reference_scores,
+                is_reference,
+                gates,
+                batch_size,
+                resamples,
+                seed,
+            )
         )
     else:
-        notes.append("no word pairs given: wordsim353_spearman skipped")
+        notes.append("fewer than 10 sentences of 6+ words: retrieval recall skipped")
+    if decision_threshold is not None and not is_reference and np.isfinite(cos).all():
+        metrics += _recalibration(cand, reference_embeddings, decision_threshold, seed)
+    for name, pairs in (("wordsim353_spearman", word_pairs), ("simlex999_spearman", simlex_pairs)):
+        if not pairs:
+            notes.append(f"no word pairs given: {name} skipped")
+            continue
+        rho = word_similarity_spearman(runner, pairs, batch_size=batch_size)
+        ref = rho if is_reference else reference_scores.get(name)
+        if name == "wordsim353_spearman" and not is_reference and reference_spearman is not None:
+            ref = reference_spearman
+        metrics.append(Metric(name, ref, rho, True, n=len(pairs)))
     if n < _FEW_SENTENCES:
         notes.append(f"only {n} sentences (< {_FEW_SENTENCES}): cosine_p1 and cosine_min are noisy")
     passed = all(m.passed for m in metrics if m.passed is not None)
@@ -159,6 +224,72 @@ def verify_embedding(
     )
     log.info("verified %s: cosine_mean=%.5f passed=%s", candidate_id, cos_mean, passed)
     return result
+
+
+def _retrieval(
+    runner,
+    sentences,
+    passages,
+    k,
+    reference_scores,
+    is_reference,
+    gates,
+    batch_size,
+    resamples,
+    seed,
+) -> Metric:
+    queries, target = retrieval_queries(sentences)
+    hits = recall_at_k(runner.embed(queries, batch_size=batch_size), passages, target, k)
+    name = f"retrieval_recall@{k}"
+    value = float(hits.mean())
+    ref = value if is_reference else reference_scores.get(name)
+    lo, hi = bootstrap_ci(lambda i: float(hits[i].mean()), len(hits), resamples, seed=seed)
+    threshold = passed = None
+    note = f"{len(queries)} queries (last half of a sentence) over {len(sentences)} passages"
+    if ref is not None and gates.max_recall_drop is not None:
+        threshold = ref - gates.max_recall_drop
+        passed = bool(value >= threshold)
+    elif ref is None:
+        note += "; reference value unknown (pass reference_scores), so not gated"
+    d = (None, None) if ref is None or is_reference else (lo - ref, hi - ref)
+    return Metric(
+        name,
+        ref,
+        value,
+        True,
+        threshold,
+        passed,
+        len(hits),
+        "",
+        note,
+        d[0],
+        d[1],
+        None if d[0] is None else is_noise(d),
+    )
+
+
+def _recalibration(cand, reference, threshold: float, seed: int) -> list[Metric]:
+    m = min(len(cand), 1000)
+    pairs = sentence_pairs(m, seed)
+    rc = (_unit(reference[pairs[:, 0]]) * _unit(reference[pairs[:, 1]])).sum(1)
+    cc = (_unit(cand[pairs[:, 0]]) * _unit(cand[pairs[:, 1]])).sum(1)
+    new, before, after = recalibrate_threshold(rc, cc, threshold)
+    note = (
+        f"reference threshold {threshold:g}: candidate agrees on {before:.2%} of "
+        f"{len(pairs)} sentence-pair decisions as is, {after:.2%} at threshold {new:.4f}"
+    )
+    return [
+        Metric("decision_agreement", 1.0, before, True, n=len(pairs), note=note),
+        Metric(
+            "recalibrated_threshold",
+            threshold,
+            new,
+            True,
+            n=len(pairs),
+            note="candidate threshold that best preserves the reference's decisions",
+        ),
+        Metric("recalibrated_agreement", 1.0, after, True, n=len(pairs)),
+    ]
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
