@@ -2,7 +2,7 @@
 
 The server answers /v1/models, /v1/completions (echo + logprobs, greedy) and /v1/embeddings from
 the tiny models in process, so the client, the metrics and the "no logprobs" path are tested
-without llama.cpp (tests/integration/test_verify_endpoint.py runs the real llama.cpp server).
+without llama.cpp (tests/integration/test_verify_endpoint_llamacpp.py runs the real llama.cpp server).
 """
 
 from __future__ import annotations
