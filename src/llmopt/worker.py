@@ -142,9 +142,6 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
         from llmopt.bench.lm_run import lm_roofline
         from llmopt.bench.roofline import measure_ceilings
 
-        # The machine's ceilings, measured in this process, so each phase's achieved bandwidth
-        # and FLOP/s can be read as a share of what this machine does right now.
-        ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
         ctx = info.max_context or 2048
         new = min(s["new_tokens"], ctx // 2)
@@ -153,7 +150,6 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
         metrics, warm = bench_causal_lm(
             runner, prompt, new, s["bench_repeats"], batch_sizes=batches
         )
-        roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
         primary = "decode_tokens_per_s"
         settings = {
             "batch": 1,
@@ -161,7 +157,12 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
             "prompt_tokens": prompt.shape[1],
             "new_tokens": new,
         }
-    peak = peak_rss_bytes()
+    peak = peak_rss_bytes()  # before the ceilings below: their buffers are not the model's
+    if info.task == "causal-lm":
+        # The machine's ceilings, measured in this process right after the phases, so each
+        # phase's achieved bandwidth and FLOP/s read as a share of what the machine does now.
+        ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
+        roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
     settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
     return BenchResult(
         candidate_id=cid,
