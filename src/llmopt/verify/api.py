@@ -16,6 +16,7 @@ from typing import Any
 from llmopt.schema import VerifyResult
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import IntegrityError, check_tokenizers, check_weights
+from llmopt.verify.lm import flush_denormals
 
 __all__ = ["VerifyReport", "load_runner", "verify_models"]
 
@@ -80,6 +81,7 @@ def load_runner(model: str | Path, recipe: str | None = None, threads: int | Non
     return get_engine("torch").load(folder, info, rec, settings), info, folder
 
 
+@flush_denormals()  # the whole verification runs with denormals flushed (see flush_denormals)
 def verify_models(
     reference: str | Path,
     candidate: str | Path | None = None,
@@ -116,43 +118,10 @@ def verify_models(
     ... # doctest: +SKIP
     True
     """
-    from llmopt.verify.lm import flush_denormals
-
-    with flush_denormals():
-        return _verify_models(
-            reference,
-            candidate,
-            endpoint,
-            endpoint_model,
-            recipe,
-            gates or Gates(),
-            windows,
-            window,
-            sentences,
-            tasks,
-            attribution,
-            threads,
-            progress,
-        )
-
-
-def _verify_models(
-    reference,
-    candidate,
-    endpoint,
-    endpoint_model,
-    recipe,
-    gates,
-    windows,
-    window,
-    sentences,
-    tasks,
-    attribution,
-    threads,
-    progress,
-) -> VerifyReport:
     from llmopt.assets.text import evaluation_sentences, evaluation_text, simlex999, wordsim353
     from llmopt.verify.lm import token_windows
+
+    gates = gates or Gates()
 
     ref_runner, info, _ = load_runner(reference, "fp32", threads)
     integrity: list[str] = []
