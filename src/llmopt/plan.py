@@ -24,7 +24,7 @@ SEARCH_SPACE: dict[str, tuple[str, ...]] = {
     "causal-lm": ("fp32", "bf16", "fp16", "w8a16", "w8a8-dynamic"),
     "embedding": ("fp32", "bf16", "w8a8-dynamic"),
 }
-REFERENCE = ("torch", "fp32")
+REFERENCE = ("hf", "fp32")
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 

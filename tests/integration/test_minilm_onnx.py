@@ -82,7 +82,7 @@ def minilm(tmp_path_factory):
     from llmopt.assets.text import wordsim353
 
     pairs = wordsim353()
-    ref_verify = verify_embedding("torch-fp32", torch_runner, sentences, None, pairs, None)
+    ref_verify = verify_embedding("hf-fp32", torch_runner, sentences, None, pairs, None)
     return types.SimpleNamespace(
         runners=runners, facts=facts, sentences=sentences, pairs=pairs,
         reference=reference_outputs(torch_runner, sentences),

@@ -63,7 +63,7 @@ def test_run_directory_is_complete_and_consistent(run):
     model = json.loads((out / "model.json").read_text())
     assert model["builtin"] == "minilm-l6" and model["task"] == "embedding"
     ids = _plan_ids(out)
-    assert ids[0] == "torch-fp32"
+    assert ids[0] == "hf-fp32"
     assert {"onnxruntime-fp32", "onnxruntime-w8a8-dynamic"} <= set(ids)
     for cid in ids:
         cdir = out / "candidates" / cid
@@ -115,7 +115,7 @@ def test_partial_and_killed_stages_are_redone(run, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(run[0], out)
     # 1) a finished stage's JSON is missing: only that stage runs again.
-    (out / "candidates" / "torch-fp32" / "bench.json").unlink()
+    (out / "candidates" / "hf-fp32" / "bench.json").unlink()
     # 2) a build killed mid-way: SIGKILL the worker while it exports the ONNX model.
     cdir = out / "candidates" / "onnxruntime-fp32"
     for stage in STAGES:
@@ -135,7 +135,7 @@ def test_partial_and_killed_stages_are_redone(run, tmp_path):
     assert not (cdir / "build.json").exists()
     rc, res = _optimize(out)
     assert rc == 0
-    assert "torch-fp32/bench" in res["ran"]
+    assert "hf-fp32/bench" in res["ran"]
     assert {"onnxruntime-fp32/build", "onnxruntime-fp32/verify", "onnxruntime-fp32/bench"} <= set(
         res["ran"]
     )

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def smollm2(tmp_path_factory):
     src = prepare_builtin("smollm2-135m")
     info = inspect_model(src)
-    engine = get_engine("torch")
+    engine = get_engine("hf")
     runners = {}
     for name in ("fp32", "w8a16"):
         out = tmp_path_factory.mktemp(name) / "artifact"

@@ -75,7 +75,7 @@ def test_smollm2_zeroed_scale_fails_integrity_and_quality(smol, tmp_path):
     src = prepare_builtin("smollm2-135m")
     out = tmp_path / "w8a16"
     out.mkdir()
-    get_engine("torch").build(src, inspect_model(src), get_recipe("w8a16"), out)
+    get_engine("hf").build(src, inspect_model(src), get_recipe("w8a16"), out)
     assert check_weights(out) == []
     good = load_runner(out)[0]
     r = verify_causal_lm("w8a16", good, windows, ref, 0.02, generation_prompts=0)

@@ -78,13 +78,13 @@ def test_bad_inputs_are_typed(tmp_path, runs):
 
 def test_optimize_run_dirs_compare_by_candidate(tmp_path):
     for run, med in (("r1", [20, 21, 22]), ("r2", [30, 31, 29])):
-        c = tmp_path / run / "candidates" / "torch-fp32"
+        c = tmp_path / run / "candidates" / "hf-fp32"
         c.mkdir(parents=True)
         c.joinpath("bench.json").write_text(json.dumps(
-            {"candidate_id": "torch-fp32", "metrics": {"decode_tokens_per_s": summarize(med, "tokens/s").to_dict()}}
+            {"candidate_id": "hf-fp32", "metrics": {"decode_tokens_per_s": summarize(med, "tokens/s").to_dict()}}
         ))  # fmt: skip
     rows = compare_runs([tmp_path / "r1", tmp_path / "r2"])["rows"]
-    assert rows[0]["row"] == "torch-fp32" and rows[0]["verdicts"][1] == "better"
+    assert rows[0]["row"] == "hf-fp32" and rows[0]["verdicts"][1] == "better"
 
 
 def test_cli_compare_json_and_html(runs, tmp_path):

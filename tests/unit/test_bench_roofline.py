@@ -65,7 +65,7 @@ def test_swept_lm_bench_keeps_historic_names(tiny_llama_dir, tmp_path):
     from llmopt.modelinfo import inspect_model
     from llmopt.recipes import get_recipe
 
-    info, engine, recipe = inspect_model(tiny_llama_dir), get_engine("torch"), get_recipe("fp32")
+    info, engine, recipe = inspect_model(tiny_llama_dir), get_engine("hf"), get_recipe("fp32")
     out = tmp_path / "a"
     out.mkdir()
     engine.build(tiny_llama_dir, info, recipe, out)

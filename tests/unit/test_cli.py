@@ -62,8 +62,8 @@ def test_plan_json_lists_skips(tiny_llama_dir):
     proc = _run("plan", str(tiny_llama_dir), "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["candidates"][0]["id"] == "torch-fp32"
-    assert any(s["id"] == "torch-fp16" for s in plan["skipped"])
+    assert plan["candidates"][0]["id"] == "hf-fp32"
+    assert any(s["id"] == "hf-fp16" for s in plan["skipped"])
 
 
 def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
@@ -81,12 +81,12 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     res = json.loads(proc.stdout)
-    ids = {"torch-fp32", "torch-bf16", "torch-w8a16"}
+    ids = {"hf-fp32", "hf-bf16", "hf-w8a16"}
     assert set(res["selection"]["reasons"]) == ids
     for cid in ids:
         for stage in ("build", "verify", "bench"):
             assert (out / "candidates" / cid / f"{stage}.json").is_file(), f"{cid}/{stage}"
-    ref = json.loads((out / "candidates" / "torch-fp32" / "verify.json").read_text())
+    ref = json.loads((out / "candidates" / "hf-fp32" / "verify.json").read_text())
     assert ref["passed"] and ref["quality_drop"] == 0.0
     assert (out / "report.html").is_file()
 

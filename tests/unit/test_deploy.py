@@ -162,7 +162,7 @@ def test_deploy_a_run_directory_serves_the_verified_recipe(tiny_llama_dir, tmp_p
     write_json(run / "run.json", {"model_fingerprint": "x"})
     write_json(run / "best" / "model.json", inspect_model(tiny_llama_dir).to_dict())
     write_json(
-        run / "best" / "candidate.json", {"id": "torch-w8a16", "engine": "torch", "recipe": "w8a16"}
+        run / "best" / "candidate.json", {"id": "hf-w8a16", "engine": "hf", "recipe": "w8a16"}
     )
     src = resolve_source(run)
     assert (src.kind, src.recipe, src.model_dir) == (

@@ -208,7 +208,7 @@ def test_cli_plan_config_only_folder_on_a_gpu_by_name():
     proc = _run("plan", str(CONFIGS / "llama-3.1-8b"), "--gpu", "H200", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
-    assert d["model_source"] == "config" and d["candidates"][0]["id"] == "torch-fp32"
+    assert d["model_source"] == "config" and d["candidates"][0]["id"] == "hf-fp32"
     assert d["serving"]["memory"]["kv_tokens"] == 898_048 and d["serving"]["engine"] == "vllm"
     over = _run("plan", str(CONFIGS / "llama-3.1-8b"), "--gpu", "H200", "--params", "8e9", "--json")
     assert json.loads(over.stdout)["serving"]["memory"]["weights_total_bytes"] == 16 * 10**9

@@ -93,9 +93,9 @@ def _lm_bench(cid: str, decode: list[float], rss: int, artifact: int) -> BenchRe
 @pytest.fixture
 def lm_run(tmp_path: Path) -> Path:
     root = tmp_path / "lm"
-    ref = Candidate("torch-fp32", "torch", "fp32", {"dtype": "float32"}, True, "the reference")
-    bf16 = Candidate("torch-bf16", "torch", "bf16", {"dtype": "bfloat16"}, False, XSS)
-    w8 = Candidate("torch-w8a16", "torch", "w8a16", {"weight_bits": 8}, False, "int8 weights")
+    ref = Candidate("hf-fp32", "torch", "fp32", {"dtype": "float32"}, True, "the reference")
+    bf16 = Candidate("hf-bf16", "torch", "bf16", {"dtype": "bfloat16"}, False, XSS)
+    w8 = Candidate("hf-w8a16", "torch", "w8a16", {"weight_bits": 8}, False, "int8 weights")
     _run_json(root, "smollm2-135m", "causal-lm")
     _plan(root, [ref, bf16, w8])
     _cand(root, ref, _lm_verify(ref.id, 12.3456, 1.0, True),
@@ -106,7 +106,7 @@ def lm_run(tmp_path: Path) -> Path:
           _lm_bench(w8.id, [90.0, 95.5, 99.0], 450_000_000, 150_000_000))  # fmt: skip
     write_json(root / "selection.json", Selection(
         "throughput", bf16.id, 0.01,
-        {ref.id: "reference; slower than torch-bf16", bf16.id: "fastest within budget",
+        {ref.id: "reference; slower than hf-bf16", bf16.id: "fastest within budget",
          w8.id: "perplexity 13.9 above threshold 12.47 (quality drop 12.60% > 1.00%)"},
         [bf16.id, ref.id], [ref.id, bf16.id, w8.id],
     ).to_dict())  # fmt: skip
@@ -119,7 +119,7 @@ def lm_run(tmp_path: Path) -> Path:
 @pytest.fixture
 def emb_run(tmp_path: Path) -> Path:
     root = tmp_path / "emb"
-    ref = Candidate("torch-fp32", "torch", "fp32", reference=True)
+    ref = Candidate("hf-fp32", "torch", "fp32", reference=True)
     ort = Candidate("ort-int8", "onnxruntime", "ort-int8")
     _run_json(root, "minilm-l6", "embedding")
     _plan(root, [ref, ort])
@@ -143,9 +143,9 @@ def emb_run(tmp_path: Path) -> Path:
 @pytest.fixture
 def failed_run(tmp_path: Path) -> Path:
     root = tmp_path / "failed"
-    ref = Candidate("torch-fp32", "torch", "fp32", reference=True)
+    ref = Candidate("hf-fp32", "torch", "fp32", reference=True)
     bad = Candidate("ort-int8", "onnxruntime", "ort-int8")
-    todo = Candidate("torch-bf16", "torch", "bf16")
+    todo = Candidate("hf-bf16", "torch", "bf16")
     _run_json(root, "smollm2-135m", "causal-lm")
     _plan(root, [bad, ref, todo])  # reference not first in the plan: the view puts it first
     _cand(root, ref, _lm_verify(ref.id, 12.3456, 1.0, True),
@@ -209,20 +209,20 @@ def test_lm_run(lm_run: Path) -> None:
     _check_html(html)
     assert "<svg" in html and "<details" in html
     view = load_run(lm_run)
-    assert [c.id for c in view.candidates] == ["torch-fp32", "torch-bf16", "torch-w8a16"]
-    bf16 = view.get("torch-bf16")
+    assert [c.id for c in view.candidates] == ["hf-fp32", "hf-bf16", "hf-w8a16"]
+    bf16 = view.get("hf-bf16")
     assert view.speedup(bf16) == pytest.approx(74.25 / 41.0)
     assert view.memory_ratio(bf16) == pytest.approx(600 / 900)
     assert view.status(bf16).text == "chosen: fastest within budget"
-    assert view.status(view.get("torch-w8a16")).kind == "dropped"
+    assert view.status(view.get("hf-w8a16")).kind == "dropped"
     for text in (md, html):
-        for cid in ("torch-fp32", "torch-bf16", "torch-w8a16", "gguf-q4"):
+        for cid in ("hf-fp32", "hf-bf16", "hf-w8a16", "gguf-q4"):
             assert cid in text
         for num in ("12.35", "12.38", "13.9", "+0.0333", "74.25", "75", "95.5", "1.81x",
-                    "2.33x", "572.2 MiB", fmt_pct(view.get("torch-w8a16").verify.quality_drop),
+                    "2.33x", "572.2 MiB", fmt_pct(view.get("hf-w8a16").verify.quality_drop),
                     "custom_metric_xyz", "kl_divergence_mean", "2.5.1"):  # fmt: skip
             assert num in text, num
-        assert "Chosen: torch-bf16" in text
+        assert "Chosen: hf-bf16" in text
         assert "perplexity 13.9 above threshold 12.47" in text
         assert "llama-cpp-python not installed" in text
         assert "llmopt optimize smollm2-135m --target cpu" in text
@@ -253,9 +253,9 @@ def test_failed_candidate(failed_run: Path) -> None:
     md, html = md_path.read_text(), html_path.read_text()
     _check_html(html)
     view = load_run(failed_run)
-    assert [c.id for c in view.candidates] == ["torch-fp32", "ort-int8", "torch-bf16"]
+    assert [c.id for c in view.candidates] == ["hf-fp32", "ort-int8", "hf-bf16"]
     assert view.status(view.get("ort-int8")).label == "failed at build"
-    assert view.status(view.get("torch-bf16")).kind == "incomplete"
+    assert view.status(view.get("hf-bf16")).kind == "incomplete"
     assert "selection.json" in view.missing
     assert "failed at build: onnx export failed: &lt;op> Unsupported" in md
     assert "failed at build: onnx export failed: &lt;op&gt; Unsupported" in html
@@ -273,9 +273,9 @@ def test_bare_run(bare_run: Path) -> None:
 
 
 def test_unreadable_file_is_reported(lm_run: Path) -> None:
-    (lm_run / "candidates" / "torch-w8a16" / "bench.json").write_text("{not json")
+    (lm_run / "candidates" / "hf-w8a16" / "bench.json").write_text("{not json")
     md, _ = (p.read_text() for p in write_report(lm_run))
-    assert "Unreadable: candidates/torch-w8a16/bench.json" in md
+    assert "Unreadable: candidates/hf-w8a16/bench.json" in md
 
 
 def test_any_file_missing_or_corrupt(lm_run: Path) -> None:
@@ -300,7 +300,7 @@ def test_deterministic(fixture: str, request: pytest.FixtureRequest) -> None:
 
 
 def test_nonfinite_metric_fails_integrity(lm_run: Path) -> None:
-    p = lm_run / "candidates" / "torch-w8a16" / "verify.json"
+    p = lm_run / "candidates" / "hf-w8a16" / "verify.json"
     d = json.loads(p.read_text())
     d["metrics"][0]["candidate"] = float("nan")
     p.write_text(json.dumps(d))

@@ -69,10 +69,10 @@ def test_rundir_resumes_same_run_and_refuses_another(tmp_path):
 def test_plan_lists_reference_first_and_skips_with_reasons(tiny_llama_dir):
     plan = make_plan(inspect_model(tiny_llama_dir), CPU)
     ids = [c.id for c in plan.candidates]
-    assert ids[0] == "torch-fp32" and plan.candidates[0].reference
-    assert {"torch-bf16", "torch-w8a16"} <= set(ids)
+    assert ids[0] == "hf-fp32" and plan.candidates[0].reference
+    assert {"hf-bf16", "hf-w8a16"} <= set(ids)
     skipped = {s["id"]: s["reason"] for s in plan.skipped}
-    assert "bf16" in skipped["torch-fp16"]  # fp16 on CPU: use bf16
+    assert "bf16" in skipped["hf-fp16"]  # fp16 on CPU: use bf16
     assert "causal-lm" in skipped["onnxruntime-fp32"]
     assert plan.memory["weights_bytes"]["float32"] == 4 * plan.memory["weights_bytes"]["int8"]
     assert plan.memory["max_sequences_at_context"]["float32"] > 0
@@ -80,8 +80,8 @@ def test_plan_lists_reference_first_and_skips_with_reasons(tiny_llama_dir):
 
 def test_plan_only_and_unknown_ids(tiny_llama_dir):
     info = inspect_model(tiny_llama_dir)
-    plan = make_plan(info, CPU, only=["torch-bf16"])
-    assert [c.id for c in plan.candidates] == ["torch-fp32", "torch-bf16"]
+    plan = make_plan(info, CPU, only=["hf-bf16"])
+    assert [c.id for c in plan.candidates] == ["hf-fp32", "hf-bf16"]
     with pytest.raises(ValueError, match="torch-int3"):
         make_plan(info, CPU, only=["torch-int3"])
 

@@ -25,7 +25,7 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 
 def _build(src: Path, tmp_path: Path, recipe: str):
     info = inspect_model(src)
-    engine = get_engine("torch")
+    engine = get_engine("hf")
     out = tmp_path / f"artifact-{recipe}"
     out.mkdir()
     facts = engine.build(src, info, get_recipe(recipe), out)
@@ -129,7 +129,7 @@ def test_bench_reports_positive_rates(tiny_llama_dir, tmp_path):
 
 def test_incompatible_reasons(tiny_llama_dir):
     info = inspect_model(tiny_llama_dir)
-    engine = get_engine("torch")
+    engine = get_engine("hf")
     assert engine.incompatible(info, get_recipe("fp32"), "cpu") is None
     assert "bf16" in engine.incompatible(info, get_recipe("fp16"), "cpu")
     assert "w8a8-dynamic" in engine.incompatible(info, get_recipe("w8a8-dynamic"), "cpu")

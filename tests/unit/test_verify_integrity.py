@@ -26,7 +26,7 @@ from llmopt.verify.integrity import (
 
 def _w8a16(src: Path, out: Path) -> Path:
     out.mkdir()
-    get_engine("torch").build(src, inspect_model(str(src)), get_recipe("w8a16"), out)
+    get_engine("hf").build(src, inspect_model(str(src)), get_recipe("w8a16"), out)
     return out
 
 

@@ -24,7 +24,7 @@ TEXT = (
 
 def _runner(folder: Path, recipe: str = "fp32"):
     info = inspect_model(str(folder))
-    return get_engine("torch").load(folder, info, get_recipe(recipe), {"threads": 1})
+    return get_engine("hf").load(folder, info, get_recipe(recipe), {"threads": 1})
 
 
 def _windows(runner, n: int = 8, t: int = 64) -> torch.Tensor:

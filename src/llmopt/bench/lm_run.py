@@ -56,7 +56,7 @@ def lm_roofline(
 
 def bench_lm_model(
     model: str,
-    engine: str = "torch",
+    engine: str = "hf",
     recipe: str = "fp32",
     batch_sizes: Sequence[int] = (1, 4),
     prompt_lengths: Sequence[int] = (32,),

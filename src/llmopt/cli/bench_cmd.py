@@ -192,7 +192,7 @@ def lm(
     model: Annotated[
         str, typer.Argument(help="A built-in name or a Hugging Face folder.")
     ] = "smollm2-135m",
-    engine: Annotated[str, typer.Option(help="Engine registry name.")] = "torch",
+    engine: Annotated[str, typer.Option(help="Engine registry name.")] = "hf",
     recipe: Annotated[str, typer.Option(help="Recipe preset (fp32, bf16, w8a16, ...).")] = "fp32",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Decode batch sizes.")] = "1,4",
     prompt_lengths: Annotated[

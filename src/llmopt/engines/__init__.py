@@ -1,8 +1,8 @@
 """Engine registry: one dict, filled by the explicit imports at the bottom of this module.
 
 >>> from llmopt.engines import get_engine
->>> get_engine("torch").name
-'torch'
+>>> get_engine("hf").name
+'hf'
 
 An engine whose library is not installed is still registered; `Engine.missing()` says so and
 how to install it, and the planner lists its candidates as skipped instead of failing the run.

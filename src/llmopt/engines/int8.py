@@ -1,4 +1,4 @@
-"""Int8 weight-only linear layers (W8A16) for the torch engine, and the quantizer that makes them.
+"""Int8 weight-only linear layers (W8A16) for the hf and torch engines, and the quantizer that makes them.
 
 Weights are stored as int8 with one fp32 scale per output channel (symmetric, zero point 0), the
 layout compressed-tensors calls "int-quantized" with strategy "channel": `weight` (out, in) int8

@@ -8,7 +8,7 @@
     1_Pooling/, modules.json ...   sentence-transformers files, when the source has them
 
 `load` returns an `OrtEmbeddingRunner`, which tokenizes, runs the session and pools with
-`llmopt.engines.pooling.pool`, the same function the torch engine uses.
+`llmopt.engines.pooling.pool`, the same function the hf engine uses.
 """
 
 from __future__ import annotations

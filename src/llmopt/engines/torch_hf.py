@@ -1,13 +1,15 @@
-"""The `torch` engine, first version: Hugging Face transformers models run eagerly in PyTorch.
+"""The `hf` engine: Hugging Face transformers models run eagerly in PyTorch.
 
 It runs every supported architecture for both tasks and is the reference engine: the `fp32`
-candidate on this engine is what every other candidate is compared against. Recipes: `fp32`,
+candidate on this engine is what every other candidate is compared against. The native `torch`
+engine (`llmopt.engines.native`) is the fast path for decoder LMs; this one is the fallback for
+everything it refuses. Recipes: `fp32`,
 `bf16`, `fp16` (GPU only), `w8a16` (int8 weight-only linears, see `int8.py`).
 
 Artifacts are plain HF folders (safetensors) in the recipe's dtype; a `w8a16` artifact stores int8
 weights with per-channel scales and a compressed-tensors style `quantization_config`, which this
 engine loads itself (`_load_state`). The fast native decoder (static KV cache, compiled decode,
-CUDA graphs) will live beside this module; this one is the always-works path.
+CUDA graphs) lives in `native/`; this one is the always-works path.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from llmopt.modelinfo import ModelInfo
     from llmopt.recipes import Recipe
 
-__all__ = ["TorchEngine", "HFCausalLMRunner", "HFEmbeddingRunner"]
+__all__ = ["HFEngine", "HFCausalLMRunner", "HFEmbeddingRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +43,17 @@ ST_DIRS = ("1_Pooling", "2_Normalize")
 
 
 @register_engine
-class TorchEngine(Engine):
-    name = "torch"
+class HFEngine(Engine):
+    name = "hf"
     tasks = ("causal-lm", "embedding")
 
     def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
         if recipe.name not in RECIPES:
-            return f"the torch engine runs recipes {', '.join(RECIPES)}, not {recipe.name!r}"
+            return f"the hf engine runs recipes {', '.join(RECIPES)}, not {recipe.name!r}"
         if recipe.name == "fp16" and device == "cpu":
             return "float16 matmuls are emulated on most CPUs (slower than fp32); use bf16 on CPU"
         if recipe.name == "w8a16" and info.task != "causal-lm":
-            return "w8a16 on the torch engine is wired for causal LMs only so far"
+            return "w8a16 on the hf engine is wired for causal LMs only so far"
         return None
 
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:

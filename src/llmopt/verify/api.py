@@ -78,7 +78,7 @@ def load_runner(model: str | Path, recipe: str | None = None, threads: int | Non
     folder = Path(info.path)
     rec = get_recipe(recipe or _recipe_of(folder))
     settings = {"threads": threads} if threads else {}
-    return get_engine("torch").load(folder, info, rec, settings), info, folder
+    return get_engine("hf").load(folder, info, rec, settings), info, folder
 
 
 @flush_denormals()  # the whole verification runs with denormals flushed (see flush_denormals)
@@ -114,7 +114,7 @@ def verify_models(
         threads: CPU threads.
         progress: optional callable(done, total).
 
-    >>> verify_models("smollm2-135m", "runs/smollm2-135m/candidates/torch-w8a16/artifact").passed
+    >>> verify_models("smollm2-135m", "runs/smollm2-135m/candidates/hf-w8a16/artifact").passed
     ... # doctest: +SKIP
     True
     """

@@ -45,7 +45,7 @@ def check_weights(folder: str | Path) -> list[str]:
     Returns:
         Human-readable problems; empty when the weights look sound.
 
-    >>> check_weights("runs/smollm2-135m/candidates/torch-w8a16/artifact")  # doctest: +SKIP
+    >>> check_weights("runs/smollm2-135m/candidates/hf-w8a16/artifact")  # doctest: +SKIP
     []
     """
     import torch
