@@ -1,0 +1,149 @@
+"""Weight rounding algorithms on one Linear at a time: RTN, GPTQ, and the AWQ / SmoothQuant scale
+searches (per-channel scales folded into the op before the linears, so the float model computes
+exactly the same function and only the rounding changes).
+
+Written here rather than taken from llm-compressor: llm-compressor 0.14 pins transformers<=5.17
+(we run 5.24) and compressed-tensors==0.19, and pulls in `datasets` and `auto-round`; each
+algorithm below is a page of torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmopt.quant.primitives import (
+    WeightSpec,
+    dequantize_weight,
+    fake_quant_weight,
+    quantize_weight,
+    weight_scale,
+)
+
+__all__ = ["rtn", "gptq", "awq_search", "smoothquant_scales"]
+
+
+def rtn(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest. Returns (codes, scale)."""
+    s = weight_scale(w, spec)
+    return quantize_weight(w, s, spec), s
+
+
+def gptq(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: WeightSpec,
+    *,
+    damp: float = 0.01,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al. 2022): quantize columns left to right, spreading each column's rounding
+    error over the not-yet-quantized columns through the inverse Hessian of the layer's inputs.
+
+    Args:
+        w: (out, in) float weight.
+        hessian: (in, in) sum of x^T x over calibration tokens (any positive scale).
+        spec: int weights; group scales are computed when a group is entered (no act-order, so
+            the export needs no g_idx).
+        damp: fraction of the mean diagonal added for numerical stability.
+
+    Returns:
+        (codes (out, in) int8, scale) in the layout `spec` asks for.
+    """
+    assert spec.type == "int", "GPTQ is for int weights"
+    W = w.detach().float().clone()  # (out, in)
+    out_f, in_f = W.shape
+    H = hessian.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += torch.eye(in_f, device=H.device) * damp * torch.mean(torch.diag(H))
+    # Upper Cholesky factor of H^-1: row i holds how column i's error moves the later columns.
+    L = torch.linalg.cholesky(H)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # (in, in)
+
+    g = spec.group_size if spec.granularity == "group" else in_f
+    if spec.granularity == "group":
+        scale = torch.empty(out_f, in_f // g, dtype=spec.scale_dtype, device=W.device)
+    else:
+        scale = weight_scale(W, spec)  # channel/tensor: fixed up front
+    col_spec = WeightSpec(spec.bits, "int", "channel", None, spec.scale_dtype)
+    Q = torch.zeros_like(W, dtype=torch.int8)
+    cur = None  # (out, 1) scale of the current group/column set
+    if spec.granularity != "group":
+        cur = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(1, 1)
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if spec.granularity == "group" and col % g == 0:
+                gs = weight_scale(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g], col_spec)
+                scale[:, col // g] = gs.flatten().to(spec.scale_dtype)
+                cur = gs.float()
+            wcol = W1[:, i : i + 1]
+            q = torch.round(wcol / cur).clamp(col_spec.qmin, col_spec.qmax)
+            Q[:, col] = q.flatten().to(torch.int8)
+            err = (wcol - q * cur) / Hinv1[i, i]
+            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+            Err1[:, i : i + 1] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q, scale
+
+
+def awq_search(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    specs: list[WeightSpec],
+    *,
+    grid: int = 20,
+) -> torch.Tensor:
+    """AWQ (Lin et al. 2023) scale search for linears that share one input.
+
+    Salient input channels (large mean |x|) are scaled up before rounding, and the inverse
+    scale is folded into the previous op. Picks s = mean|x|^ratio (normalized) for the ratio in
+    [0, 1) that minimizes the MSE of the linears' outputs against the float outputs.
+
+    Args:
+        x: (tokens, in) calibration inputs of the linears.
+        weights: their (out_k, in) float weights.
+        specs: their quantization specs.
+
+    Returns:
+        (in,) scales s: use W * s in the linears and x / s as their input.
+    """
+    x = x.float()
+    x_mean = x.abs().mean(0)  # (in,)
+    ref = [x @ w.float().T for w in weights]
+    best, best_s = math.inf, torch.ones_like(x_mean)
+    for k in range(grid):
+        ratio = k / grid
+        s = x_mean.pow(ratio).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        err = 0.0
+        for w, spec, y in zip(weights, specs, ref, strict=True):
+            wq = fake_quant_weight(w.float() * s, spec) / s
+            err += (x @ wq.T - y).pow(2).mean().item()
+        if err < best:
+            best, best_s = err, s
+    return best_s
+
+
+def smoothquant_scales(
+    act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float
+) -> torch.Tensor:
+    """SmoothQuant (Xiao et al. 2022): s_j = max|x_j|^alpha / max_k|W_kj|^(1-alpha).
+
+    Use x / s and W * s; activation outliers move into the weights, which int8 per-channel
+    weights absorb far better than per-token int8 activations absorb outliers.
+    """
+    w_absmax = torch.stack([w.float().abs().amax(0) for w in weights]).amax(0)  # (in,)
+    s = act_absmax.float().clamp(min=1e-5).pow(alpha) / w_absmax.clamp(min=1e-5).pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    return dequantize_weight(q, scale, spec)

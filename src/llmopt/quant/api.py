@@ -1,0 +1,276 @@
+"""`quantize`: a Hugging Face causal LM folder in, a quantized compressed-tensors folder out.
+
+    check (before any work) -> calibration windows -> sequential calibration (one layer at a time)
+    -> [evaluate, auto-exclude sensitive layers] -> write the folder atomically -> facts
+
+Reads `source`, never writes it; `out` appears complete or not at all (`llmopt.atomic.atomic_dir`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmopt.quant.calibration import CalibrationConfig
+from llmopt.recipes import Recipe, get_recipe
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["quantize", "EvalConfig"]
+
+log = logging.getLogger(__name__)
+
+FACTS_FILE = "llmopt_quant.json"
+_TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")
+
+
+class EvalConfig:
+    """Held-out text used for the quality budget: `windows` x `seq_len` tokens of the evaluation
+    part of the built-in Wikipedia split (never the calibration part)."""
+
+    windows: int = 8
+    seq_len: int = 512
+
+
+def quantize(
+    source: Path,
+    recipe: Recipe | str,
+    out: Path,
+    *,
+    calibration: CalibrationConfig | None = None,
+    device: str = "cpu",
+    auto_exclude: bool = False,
+    max_quality_drop: float | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Quantize the causal LM in `source` with `recipe` and write it to `out`.
+
+    Args:
+        source: a Hugging Face model folder (never modified).
+        recipe: a preset name ("w4a16", "w8a8-int8", "fp8-dynamic", ...) or a Recipe.
+        out: the folder to write (replaced atomically if it exists).
+        calibration: calibration text settings (default: built-in Wikipedia, 64 x 512).
+        device: "cpu" or "cuda[:i]": where each decoder layer runs while it is calibrated.
+        auto_exclude: keep the most sensitive layers unquantized until the perplexity drop on
+            held-out text is within `max_quality_drop` (default 0.01 = +1%).
+        max_quality_drop: the quality budget; given without auto_exclude, the drop is measured
+            and reported only.
+        progress: optional callable(stage, done, total).
+
+    Returns:
+        Facts: seconds, peak memory, exclusions, sensitivity summary, skipped layers with
+        reasons, perplexities when measured. Also written to `out/llmopt_quant.json`.
+
+    Example:
+        >>> facts = quantize(Path("smollm2"), "w4a16", Path("smollm2-w4a16"))  # doctest: +SKIP
+        >>> facts["format"]  # doctest: +SKIP
+        'pack-quantized'
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from llmopt.atomic import atomic_dir, write_json
+    from llmopt.bench.timing import peak_rss_bytes
+    from llmopt.quant.calibration import calibration_windows
+    from llmopt.quant.checks import preflight
+    from llmopt.quant.export_ct import format_for, write_folder
+    from llmopt.quant.sequential import _layers_prefix, decoder_layers, run_sequential
+
+    t0 = time.perf_counter()
+    recipe = get_recipe(recipe)
+    source, out = Path(source), Path(out)
+    if not recipe.quantized:
+        raise ValueError(
+            f"recipe {recipe.name!r} does not quantize anything; pick one of w8a16, w4a16, "
+            "w8a8-int8, fp8-dynamic, fp8-static, kv-fp8"
+        )
+    if out.resolve() == source.resolve():
+        raise ValueError("--out must differ from the source folder (the source is never modified)")
+    calibration = calibration or CalibrationConfig()
+    budget = 0.01 if max_quality_drop is None else float(max_quality_drop)
+    measure = auto_exclude or max_quality_drop is not None
+    dtype = getattr(torch, recipe.dtype)
+
+    # 1. Checks on a weightless (meta) model: shapes only.
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    plan = preflight(
+        meta,
+        recipe,
+        device=device,
+        num_samples=calibration.num_samples,
+        seq_len=calibration.seq_len,
+        keep_originals=auto_exclude,
+    )
+    del meta
+    for name, why in plan.skipped.items():
+        log.warning("skipped %s: %s", name, why)
+
+    # 2. Calibration windows, the model on the host.
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    windows = calibration_windows(tokenizer, calibration)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+    eval_windows, ref_nll = None, None
+    if measure:
+        eval_windows = _eval_windows(tokenizer)
+        ref_nll = _nll(model, eval_windows, device)
+
+    # 3. Layer by layer.
+    def layer_progress(done: int, total: int) -> None:
+        if progress:
+            progress("calibrate", done, total)
+
+    t_cal = time.perf_counter()
+    res = run_sequential(
+        model,
+        windows,
+        recipe,
+        plan.specs,
+        device=device,
+        keep_originals=auto_exclude,
+        progress=layer_progress,
+    )
+    calibration_seconds = time.perf_counter() - t_cal
+    peak_device = (
+        int(torch.cuda.max_memory_allocated(torch.device(device)))
+        if device.startswith("cuda")
+        else None
+    )
+
+    # 4. Quality on held-out text; auto-exclude the most sensitive linears until it holds.
+    quality: dict[str, Any] = {}
+    excluded: list[str] = []
+    if measure:
+        q_nll = _nll(model, eval_windows, device)
+        steps = [(0, q_nll)]
+        if auto_exclude:
+            excluded, steps = _auto_exclude(
+                model, res, eval_windows, ref_nll, q_nll, budget, device
+            )
+        tokens = eval_windows.shape[1] - 1
+        ref_ppl = math.exp(ref_nll / tokens)
+        ppl = math.exp(steps[-1][1] / tokens)
+        quality = {
+            "reference_perplexity": ref_ppl,
+            "perplexity": ppl,
+            "quality_drop": ppl / ref_ppl - 1.0,
+            "max_quality_drop": budget,
+            "within_budget": ppl / ref_ppl - 1.0 <= budget,
+            "eval": f"{eval_windows.shape[0]} x {eval_windows.shape[1]} tokens, held-out Wikipedia",
+            "auto_exclude_steps": [
+                {"excluded": k, "perplexity": math.exp(n / tokens)} for k, n in steps
+            ],
+        }
+
+    kept = {n: q for n, q in res.linears.items() if n not in excluded}
+    ignore = sorted(set(plan.ignored) | set(excluded) | set(plan.skipped))
+    prefix = _layers_prefix(model, decoder_layers(model))
+    facts: dict[str, Any] = {
+        "recipe": recipe.to_dict(),
+        "source": str(source),
+        "device": device,
+        "calibration": calibration.to_dict() | {"windows_used": int(windows.shape[0])},
+        "format": sorted({format_for(q.spec, q.activations) for q in kept.values()}),
+        "quantized_linears": len(kept),
+        "ignored": sorted(plan.ignored),
+        "excluded": excluded,
+        "skipped": plan.skipped,
+        "fallbacks": res.fallbacks,
+        "smoothed": len(res.smoothed),
+        "kv_cache_scales": {str(i): {"k": k, "v": v} for i, (k, v) in res.kv_scales.items()},
+        "sensitivity": _sensitivity(res),
+        "quality": quality,
+        "calibration_seconds": calibration_seconds,
+        "peak_device_memory_bytes": peak_device,
+        "host_bytes_estimated": plan.host_bytes_needed,
+        "device_bytes_estimated": plan.device_bytes_needed,
+    }
+    if facts["format"] and len(facts["format"]) == 1:
+        facts["format"] = facts["format"][0]
+
+    # 5. Write atomically.
+    with atomic_dir(out) as tmp:
+        write_folder(model, recipe, kept, ignore, res.kv_scales, prefix, tmp)
+        _copy_tokenizer_files(source, tmp)
+        facts["seconds"] = time.perf_counter() - t0
+        facts["peak_rss_bytes"] = peak_rss_bytes()
+        write_json(tmp / FACTS_FILE, facts)
+    return facts
+
+
+def _sensitivity(res) -> dict[str, Any]:
+    ranked = sorted(res.linears.values(), key=lambda q: q.sqnr_db)
+    finite = [q.sqnr_db for q in ranked if math.isfinite(q.sqnr_db)]
+    return {
+        "metric": "output SQNR (dB) of each Linear on calibration inputs; lower = more sensitive",
+        "most_sensitive": [{"name": q.name, "sqnr_db": q.sqnr_db} for q in ranked[:10]],
+        "median_sqnr_db": float(sorted(finite)[len(finite) // 2]) if finite else None,
+        "layer_output_sqnr_db": res.layer_sqnr_db,
+    }
+
+
+def _eval_windows(tokenizer):
+    from llmopt.assets.text import evaluation_text
+    from llmopt.verify.lm import token_windows
+
+    return token_windows(tokenizer, evaluation_text(), EvalConfig.seq_len, EvalConfig.windows)
+
+
+def _nll(model, windows, device: str) -> float:
+    """Mean per-window summed NLL of the next token (the same quantity `llmopt verify` uses)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmopt.quant.sequential import kv_fp8
+    from llmopt.verify.lm import flush_denormals
+
+    model.to(device)
+    total = 0.0
+    with torch.no_grad(), flush_denormals(), kv_fp8():
+        for w in windows:
+            ids = w.view(1, -1).to(device)
+            logits = model(ids, use_cache=False).logits[:, :-1].float()
+            total += F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").item()
+    model.to("cpu")
+    return total / len(windows)
+
+
+def _auto_exclude(model, res, windows, ref_nll, q_nll, budget, device):
+    """Restore the float weights of the lowest-SQNR linears, 1, 2, 4, ... at a time, until the
+    perplexity drop is within `budget`. Returns (excluded names, [(count, nll), ...])."""
+    from llmopt.quant.sequential import remove_activation_hook
+
+    tokens = windows.shape[1] - 1
+    ranked = sorted(res.linears.values(), key=lambda q: q.sqnr_db)
+    steps = [(0, q_nll)]
+
+    def drop(nll: float) -> float:
+        return math.exp((nll - ref_nll) / tokens) - 1.0
+
+    k, done = 1, 0
+    while drop(steps[-1][1]) > budget and done < len(ranked):
+        for q in ranked[done : min(k, len(ranked))]:
+            lin = model.get_submodule(q.name)
+            lin.weight.data.copy_(q.original.to(lin.weight.dtype))
+            remove_activation_hook(lin)
+        done = min(k, len(ranked))
+        steps.append((done, _nll(model, windows, device)))
+        k *= 2
+    return [q.name for q in ranked[:done]], steps
+
+
+def _copy_tokenizer_files(source: Path, out: Path) -> None:
+    for f in source.iterdir():
+        wanted = f.name.startswith(_TOKENIZER_PREFIXES) or f.name == "chat_template.jinja"
+        if f.is_file() and wanted and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
