@@ -1,0 +1,287 @@
+"""Decode speed of the native `torch` engine against its memory-bandwidth ceiling and HF generate().
+
+    python benchmarks/decode.py --shape llama-3.1-8b            # on the H200: the issue's targets
+    python benchmarks/decode.py --model smollm2-135m --hf       # CPU: real weights, HF side by side
+
+For each weight format (bf16, int8 weight-only, int4 weight-only g128, fp8 W8A8) it builds the
+model (seeded random weights, std 0.02, for `--shape`; real weights for `--model`), runs a
+`--prompt-len` token prompt and `--new-tokens` greedy tokens at batch 1, and reports decode
+tokens/s, the bytes each decode step must read (weights + KV cache), the achieved bandwidth and its
+share of the device-to-device copy bandwidth measured in the same run. bf16 is also swept over
+`--batches`. `--hf` runs transformers' generate() (dynamic cache, then static cache) on the same
+weights and checks the greedy tokens match the native engine's.
+Results go to stdout (a table at the end) and `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+
+import torch
+
+SHAPES = {
+    "llama-3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    # For the smoke test of this script (tests/unit/test_native_engine.py).
+    "tiny": {
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+        "vocab_size": 1024, "max_position_embeddings": 2048, "hidden_act": "silu",
+        "tie_word_embeddings": False, "eos_token_id": 2,
+    },
+}  # fmt: skip
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes read + written per second of a large device-to-device copy (median of 10)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    del src, dst
+    return 2 * nbytes / times[5]
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads from weights: all linears and norms, one embedding row."""
+    total = 0
+    emb = model.model.embed_tokens.weight
+    seen = {emb.data_ptr()} if not model.cfg.tie_embeddings else set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t is None or "cache" in name or name == "inv_freq" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_read(model, ctx: int, batch: int) -> int:
+    c = model.cfg
+    el = model.model.layers[0].self_attn.k_cache.element_size()
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * el * ctx * batch
+
+
+def build(args, mode: str, dtype, cfg_dict):
+    from llmopt.engines.native.config import NativeConfig
+    from llmopt.engines.native.weights import load_model, quantize_model_, random_model
+
+    quant = None if mode in ("bf16", "fp32") else mode
+    if args.model:
+        from llmopt.assets.models import resolve_model
+
+        folder, _ = resolve_model(args.model)
+        return load_model(folder, args.device, dtype, quant=quant)
+    model = random_model(NativeConfig.from_hf(cfg_dict), args.device, dtype, seed=args.seed)
+    if quant:
+        quantize_model_(model, quant)
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return model
+
+
+def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> dict:
+    from llmopt.engines.native.generator import Generator, SamplingParams
+
+    new = args.new_tokens
+    gen = Generator(model, None, max_batch=batch, max_seq_len=len(prompt) + new + 1,
+                    compile=compile_, bucket_blocks=False)  # fmt: skip
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()  # warm-up: compilation and CUDA graph capture happen here
+    for i in range(batch):
+        gen.add(i, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while not all(gen.finished(i) for i in range(batch)):
+        gen.step()
+    for i in range(batch):
+        gen.remove(i)
+    sync(args.device)
+    warm = time.perf_counter() - t0
+    for i in range(batch):
+        gen.add(i, prompt, params)
+    t0 = time.perf_counter()
+    first = gen.step()  # the prefills
+    sync(args.device)
+    t1 = time.perf_counter()
+    tokens = {i: [e.token_id] for i, e in enumerate(first)}
+    steps = 0
+    while not all(gen.finished(i) for i in range(batch)):
+        for e in gen.step():
+            tokens[e.seq_id].append(e.token_id)
+        steps += 1
+    sync(args.device)
+    t2 = time.perf_counter()
+    for i in range(batch):
+        gen.remove(i)
+    model.setup_cache(1, 1, torch.bfloat16, args.device)  # free the pool
+    decode_s = t2 - t1
+    return {"batch": batch, "warmup_s": warm, "prefill_s": t1 - t0, "decode_s": decode_s,
+            "decode_steps": steps, "tok_s": batch * steps / decode_s,
+            "ms_per_step": 1e3 * decode_s / steps, "tokens": tokens[0]}  # fmt: skip
+
+
+def run_hf(args, model, prompt: list[int], cache: str) -> dict:
+    """transformers generate() on the same weights (shared, not copied)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.model:
+        from llmopt.assets.models import resolve_model
+
+        folder, _ = resolve_model(args.model)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=model.model.norm.weight.dtype)
+    else:
+        config = AutoConfig.for_model(**SHAPES[args.shape])
+        with torch.device(args.device):  # random init, then replaced by the native weights
+            hf = AutoModelForCausalLM.from_config(config, dtype=model.model.norm.weight.dtype)
+        hf.load_state_dict(dict(model.state_dict()), strict=False, assign=True)
+        hf.tie_weights()
+    hf = hf.to(args.device).eval()
+    ids = torch.tensor([prompt], device=args.device)
+    with torch.inference_mode():  # logits agreement on the prompt, as SQNR in dB
+        ref = hf(ids).logits.float()
+        nb = len(prompt) // 16 + 1
+        model.setup_cache(nb + 1, 16, model.model.norm.weight.dtype, args.device)
+        table = torch.arange(1, nb + 1, device=args.device).unsqueeze(0)
+        pos = torch.arange(len(prompt), device=args.device).unsqueeze(0)
+        mine = model(ids, pos, table, prefill=True, last_only=False)
+        sqnr = float(
+            10 * torch.log10(ref.pow(2).sum() / (ref - mine).pow(2).sum().clamp(min=1e-30))
+        )
+    kw = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.inference_mode():
+        hf.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
+        sync(args.device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, **kw)
+        sync(args.device)
+        dt = time.perf_counter() - t0
+    gen = out[0, len(prompt) :].tolist()
+    del hf
+    gc.collect()
+    return {"cache": cache, "s": dt, "tok_s": len(gen) / dt, "tokens": gen, "logits_sqnr_db": sqnr}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--model", default=None, help="built-in name or HF folder (real weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    ap.add_argument(
+        "--modes", nargs="+", default=None, help="bf16 int8 int4 fp8 (default: all that run here)"
+    )
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--hf", action="store_true", help="also time HF generate() (dynamic, static)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from llmopt.engines.native import linear as L
+
+    cuda = torch.device(args.device).type == "cuda"
+    dtype = (
+        getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    )
+    modes = args.modes or (["bf16", "int8", "int4"] + (["fp8"] if L.fp8_supported() else []))
+    compile_ = cuda if args.compile == "auto" else args.compile == "on"
+    g = torch.Generator().manual_seed(args.seed)
+    cfg_dict = SHAPES[args.shape]
+    vocab = 49152 if args.model else cfg_dict["vocab_size"]
+    prompt = torch.randint(100, vocab - 100, (args.prompt_len,), generator=g).tolist()
+    if args.model:  # real text for a real model
+        from transformers import AutoTokenizer
+
+        from llmopt.assets.models import resolve_model
+
+        folder, _ = resolve_model(args.model)
+        tok = AutoTokenizer.from_pretrained(folder)
+        text = "The history of the city began in the early medieval period, when " * 20
+        prompt = tok.encode(text)[: args.prompt_len]
+    bw = copy_bandwidth(args.device, (2 << 30) if cuda else (256 << 20))
+    env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+           "torch": torch.__version__, "copy_GBps": bw / 1e9, "dtype": str(dtype),
+           "compile": compile_, "threads": torch.get_num_threads()}  # fmt: skip
+    print(json.dumps(env))
+    results: dict = {"env": env, "args": vars(args), "native": [], "hf": []}
+    native_tokens = None
+    for mode in modes:
+        model = build(args, mode, dtype, cfg_dict)
+        wbytes = weight_bytes(model)
+        for b in args.batches if mode in ("bf16", "fp32") else [1]:
+            r = run_native(args, model, b, prompt, compile_)
+            ctx = args.prompt_len + args.new_tokens / 2
+            step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
+            r.update(mode=mode, weight_GB=wbytes / 1e9,
+                     achieved_GBps=step_bytes / (r["ms_per_step"] / 1e3) / 1e9)  # fmt: skip
+            r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
+            if b == 1 and mode in ("bf16", "fp32"):
+                native_tokens = r["tokens"]
+            results["native"].append({k: v for k, v in r.items() if k != "tokens"})
+            print(json.dumps(results["native"][-1]), flush=True)
+        if args.hf and mode in ("bf16", "fp32"):
+            for cache in ("dynamic", "static"):
+                try:
+                    h = run_hf(args, model, prompt, cache)
+                except Exception as e:  # report, keep the native numbers
+                    results["hf"].append({"cache": cache, "error": repr(e)[:300]})
+                    continue
+                n = min(len(h["tokens"]), len(native_tokens or []))
+                same = sum(a == c for a, c in zip(h["tokens"], native_tokens or [], strict=False))
+                first_diff = next((i for i in range(n) if h["tokens"][i] != native_tokens[i]), None)
+                h.update(match_prefix=first_diff if first_diff is not None else n, match_count=same)
+                results["hf"].append({k: v for k, v in h.items() if k != "tokens"})
+                print(json.dumps(results["hf"][-1]), flush=True)
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    print(
+        f"\n{'mode':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'GB/s':>8s} {'%copy':>6s} {'warm s':>7s}"
+    )
+    for r in results["native"]:
+        print(f"{r['mode']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
+              f"{r['achieved_GBps']:8.1f} {100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f}")  # fmt: skip
+    for h in results["hf"]:
+        if "error" in h:
+            print(f"hf {h['cache']}: {h['error']}")
+        else:
+            print(
+                f"hf-{h['cache']:7s}     1 {h['tok_s']:9.1f}   greedy tokens equal to native for the first {h['match_prefix']}; logits SQNR {h['logits_sqnr_db']:.1f} dB"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Which Hugging Face decoders the native engine runs, read from `config.json` alone.
+
+One dataclass holds everything the model code needs; `from_hf` maps each family's config keys onto
+it and refuses what the compact decoder does not implement, with the reason and the way out
+(the `hf` engine runs every architecture transformers knows).
+
+>>> cfg = NativeConfig.from_hf({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+...     "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100})
+>>> cfg.head_dim, cfg.n_kv_heads, cfg.rope_theta
+(16, 4, 10000.0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmopt.errors import UnsupportedModelError
+
+__all__ = ["NativeConfig", "UnsupportedModel", "FAMILIES"]
+
+# model_type -> what differs from plain Llama.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma": {"gemma": True},
+}
+
+
+class UnsupportedModel(UnsupportedModelError):
+    """The native engine cannot run this model; the `hf` engine can."""
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    model_type: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    gemma: bool = False  # (1 + w) RMSNorm, embeddings scaled by sqrt(dim), tanh-GELU MLP
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> NativeConfig:
+        """Map an HF `config.json` dict to a NativeConfig, or raise UnsupportedModel."""
+        mt = cfg.get("model_type", "?")
+        if mt not in FAMILIES:
+            raise UnsupportedModel(
+                f"the native torch engine runs {', '.join(FAMILIES)} decoders, not {mt!r}",
+                hint="use the hf engine (`--engine hf`), which runs every transformers architecture",
+            )
+        fam = FAMILIES[mt]
+        act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+        want = "gelu_pytorch_tanh" if fam.get("gemma") else "silu"
+        if act != want and not (fam.get("gemma") and act in ("gelu", "gelu_pytorch_tanh")):
+            raise UnsupportedModel(
+                f"{mt} with activation {act!r}: the native engine implements {want}",
+                hint="use the hf engine",
+            )
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModel(
+                "partial rotary embeddings are not implemented natively", hint="use the hf engine"
+            )
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+        rope.update(cfg.get("rope_scaling") or {})  # transformers 4.x
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in ("default", "llama3", "linear"):
+            raise UnsupportedModel(
+                f"RoPE scaling {rope_type!r} is not implemented natively (default, linear, llama3 are)",
+                hint="use the hf engine",
+            )
+        rope["rope_type"] = rope_type
+        n_heads = int(cfg["num_attention_heads"])
+        dim = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=mt,
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # transformers' default
+            rope_theta=theta,
+            rope_scaling=rope,
+            max_position=int(cfg.get("max_position_embeddings") or 4096),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", fam.get("gemma", False))),
+            qkv_bias=bool(cfg.get("attention_bias", fam.get("qkv_bias", False))),
+            qk_norm=bool(fam.get("qk_norm", False)),
+            gemma=bool(fam.get("gemma", False)),
+            sliding_window=cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", True)
+            else None,
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,209 @@
+"""The `torch` engine: llmopt's native decoder (paged KV cache, compiled decode) as an engine plugin.
+
+Builds reuse the `hf` engine's writers for dense and int8 folders (the same safetensors layouts)
+and `llmopt.quant` for calibrated recipes; `load` reads any of them into the native model.
+Models the native decoder does not implement are refused with the reason, and stay runnable
+on the `hf` engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmopt.engines import get_engine, register_engine
+from llmopt.engines.base import Engine
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.recipes import Recipe
+
+__all__ = ["NativeEngine", "NativeCausalLMRunner", "load_generator"]
+
+DENSE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Recipes whose weights this engine's kernels run, and the kernel family (see linear.py).
+QUANTIZED = {"w8a16": "int8"}
+
+
+def _kernel_for(recipe: Recipe) -> str | None:
+    """The linear kernel a recipe needs: None (dense), "int8", "int4" or "fp8"."""
+    if recipe.name in QUANTIZED:
+        return QUANTIZED[recipe.name]
+    bits = getattr(recipe, "weight_bits", None)
+    if bits is None:
+        return None
+    wtype = getattr(recipe, "weight_type", "int")
+    acts = getattr(recipe, "activations", "none")
+    if wtype == "float" and bits == 8:
+        return "fp8"
+    if acts not in ("none", None):
+        return "unsupported"
+    return {8: "int8", 4: "int4"}.get(bits, "unsupported")
+
+
+@register_engine
+class NativeEngine(Engine):
+    name = "torch"
+    tasks = ("causal-lm",)
+
+    def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
+        from llmopt.engines.native.config import NativeConfig, UnsupportedModel
+
+        if info.task != "causal-lm":
+            return "the native torch engine runs decoder LMs; embeddings run on the hf engine"
+        try:
+            NativeConfig.from_hf(json.loads((Path(info.path) / "config.json").read_text()))
+        except UnsupportedModel as e:
+            return e.message
+        kernel = _kernel_for(recipe)
+        if recipe.name == "fp16" and device == "cpu":
+            return "float16 matmuls are emulated on most CPUs (slower than fp32); use bf16 on CPU"
+        if kernel == "unsupported":
+            return f"no native kernel for {recipe.name!r} (quantized activations other than FP8)"
+        if kernel == "fp8" and device == "cpu":
+            return "FP8 matmuls need an NVIDIA GPU of compute capability 8.9+; CPUs have none"
+        if recipe.name not in DENSE and kernel is None:
+            return f"the torch engine does not know recipe {recipe.name!r}"
+        return None
+
+    def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
+        if recipe.name in DENSE or recipe.name in QUANTIZED:
+            facts = get_engine("hf").build(source, info, recipe, out)
+        else:
+            from llmopt.quant import quantize  # calibrated recipes (AWQ, GPTQ, FP8...)
+
+            facts = quantize(Path(source), recipe, Path(out))
+        return {**facts, "engine": "torch (native)", "kernel": _kernel_for(recipe) or "dense"}
+
+    def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]):
+        import torch
+
+        if settings.get("threads"):
+            torch.set_num_threads(int(settings["threads"]))
+        gen = load_generator(
+            artifact,
+            recipe=recipe,
+            device=settings.get("device", "cpu"),
+            max_batch=int(settings.get("max_batch", 8)),
+            max_seq_len=settings.get("max_seq_len"),
+            compile=settings.get("compile"),
+        )
+        return NativeCausalLMRunner(gen)
+
+
+def load_generator(
+    model: str | Path,
+    recipe: str | Recipe = "fp32",
+    device: str = "cpu",
+    *,
+    max_batch: int = 8,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_seq_len: int | None = None,
+    compile: bool | None = None,
+):
+    """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
+
+    Args:
+        model: HF folder (dense or compressed-tensors) or built-in name.
+        recipe: dense recipes pick the dtype; `w8a16`/int4/fp8 recipes quantize dense weights on
+            load (round-to-nearest) unless the folder is already quantized.
+        compile: torch.compile the decode step (default: on for CUDA, off for CPU).
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmopt.assets.models import resolve_model
+    from llmopt.engines.native.generator import Generator
+    from llmopt.engines.native.weights import load_model
+    from llmopt.recipes import get_recipe
+
+    folder, _ = resolve_model(model)
+    rec = get_recipe(recipe)
+    dtype = getattr(torch, rec.dtype)
+    if device == "cpu" and dtype == torch.float16:
+        dtype = torch.float32
+    kernel = _kernel_for(rec)
+    group = int(getattr(rec, "group_size", None) or 128)
+    net = load_model(folder, device, dtype, quant=kernel, ignore=tuple(rec.ignore), group=group)
+    tok = AutoTokenizer.from_pretrained(folder)
+    return Generator(
+        net,
+        tok,
+        max_batch=max_batch,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_seq_len=max_seq_len,
+        compile=(device != "cpu") if compile is None else bool(compile),
+    )
+
+
+class NativeCausalLMRunner:
+    """The CausalLMRunner protocol (logits / prefill / decode) over a `Generator`'s model.
+
+    One prefill/decode state is live at a time: a new `prefill` releases the previous state's
+    KV blocks (verification and benchmarks run one sequence batch at a time).
+    """
+
+    def __init__(self, gen):
+        self.gen, self.tokenizer = gen, gen.tokenizer
+        self._blocks: list[int] = []
+
+    def _release(self) -> None:
+        self.gen._free.extend(reversed(self._blocks))
+        self._blocks = []
+
+    def _alloc(self, n: int) -> list[int]:
+        from llmopt.engines.native.generator import OutOfBlocks
+
+        if n > len(self.gen._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self.gen._free)} free; raise max_batch")
+        got = [self.gen._free.pop() for _ in range(n)]
+        self._blocks.extend(got)
+        return got
+
+    def _prefill(self, input_ids: torch.Tensor, last_only: bool):
+        import torch
+
+        self._release()
+        b, t = input_ids.shape
+        nb = self.gen.blocks_needed(t + 1)
+        tables = torch.tensor([self._alloc(nb) for _ in range(b)], device=self.gen.device)
+        ids = input_ids.to(self.gen.device)
+        pos = torch.arange(t, device=self.gen.device).expand(b, t)
+        with torch.inference_mode():
+            out = self.gen.model(ids, pos, tables, prefill=True, last_only=last_only)
+        return out, {"tables": tables, "len": t}
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self._prefill(input_ids, last_only=False)
+        self._release()
+        return out.float().cpu()
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out, state = self._prefill(input_ids, last_only=True)
+        return out.float().cpu(), state
+
+    def decode(self, tokens: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        import torch
+
+        gen, tables, n = self.gen, state["tables"], state["len"]
+        if n // gen.block_size >= tables.shape[1]:  # grow every row's table by one block
+            extra = torch.tensor(
+                [self._alloc(1) for _ in range(tables.shape[0])], device=gen.device
+            )
+            tables = torch.cat([tables, extra], dim=1)
+        b = tokens.shape[0]
+        pos = torch.full((b, 1), n, dtype=torch.long, device=gen.device)
+        # Pad the tables to a bucket width (block 0 is scratch, masked) so a compiled decode
+        # sees a few shapes, not one per block.
+        from llmopt.engines.native.generator import bucket
+
+        width = bucket(tables.shape[1], gen.max_blocks_per_seq)
+        padded = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+        with torch.inference_mode():
+            out = gen._decode(tokens.to(gen.device), pos, padded)
+        return out.float().cpu(), {"tables": tables, "len": n + 1}

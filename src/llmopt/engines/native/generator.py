@@ -1,0 +1,288 @@
+"""Continuous batching over the paged KV cache: add a sequence, step all, remove one.
+
+`Generator` owns the block pool (a free list of block ids; block 0 is scratch) and the running
+sequences. A scheduler (`llmopt.serve`) decides *who* runs; the generator only says what fits
+(`free_blocks`, `blocks_needed`) and raises `OutOfBlocks` instead of evicting anyone itself.
+
+    gen = load_generator("smollm2-135m", max_batch=8)
+    gen.add("a", tok.encode("The capital of France is"), SamplingParams(max_tokens=8))
+    while not all(gen.finished(s) for s in gen.running):
+        for ev in gen.step():
+            print(ev.seq_id, tok.decode([ev.token_id]))
+
+Each `step()` first prefills the sequences added since the last step (one forward each, SDPA
+causal attention), then runs one decode step for every sequence that was already running, as a
+single batch padded to a bucket size (1, 2, 4, 8, ...), with the block tables cut to a bucket of
+the longest sequence. With `compile=True` the decode step is `torch.compile`d
+(`mode="reduce-overhead"`: CUDA graphs on GPU), one graph per (batch, length) bucket.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmopt.engines.native.model import Transformer
+
+__all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks"]
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free KV blocks. `seq_ids`: the running sequences that needed one."""
+
+    def __init__(self, message: str, seq_ids: list[Hashable] | None = None):
+        super().__init__(message)
+        self.seq_ids = seq_ids or []
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0  # number of top alternatives to return per token (the chosen one always)
+
+
+@dataclass
+class TokenEvent:
+    seq_id: Hashable
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | None
+
+
+@dataclass
+class _Seq:
+    ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    blocks: list[int]
+    rng: torch.Generator | None
+    prefilled: bool = False
+    finish: str | None = None
+
+
+def bucket(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+class Generator:
+    """Runs many sequences of different lengths through one native model."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Any = None,
+        *,
+        max_batch: int = 8,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_seq_len: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+        compile: bool = False,
+        bucket_blocks: bool = True,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, (kv_dtype or model.model.norm.weight.dtype)
+        cfg = model.cfg
+        self.max_seq_len = int(max_seq_len or min(cfg.max_position, 4096))
+        if cfg.sliding_window and self.max_seq_len > cfg.sliding_window:
+            self.max_seq_len = int(cfg.sliding_window)  # beyond it, the window would matter
+        self.block_size, self.max_batch = block_size, max_batch
+        self.max_blocks_per_seq = math.ceil(self.max_seq_len / block_size)
+        self.num_blocks = int(num_blocks or max_batch * self.max_blocks_per_seq + 1)
+        model.setup_cache(self.num_blocks, block_size, self.dtype, self.device)
+        self._free = list(range(self.num_blocks - 1, 0, -1))  # pop() gives low ids first
+        self.seqs: dict[Hashable, _Seq] = {}
+        self.bucket_blocks = bucket_blocks
+        eos = set(cfg.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_ids = eos
+        self._decode = self._decode_eager
+        self.compile_seconds = 0.0
+        if compile:
+            self._decode = torch.compile(
+                self._decode_eager, mode="reduce-overhead", fullgraph=True, dynamic=False
+            )
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+
+    # --- capacity -------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def running(self) -> list[Hashable]:
+        return list(self.seqs)
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.block_size)
+
+    def finished(self, seq_id: Hashable) -> bool:
+        return self.seqs[seq_id].finish is not None
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Admit a sequence: allocate blocks for its prompt; it is prefilled in the next step()."""
+        n = len(prompt_ids)
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already running")
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n + params.max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of this generator ({self.max_seq_len} tokens)"
+            )
+        if len(self.seqs) >= self.max_batch:
+            raise ValueError(f"batch full ({self.max_batch} sequences)")
+        need = self.blocks_needed(n)
+        if need > len(self._free):
+            raise OutOfBlocks(f"prompt needs {need} KV blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(need)]
+        rng = None
+        if params.temperature > 0:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, blocks, rng)
+
+    def remove(self, seq_id: Hashable) -> list[int]:
+        """Forget a sequence and free its blocks; returns its prompt + generated token ids."""
+        s = self.seqs.pop(seq_id)
+        self._free.extend(reversed(s.blocks))
+        return s.ids
+
+    # --- stepping -------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """Prefill new sequences, then decode one token for each sequence already running."""
+        decoding = [k for k, s in self.seqs.items() if s.prefilled and s.finish is None]
+        # Make room for the token each decoding sequence writes now, before any work is done.
+        short = [k for k in decoding if self._needs_block(self.seqs[k])]
+        if len(short) > len(self._free):
+            raise OutOfBlocks(
+                f"{len(short)} sequences need a new KV block, {len(self._free)} free", short
+            )
+        for k in short:
+            self.seqs[k].blocks.append(self._free.pop())
+        events = []
+        for k, s in list(self.seqs.items()):
+            if not s.prefilled:
+                events.append(self._prefill(k, s))
+        if decoding:
+            events.extend(self._decode_batch(decoding))
+        return events
+
+    def _needs_block(self, s: _Seq) -> bool:
+        return (len(s.ids) - 1) // self.block_size >= len(s.blocks)
+
+    @torch.inference_mode()
+    def _prefill(self, key: Hashable, s: _Seq) -> TokenEvent:
+        n = len(s.ids)
+        tokens = torch.tensor([s.ids], device=self.device)
+        pos = torch.arange(n, device=self.device).unsqueeze(0)
+        table = torch.tensor([s.blocks], device=self.device)
+        logits = self.model(tokens, pos, table, prefill=True)
+        s.prefilled = True
+        return self._emit(key, s, logits[0])
+
+    @torch.inference_mode()
+    def _decode_batch(self, keys: list[Hashable]) -> list[TokenEvent]:
+        b = len(keys)
+        bp = bucket(b, self.max_batch)
+        longest = max(len(self.seqs[k].blocks) for k in keys)
+        nb = (
+            bucket(longest, self.max_blocks_per_seq)
+            if self.bucket_blocks
+            else self.max_blocks_per_seq
+        )
+        tokens = torch.zeros(bp, 1, dtype=torch.long)
+        pos = torch.zeros(bp, 1, dtype=torch.long)
+        tables = torch.zeros(bp, nb, dtype=torch.long)  # padding rows write to scratch block 0
+        for i, k in enumerate(keys):
+            s = self.seqs[k]
+            tokens[i, 0], pos[i, 0] = s.ids[-1], len(s.ids) - 1
+            tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
+        logits = self._decode(tokens.to(self.device), pos.to(self.device), tables.to(self.device))[
+            :b
+        ]
+        plain = [
+            not self.seqs[k].params.logprobs and self.seqs[k].params.temperature <= 0 for k in keys
+        ]
+        if not all(plain):
+            return [self._emit(k, self.seqs[k], logits[i]) for i, k in enumerate(keys)]
+        # All greedy without alternatives: one argmax and one host transfer for the whole batch.
+        best = torch.argmax(logits, -1, keepdim=True)
+        lps = (logits.gather(1, best) - torch.logsumexp(logits, -1, keepdim=True)).flatten()
+        return [
+            self._append(k, self.seqs[k], t, lp, [])
+            for k, t, lp in zip(keys, best.flatten().tolist(), lps.tolist(), strict=True)
+        ]
+
+    def _decode_eager(self, tokens, pos, tables):
+        return self.model(tokens, pos, tables).clone()
+
+    def _emit(self, key: Hashable, s: _Seq, logits: torch.Tensor) -> TokenEvent:
+        return self._append(key, s, *sample(logits, s.params, s.rng))
+
+    def _append(self, key, s: _Seq, token: int, logprob: float, top) -> TokenEvent:
+        s.ids.append(token)
+        p = s.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            s.finish = "stop"
+        elif len(s.ids) - s.prompt_len >= p.max_tokens or len(s.ids) >= self.max_seq_len:
+            s.finish = "length"
+        return TokenEvent(key, token, logprob, top, s.finish)
+
+    # --- convenience ----------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], dict]:
+        """Run one sequence to the end; returns (generated ids, timings)."""
+        key = object()
+        self.add(key, prompt_ids, params)
+        t0 = time.perf_counter()
+        out = [self.step()[0]]
+        t1 = time.perf_counter()
+        while out[-1].finish_reason is None:
+            out.extend(self.step())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        self.remove(key)
+        ids = [e.token_id for e in out]
+        return ids, {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decode_tokens": len(ids) - 1}
+
+
+def sample(
+    logits: torch.Tensor, p: SamplingParams, rng: torch.Generator | None
+) -> tuple[int, float, list[tuple[int, float]]]:
+    """Pick the next token from one row of fp32 logits (V,). Returns (token, logprob, top-k)."""
+    if p.temperature <= 0:
+        token = int(torch.argmax(logits))
+    else:
+        x = logits / p.temperature
+        if p.top_k and p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, idx = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, -1)
+            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
+            x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
+        token = int(torch.multinomial(torch.softmax(x, -1), 1, generator=rng))
+    if not p.logprobs:
+        lp = float(logits[token] - torch.logsumexp(logits, -1))
+        return token, lp, []
+    logp = torch.log_softmax(logits, -1)
+    vals, ids = torch.topk(logp, p.logprobs)
+    return token, float(logp[token]), list(zip(ids.tolist(), vals.tolist(), strict=True))

@@ -1,0 +1,174 @@
+"""Quantized linear layers for the native engine: int8 and int4 weight-only, FP8 W8A8.
+
+Each layer holds the weight in the layout its kernel wants and computes y = x W^T (+ b) in the
+activation dtype. The kernels are the ones PyTorch ships (no torchao on our hosts):
+
+| layer       | CPU                                   | CUDA                                         |
+|-------------|---------------------------------------|----------------------------------------------|
+| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | `_weight_int8pack_mm` if built, else dequant |
+| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | `_weight_int4pack_mm` (tinygemm, bf16)       |
+| Fp8Linear   | refused (no fast FP8 matmul on CPU)   | `_scaled_mm`, row-wise scales, cc >= 8.9     |
+
+Above `SMALL_M` rows (prompts), int8 layers dequantize and use the dense matmul: the weight-only
+kernels are GEMV-shaped and lose to cuBLAS/oneDNN when the input is a whole prompt.
+
+Quantization here is plain symmetric round-to-nearest (what a checkpoint without calibration gets);
+calibrated weights (AWQ, GPTQ) arrive already quantized from `llmopt.quant` in compressed-tensors
+folders and are only re-laid-out here (`weights.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Int8Linear",
+    "Int4Linear",
+    "Fp8Linear",
+    "quantize_int8",
+    "quantize_int4",
+    "quantize_fp8",
+    "fp8_supported",
+    "SMALL_M",
+]
+
+SMALL_M = 8
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 (N, K), scale fp32 (N,)), w ~= q * scale."""
+    w = w.float()
+    s = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), s
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric groupwise int4: (q int8 in [-8, 7] (N, K), scale fp32 (N, K // group))."""
+    n, k = w.shape
+    assert k % group == 0, f"group size {group} does not divide in_features {k}"
+    wg = w.float().reshape(n, k // group, group)
+    s = wg.abs().amax(dim=2).clamp(min=1e-8) / 7.5
+    q = torch.round(wg / s[..., None]).clamp(-8, 7).to(torch.int8)
+    return q.reshape(n, k), s
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8 E4M3: (q float8_e4m3fn (N, K), scale fp32 (N,))."""
+    w = w.float()
+    s = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+def fp8_supported(device: torch.device | str | None = None) -> bool:
+    """FP8 tensor-core matmuls need an NVIDIA GPU of compute capability 8.9 or newer."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class _QuantLinear(nn.Module):
+    def __init__(self, n: int, k: int, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = k, n, dtype
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def _finish(self, y: torch.Tensor, shape) -> torch.Tensor:
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(_QuantLinear):
+    """int8 weights, one scale per output channel; activations stay in `dtype`."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias, dtype: torch.dtype):
+        super().__init__(q.shape[0], q.shape[1], bias, dtype)
+        self.register_buffer("weight", q.to(torch.int8).contiguous())
+        # The int8pack kernel takes the scale in the activation dtype (bf16 on CPU: see forward).
+        kdt = torch.bfloat16 if q.device.type == "cpu" else dtype
+        self.register_buffer("scale", scale.flatten().to(kdt).contiguous())
+        self.register_buffer("scale_f", scale.flatten().to(dtype).contiguous())
+        self.packed_kernel = q.device.type == "cpu" or _int8pack_cuda()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= SMALL_M and self.packed_kernel:
+            # On CPU the kernel is fastest with bf16 activations (AVX512-BF16/AMX); fp32 models
+            # lose a little precision in the activations here, as w8a16 means.
+            xin = x2.to(self.scale.dtype).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(xin, self.weight, self.scale).to(x.dtype)
+        else:
+            y = F.linear(x2, self.weight.to(x.dtype)) * self.scale_f.to(x.dtype)
+        return self._finish(y, shape)
+
+
+class Int4Linear(_QuantLinear):
+    """int4 weights in groups along the input dimension (tinygemm layout)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group: int, bias, dtype):
+        n, k = q.shape
+        super().__init__(n, k, bias, dtype)
+        self.group = group
+        u = (q.to(torch.int32) + 8).contiguous()  # tinygemm dequant: (u - 8) * scale + zero
+        sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1)  # (K/g, N, 2)
+        self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
+        if q.device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)
+        else:
+            u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+        self.register_buffer("weight", packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        if x2.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.weight, self.group, self.scales_zeros
+            )
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group, self.scales_zeros)
+        return self._finish(y.to(x.dtype), shape)
+
+
+class Fp8Linear(_QuantLinear):
+    """FP8 E4M3 weights (per-channel scales) x FP8 activations (dynamic per-token scales)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias, dtype):
+        super().__init__(q.shape[0], q.shape[1], bias, dtype)
+        self.register_buffer(
+            "weight", q.contiguous()
+        )  # (N, K) row-major; passed as K x N col-major
+        self.register_buffer("scale", scale.float().reshape(1, -1).contiguous())  # (1, N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        xs = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
+        xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale,
+                             out_dtype=self.dtype)  # fmt: skip
+        return self._finish(y, shape)
+
+
+@functools.cache
+def _int8pack_cuda() -> bool:
+    # Some CUDA builds of PyTorch implement _weight_int8pack_mm, some only on CPU.
+    if not torch.cuda.is_available():
+        return False
+    try:
+        x = torch.ones(1, 64, device="cuda", dtype=torch.bfloat16)
+        w = torch.ones(64, 64, device="cuda", dtype=torch.int8)
+        s = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+        return bool(torch.ops.aten._weight_int8pack_mm(x, w, s)[0, 0].item() == 64)
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -1,0 +1,210 @@
+"""A compact Llama-family decoder over a paged KV cache, in the spirit of gpt-fast.
+
+Why hand-written instead of transformers: decode at batch 1 is bound by per-op overhead in HF's
+eager model (masks, cache objects, hooks), and HF's static cache cannot hold sequences of different
+lengths that come and go. This module is ~200 lines of plain tensor code that `torch.compile`
+turns into a few fused kernels (and one CUDA graph per batch/length bucket).
+
+The KV cache is a pool of fixed-size blocks shared by all sequences, as in vLLM: each layer holds
+`k_cache`/`v_cache` of shape (num_blocks * block_size, n_kv_heads, head_dim); a sequence owns a
+list of blocks (its *block table*), and token position p of sequence b lives at row
+`block_tables[b, p // block_size] * block_size + p % block_size`. Block 0 is scratch: padding rows
+of a batch point there, so real sequences never get it.
+
+Two attention paths:
+- `prefill` (every sequence starts at position 0): SDPA with `is_causal` on the fresh keys/values
+  (flash attention on GPU); the keys/values are also written to the cache.
+- `paged` (decode, or a chunk after earlier tokens): gather each sequence's blocks, mask key
+  positions past the query's, grouped-query attention without repeating K/V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.engines.native.config import NativeConfig
+
+__all__ = ["Transformer", "rope_inv_freq"]
+
+
+def rope_inv_freq(cfg: NativeConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies (head_dim / 2,) in fp32, with linear or Llama-3 scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc.get("rope_type") == "linear":
+        return inv / float(sc["factor"])
+    if sc.get("rope_type") == "llama3":  # as transformers' _compute_llama3_parameters
+        factor, lo, hi = (
+            float(sc["factor"]),
+            float(sc["low_freq_factor"]),
+            float(sc["high_freq_factor"]),
+        )
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D); cos/sin (B, T, 1, D/2). The rotate-half convention of HF Llama."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        b = cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=b)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # (rows, n_kv, hd) each, set by Transformer.setup_cache. Buffers, so torch.compile and
+        # CUDA graphs see fixed addresses that are updated in place.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Write this step's keys/values into their cache rows.
+        self.k_cache.index_copy_(0, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
+        self.v_cache.index_copy_(0, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
+        if prefill:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=self.n_heads != self.n_kv,
+            ).transpose(1, 2)  # fmt: skip
+        else:
+            out = self._paged(q, pos, block_tables, block_size)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
+
+    def _paged(self, q, pos, block_tables, block_size):
+        B, T, _, hd = q.shape
+        g = self.n_heads // self.n_kv
+        nb = block_tables.shape[1]
+        # Gather the sequences' blocks: (B, nb * block_size, n_kv, hd) -> (B, n_kv, 1, S, hd).
+        kc = self.k_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
+        vc = self.v_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
+        kc = kc.reshape(B, nb * block_size, self.n_kv, hd).permute(0, 2, 1, 3).unsqueeze(2)
+        vc = vc.reshape(B, nb * block_size, self.n_kv, hd).permute(0, 2, 1, 3).unsqueeze(2)
+        qg = q.view(B, T, self.n_kv, g, hd).permute(0, 2, 3, 1, 4)  # (B, n_kv, g, T, hd)
+        scores = (qg @ kc.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, n_kv, g, T, S)
+        keys = torch.arange(nb * block_size, device=q.device)
+        visible = keys.view(1, 1, 1, 1, -1) <= pos.view(B, 1, 1, T, 1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = p @ vc  # (B, n_kv, g, T, hd)
+        return out.permute(0, 3, 1, 2, 4)  # (B, T, n_kv, g, hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+        self.gemma = cfg.gemma
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.gemma else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+
+    def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, rows, pos, block_tables, block_size, prefill)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow HF (`model.layers.0.self_attn.q_proj.weight`, ...) so HF
+    safetensors load by name."""
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.model.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.block_size = 0
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def setup_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
+        """Allocate the KV block pool: num_blocks * block_size token rows per layer."""
+        self.block_size = block_size
+        shape = (num_blocks * block_size, self.cfg.n_kv_heads, self.cfg.head_dim)
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        block_tables: torch.Tensor,
+        prefill: bool = False,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """tokens, pos: (B, T) int64; block_tables: (B, nb) int64 block ids.
+
+        `prefill=True` requires every sequence to start at position 0 in this call. Returns fp32
+        logits (B, V) for the last position if `last_only`, else (B, T, V).
+        """
+        bs = self.block_size
+        rows = block_tables.gather(1, pos // bs) * bs + pos % bs  # (B, T) cache rows
+        freqs = pos.unsqueeze(-1).float() * self.inv_freq  # (B, T, hd/2)
+        cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)
+        x = self.model.embed_tokens(tokens)
+        if self.cfg.gemma:
+            x = x * torch.tensor(math.sqrt(self.cfg.dim), dtype=x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, rows, pos, block_tables, bs, prefill)
+        x = self.model.norm(x)
+        if last_only:
+            x = x[:, -1]
+        return self.lm_head(x).float()

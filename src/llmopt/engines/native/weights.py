@@ -1,0 +1,195 @@
+"""Build a native `Transformer` from an HF folder (dense or compressed-tensors) or from a config.
+
+The model is created on the `meta` device (no memory), then each parameter is materialized from
+its safetensors tensor straight onto the target device, so peak host memory stays near one tensor
+rather than a whole fp32 copy of the model.
+
+Weights that arrive quantized (a compressed-tensors `quantization_config`, as `llmopt.quant` and
+llm-compressor write) are re-laid-out for this engine's kernels without re-quantizing, so AWQ/GPTQ
+choices survive. Dense weights can be quantized on load (`quant="int8" | "int4" | "fp8"`,
+round-to-nearest), which is what the benchmark and the on-the-fly recipes use.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.engines.native import linear as L
+from llmopt.engines.native.config import NativeConfig
+from llmopt.engines.native.model import Transformer, rope_inv_freq
+
+__all__ = ["load_model", "random_model", "quantize_model_", "QUANT_MODES"]
+
+QUANT_MODES = ("int8", "int4", "fp8")
+
+
+def _linear_names(model: Transformer) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _set_param(model: nn.Module, name: str, t: torch.Tensor) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, nn.Parameter(t, requires_grad=False))
+
+
+def _finish(model: Transformer, device) -> Transformer:
+    cfg = model.cfg
+    if cfg.tie_embeddings or model.lm_head.weight.is_meta:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"weights missing from the checkpoint: {left[:5]}")
+    return model.eval()
+
+
+def _quantized_linear(w: torch.Tensor, bias, mode: str, dtype, group: int = 128) -> nn.Module:
+    if mode == "int8":
+        q, s = L.quantize_int8(w)
+        return L.Int8Linear(q, s, bias, dtype)
+    if mode == "int4":
+        q, s = L.quantize_int4(w, group)
+        return L.Int4Linear(q, s, group, bias, dtype)
+    q, s = L.quantize_fp8(w)
+    return L.Fp8Linear(q, s, bias, dtype)
+
+
+def quantize_model_(
+    model: Transformer, mode: str, ignore: tuple[str, ...] = ("lm_head",), group: int = 128
+) -> list[str]:
+    """Replace the dense linears by `mode` layers (round-to-nearest), in place; returns names."""
+    assert mode in QUANT_MODES, mode
+    done = []
+    for name in _linear_names(model):
+        lin = model.get_submodule(name)
+        if any(name == s or name.endswith("." + s) for s in ignore):
+            continue
+        if mode == "int4" and lin.in_features % group:
+            continue  # left dense; the build lists it
+        dtype = lin.weight.dtype
+        _set_module(model, name, _quantized_linear(lin.weight.data, lin.bias, mode, dtype, group))
+        done.append(name)
+    return done
+
+
+def random_model(cfg: NativeConfig, device, dtype: torch.dtype, seed: int = 0) -> Transformer:
+    """Seeded random weights (std 0.02; norms 1), never all-zero: for benchmarks of big shapes."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        if name.endswith("norm.weight"):
+            t = torch.ones(p.shape, device=device, dtype=dtype)
+        else:
+            t = torch.randn(p.shape, device=device, dtype=dtype, generator=g) * 0.02
+        _set_param(model, name, t)
+    return _finish(model, device)
+
+
+def load_model(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quant: str | None = None,
+    ignore: tuple[str, ...] = ("lm_head",),
+    group: int = 128,
+) -> Transformer:
+    """Load an HF folder's safetensors into a native Transformer on `device`."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    cfg = NativeConfig.from_hf(raw)
+    qcfg = raw.get("quantization_config")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .safetensors files")
+    tensors: dict[str, Any] = {}
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    for h in handles:
+        for k in h.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+            tensors[k] = h
+    linears = set(_linear_names(model))
+    for name in linears:
+        if f"{name}.weight" not in tensors and not _is_quantized(name, tensors):
+            continue  # tied lm_head: filled in _finish
+        bias = (
+            tensors[f"{name}.bias"].get_tensor(f"{name}.bias")
+            if f"{name}.bias" in tensors
+            else None
+        )
+        if _is_quantized(name, tensors):
+            _set_module(model, name, _from_compressed(name, tensors, qcfg, device, dtype, bias))
+            continue
+        w = tensors[f"{name}.weight"].get_tensor(f"{name}.weight").to(device=device, dtype=dtype)
+        skip = any(name == s or name.endswith("." + s) for s in ignore)
+        if quant and not skip and not (quant == "int4" and w.shape[1] % group):
+            b = None if bias is None else bias.to(device)
+            _set_module(model, name, _quantized_linear(w, b, quant, dtype, group))
+        else:
+            _set_param(model, f"{name}.weight", w)
+            if bias is not None:
+                _set_param(model, f"{name}.bias", bias.to(device=device, dtype=dtype))
+    for name, p in list(model.named_parameters()):
+        if p.is_meta and name in tensors:
+            _set_param(model, name, tensors[name].get_tensor(name).to(device=device, dtype=dtype))
+    return _finish(model, device)
+
+
+def _is_quantized(name: str, tensors) -> bool:
+    return f"{name}.weight_scale" in tensors
+
+
+def _from_compressed(name: str, tensors, qcfg: dict | None, device, dtype, bias) -> nn.Module:
+    """One compressed-tensors linear -> this engine's layer, keeping the stored integer values."""
+
+    def get(key):
+        return tensors[key].get_tensor(key).to(device)
+
+    scale = get(f"{name}.weight_scale").float()
+    b = None if bias is None else bias.to(device)
+    if f"{name}.weight_packed" in tensors:  # pack-quantized int4 (or int8) in int32 words
+        from compressed_tensors.compressors.quantized_compressors.pack_quantized import (
+            unpack_from_int32,
+        )
+
+        shape = torch.Size(get(f"{name}.weight_shape").tolist())
+        bits = _num_bits(qcfg)
+        q = unpack_from_int32(get(f"{name}.weight_packed"), bits, shape).to(torch.int8)
+    else:
+        q = get(f"{name}.weight")
+    if f"{name}.weight_zero_point" in tensors and bool(get(f"{name}.weight_zero_point").any()):
+        raise NotImplementedError(
+            f"{name}: asymmetric (zero-point) weights are not supported natively"
+        )
+    if q.dtype == torch.float8_e4m3fn:
+        return L.Fp8Linear(q, scale.flatten(), b, dtype)
+    n, k = q.shape
+    if scale.numel() == n:  # per channel
+        if int(q.min()) >= -8 and int(q.max()) <= 7 and _num_bits(qcfg) == 4:
+            return L.Int4Linear(q, scale.reshape(n, 1).expand(n, 1), k, b, dtype)
+        return L.Int8Linear(q, scale.flatten(), b, dtype)
+    group = k // scale.shape[1]
+    return L.Int4Linear(q, scale.reshape(n, -1), group, b, dtype)
+
+
+def _num_bits(qcfg: dict | None) -> int:
+    for g in ((qcfg or {}).get("config_groups") or {}).values():
+        w = g.get("weights") or {}
+        if w.get("num_bits"):
+            return int(w["num_bits"])
+    return 8
