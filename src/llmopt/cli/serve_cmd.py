@@ -78,6 +78,15 @@ def serve(
         float,
         typer.Option("--drain-timeout", help="On SIGTERM, seconds to finish in-flight requests."),
     ] = 30.0,
+    embed_batch_window_ms: Annotated[
+        float,
+        typer.Option(
+            "--embed-batch-window-ms", help="Embeddings: wait this long for more requests to batch."
+        ),
+    ] = 5.0,
+    embed_max_batch: Annotated[
+        int, typer.Option("--embed-max-batch", help="Embeddings: most texts per forward pass.")
+    ] = 64,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
     gguf: Annotated[
@@ -99,7 +108,8 @@ def serve(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
         max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
-        drain_timeout_s=drain_timeout, recipe=recipe or "fp32", device=device, threads=threads,
+        drain_timeout_s=drain_timeout, embed_batch_window_ms=embed_batch_window_ms,
+        embed_max_batch=embed_max_batch, recipe=recipe or "fp32", device=device, threads=threads,
     )  # fmt: skip
     if engine:
         from llmopt.serve.external import external_command, launch_external
