@@ -6,8 +6,8 @@ to make room; re-admitted before any waiting request). Each `step()`:
 
 1. admits sequences while the batch has a free slot, the step's token budget
    (`max_num_batched_tokens`: prompt tokens to prefill plus one per running decode) allows, and
-   the engine has the KV blocks for the whole prompt (plus a small watermark while others run,
-   so admitting does not immediately force a preemption);
+   the engine has the KV blocks for the whole prompt while keeping one block per running
+   sequence plus a small watermark free (so admitting does not force a preemption next step);
 2. runs one engine step (prefills of the admitted, one decode for every running sequence);
 3. when the engine reports that running sequences need a new block and none is free
    (`OutOfBlocks`), preempts by recompute: the latest-arrived, lowest-priority running sequences
@@ -213,7 +213,10 @@ class Scheduler:
             n = len(seq.tokens)
             if prefilled and n > budget:
                 break  # the next step has room; a lone long prompt is still admitted
-            reserve = self.watermark if self.running else 0
+            # Keep one block per running sequence (its next decode may need one) plus the
+            # watermark: admitting into that room would only force a preemption next step, and
+            # re-admitting a just-preempted sequence into it would repeat forever.
+            reserve = len(self.running) + self.watermark if self.running else 0
             if self.gen.blocks_needed(n) > self.gen.free_blocks - reserve:
                 break  # strict order: a later, smaller request does not overtake
             try:
