@@ -1,18 +1,23 @@
 """`optimize`: the main job, top to bottom.
 
-    inspect -> plan -> build -> verify -> bench (per candidate) -> select -> report
+    inspect -> plan -> search (build, screen, verify, bench per candidate) -> select -> best/ -> report
 
-Each candidate stage runs in its own process (`llmopt.worker`) and leaves its JSON in the run
-directory; re-running the same command skips every stage whose JSON exists, so a killed run
-resumes where it stopped and a finished one returns at once.
+The search (`llmopt.search.loop`) screens every candidate cheaply, then fully verifies and
+benchmarks the survivors, within `--time-budget`. Each candidate stage runs in its own process
+(`llmopt.worker`), locally or as Ray tasks, and leaves its JSON in the run directory; re-running
+the same command skips every stage whose JSON exists, so a killed run resumes where it stopped and
+a finished one returns at once.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
+import logging
 import os
+import platform
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,10 +26,12 @@ from typing import Any
 
 from llmopt import __version__
 from llmopt.atomic import atomic_dir, read_json, write_json
-from llmopt.rundir import STAGES, RunDir
+from llmopt.rundir import RunDir
 from llmopt.schema import BenchResult, Candidate, Selection, VerifyResult
 
-__all__ = ["optimize", "OptimizeResult", "PROFILES"]
+__all__ = ["optimize", "reverify", "OptimizeResult", "PROFILES", "SCREEN"]
+
+log = logging.getLogger(__name__)
 
 # Sizes of the verification and benchmark work. "full" is the default; "quick" is for tests and
 # smoke runs (still >= 1000 sentences for embeddings, so the cosine statistics mean something).
@@ -37,6 +44,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "bench_repeats": 5,
         "prompt_tokens": 100,
         "new_tokens": 128,
+        "bench_batch_sizes": [1, 4],
     },
     "quick": {
         "eval_windows": 4,
@@ -46,6 +54,31 @@ PROFILES: dict[str, dict[str, Any]] = {
         "bench_repeats": 3,
         "prompt_tokens": 64,
         "new_tokens": 32,
+        "bench_batch_sizes": [1],
+    },
+}
+# The search's cheap first rung (fidelity 1) for each profile: a quarter of the evaluation
+# tokens or sentences, short benchmarks. Full fidelity (2) is the profile itself.
+SCREEN: dict[str, dict[str, Any]] = {
+    "full": {
+        "eval_windows": 4,
+        "window": 256,
+        "sentences": 500,
+        "bench_sentences": 128,
+        "bench_repeats": 2,
+        "prompt_tokens": 64,
+        "new_tokens": 24,
+        "bench_batch_sizes": [1],
+    },
+    "quick": {
+        "eval_windows": 2,
+        "window": 128,
+        "sentences": 250,
+        "bench_sentences": 64,
+        "bench_repeats": 2,
+        "prompt_tokens": 32,
+        "new_tokens": 12,
+        "bench_batch_sizes": [1],
     },
 }
 
@@ -58,10 +91,11 @@ class OptimizeResult:
     run_dir: Path
     selection: Selection
     resumed: bool
-    ran: list[str] = field(default_factory=list)  # "<id>/<stage>" executed in this call
-    skipped: list[str] = field(default_factory=list)  # "<id>/<stage>" already finished
+    ran: list[str] = field(default_factory=list)  # "<id>/<stage>[@fidelity]" executed now
+    skipped: list[str] = field(default_factory=list)  # "<id>/<stage>[@fidelity]" already done
     report_html: Path | None = None
     report_md: Path | None = None
+    search: dict[str, Any] = field(default_factory=dict)  # what search.json holds
 
 
 def optimize(
@@ -74,8 +108,14 @@ def optimize(
     profile: str = "full",
     force: bool = False,
     progress: Progress | None = None,
+    objective: str = "throughput",
+    time_budget: str | float | None = None,
+    search: str = "halving",
+    ray_address: str | None = None,
+    price_per_hour: float | None = None,
+    deploy: bool = True,
 ) -> OptimizeResult:
-    """Find the fastest deployment of `model` on `target` that keeps quality within budget.
+    """Find the best deployment of `model` on `target` for `objective` within the quality budget.
 
     Args:
         model: a built-in name (`smollm2-135m`, `minilm-l6`) or a Hugging Face folder.
@@ -88,19 +128,33 @@ def optimize(
         profile: "full" or "quick" (smaller verification and benchmark work).
         force: discard a different run found in `out` instead of refusing.
         progress: optional callback for stage events.
+        objective: latency | throughput | memory | cost (llmopt.search.objective).
+        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None: unlimited.
+        search: "halving" (screen all, fully verify the survivors) or "exhaustive".
+        ray_address: None (local worker processes), "local" (start a Ray instance here) or the
+            address of a Ray cluster; candidates then run as Ray tasks.
+        price_per_hour: the target's price, for the cost objective (default: relative units).
+        deploy: write the deploy bundle into best/deploy (causal LMs).
 
     Example:
-        >>> r = optimize("minilm-l6", "runs/minilm")        # doctest: +SKIP
-        >>> r.selection.chosen                                # doctest: +SKIP
+        >>> r = optimize("minilm-l6", "runs/minilm", time_budget="10m")   # doctest: +SKIP
+        >>> r.selection.chosen                                             # doctest: +SKIP
         'onnxruntime-w8a8-dynamic'
     """
     from llmopt.modelinfo import inspect_model
     from llmopt.plan import detect_target, make_plan
+    from llmopt.search import Budget, get_objective, parse_duration
+    from llmopt.search.executor import make_executor
+    from llmopt.search.loop import MODES, run_search
 
     if not 0 <= max_quality_drop < 1:
         raise ValueError(f"--max-quality-drop must be a fraction in [0, 1), got {max_quality_drop}")
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    if search not in MODES:
+        raise ValueError(f"unknown search {search!r}; choose one of {', '.join(MODES)}")
+    obj = get_objective(objective)
+    budget = Budget(parse_duration(time_budget))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
@@ -112,125 +166,145 @@ def optimize(
         "profile": profile,
         "max_quality_drop": max_quality_drop,
         "threads": tgt.threads,
+        "fidelities": {"screen": SCREEN[profile]},
     }  # part of the run's identity: a resume must not mix them
     run = RunDir(out)
-    resumed = run.open(_run_meta(model, path, info, tgt.device, settings), force=force)
+    resumed = run.open(_run_meta(model, path, info, tgt, settings), force=force)
     write_json(run.model_json, info.to_dict())
+    _doctor(run, target)
     plan = make_plan(info, tgt, only=candidates, settings={"threads": tgt.threads})
     write_json(run.plan_json, plan.to_dict())
-
-    result = OptimizeResult(run.root, selection=None, resumed=resumed)  # type: ignore[arg-type]
     for cand in plan.candidates:
-        _run_candidate(run, cand, result, progress)
-    result.selection = _select(run, plan.candidates, max_quality_drop)
+        f = run.candidate(cand.id).stage_file("candidate")
+        if not f.exists():
+            write_json(f, cand.to_dict())
+
+    ctx = {"price_per_hour": price_per_hour}
+    executor = make_executor(ray_address, tgt.threads, progress)
+    try:
+        state = run_search(run, plan.candidates, executor, budget, obj, max_quality_drop,
+                           search, ctx)  # fmt: skip
+        where = executor.describe()
+    finally:
+        executor.close()
+    result = OptimizeResult(run.root, selection=None, resumed=resumed)  # type: ignore[arg-type]
+    for rec in state.tasks:
+        result.ran += rec.get("ran", [])
+        result.skipped += rec.get("skipped", [])
+    result.selection = _select(run, plan.candidates, max_quality_drop, obj.name, ctx, state.cut)
+    if result.selection.chosen:
+        chosen = next(c for c in plan.candidates if c.id == result.selection.chosen)
+        _write_best(run, chosen, tgt.threads, deploy)
+    result.search = {
+        "objective": obj.name,
+        "search": search,
+        "budget": budget.to_dict(),
+        "executor": where,
+        "profile": profile,
+        "fidelities": {"1 (screen)": SCREEN[profile], "2 (full)": PROFILES[profile]},
+        **state.to_dict(),
+    }
+    write_json(run.search_json, result.search)
     from llmopt.report import write_report
 
     result.report_md, result.report_html = write_report(run.root)
     return result
 
 
-def _run_meta(model, path: Path, info, device: str, settings: dict[str, Any]) -> dict[str, Any]:
+def _run_meta(model, path: Path, info, tgt, settings: dict[str, Any]) -> dict[str, Any]:
+    """run.json: identity (model fingerprint, target, settings) plus what reproduces the run."""
     argv = " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "llmopt" else None
+    from llmopt.verify.stats import DEFAULT_SEED
+
     return {
         "llmopt_version": __version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": f"llmopt {argv}" if argv else f"optimize({str(model)!r}, target={device!r})",
+        "command": f"llmopt {argv}" if argv else f"optimize({str(model)!r}, target={tgt.device!r})",
         "model": str(model),
         "model_path": str(path),
         "model_fingerprint": info.fingerprint,
-        "target": device,
-        "objective": "throughput",
+        "target": tgt.device,
         "max_quality_drop": settings["max_quality_drop"],
         "settings": settings,
+        "versions": versions(),
+        "seeds": {
+            "bootstrap": DEFAULT_SEED,
+            "data": "fixed article split (llmopt.assets.text)",
+            "decoding": "greedy",
+        },  # fmt: skip
+        "hardware": hardware_fingerprint(tgt),
     }
 
 
-def _run_candidate(run: RunDir, cand: Candidate, result: OptimizeResult, progress) -> None:
-    cdir = run.candidate(cand.id)
-    if not cdir.stage_file("candidate").exists():
-        write_json(cdir.stage_file("candidate"), cand.to_dict())
-    ref_id = (
-        None
-        if cand.reference
-        else next(
-            c.id
-            for c in map(Candidate.from_dict, read_json(run.plan_json)["candidates"])
-            if c.reference
-        )
-    )
-    for stage in STAGES:
-        key = f"{cand.id}/{stage}"
-        if cdir.done(stage):
-            result.skipped.append(key)
-            progress and progress("skip", cand.id, stage, "already finished")
-            continue
-        if stage == "verify" and ref_id and not run.candidate(ref_id).done("verify"):
-            write_json(
-                cdir.stage_file("error"),
-                {
-                    "stage": stage,
-                    "error": "the reference failed, nothing to compare against",
-                    "traceback": "",
-                },
-            )
-            progress and progress("fail", cand.id, stage, "the reference failed")
-            return
-        progress and progress("start", cand.id, stage, "")
-        ok, detail = _spawn(run, cand.id, stage)
-        result.ran.append(key)
-        progress and progress("done" if ok else "fail", cand.id, stage, detail)
-        if not ok:
-            return
+def versions() -> dict[str, str | None]:
+    """Versions of llmopt, Python and every library a candidate's numbers depend on."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"llmopt": __version__, "python": platform.python_version()}
+    for dist in ("torch", "transformers", "numpy", "onnxruntime", "onnx", "safetensors",
+                 "llama-cpp-python", "vllm", "ray"):  # fmt: skip
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
-def _spawn(run: RunDir, cid: str, stage: str) -> tuple[bool, str]:
-    """Run one stage in a child process; its output goes to the candidate's log.txt."""
-    cdir = run.candidate(cid)
-    cdir.root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(cdir.log, "a", encoding="utf-8") as log:
-        log.write(f"\n=== {stage} ===\n")
-        log.flush()
-        proc = subprocess.run(
-            [sys.executable, "-m", "llmopt.worker", str(run.root), cid, stage],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            check=False,
-        )
-    if proc.returncode == 0 and cdir.done(stage):
-        return True, ""
-    err = cdir.read("error")
-    if err is None:  # killed without a word: most often the kernel's out-of-memory killer
-        why = f"worker exited with code {proc.returncode}" + (
-            " (killed: out of memory?)" if proc.returncode in (-9, 137) else ""
-        )
-        err = {"stage": stage, "error": why, "traceback": f"see {cdir.log}"}
-        write_json(cdir.stage_file("error"), err)
-    return False, err["error"]
+def hardware_fingerprint(tgt) -> dict[str, Any]:
+    """The facts that make two machines comparable, and a short hash of them."""
+    facts = {"device": tgt.device, "cpu": tgt.cpu, "threads": tgt.threads,
+             "cores": os.cpu_count(), "memory_gib": round(tgt.memory_bytes / 2**30),
+             "features": sorted(tgt.features), "gpu": (tgt.gpu or {}).get("name"),
+             "machine": platform.machine()}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+    return {**facts, "fingerprint": digest}
 
 
-def _select(run: RunDir, cands: list[Candidate], max_quality_drop: float) -> Selection:
-    from llmopt.select import select
+def _doctor(run: RunDir, target: str) -> None:
+    """doctor.json once per run: the environment section of the report."""
+    if run.doctor_json.exists():
+        return
+    try:
+        from llmopt.doctor import run_doctor
 
+        write_json(run.doctor_json, run_doctor(target if target in ("cpu", "cuda") else "auto")
+                   .to_dict())  # fmt: skip
+    except Exception as e:  # the report says the environment is unknown; the run goes on
+        log.warning("doctor failed: %s", e)
+        write_json(run.doctor_json, {"error": f"{type(e).__name__}: {e}", "findings": []})
+
+
+def _results(run: RunDir, cands: list[Candidate], fidelity: str = "full"):
     verify, bench, errors = {}, {}, {}
     for c in cands:
         cdir = run.candidate(c.id)
-        if (e := cdir.read("error")) is not None:
-            errors[c.id] = f"{e['stage']}: {e['error']}"
-        if (v := cdir.read("verify")) is not None:
+        if (e := cdir.read("error")) is not None and e.get("fidelity", "full") in (fidelity,
+                                                                                  "screen"):  # fmt: skip
+            errors[c.id] = (
+                f"{e['stage']}"
+                + (f" ({e['fidelity']})" if e.get("fidelity") not in (None, "full") else "")
+                + f": {e['error']}"
+            )
+        if (v := cdir.read("verify", fidelity)) is not None:
             verify[c.id] = VerifyResult.from_dict(v)
-        if (b := cdir.read("bench")) is not None:
+        if (b := cdir.read("bench", fidelity)) is not None:
             bench[c.id] = BenchResult.from_dict(b)
-    sel = select(cands, verify, bench, errors, max_quality_drop)
+    return verify, bench, errors
+
+
+def _select(run: RunDir, cands: list[Candidate], max_quality_drop: float, objective: str,
+            ctx: dict[str, Any], cut: dict[str, str]) -> Selection:  # fmt: skip
+    from llmopt.select import select
+
+    verify, bench, errors = _results(run, cands)
+    sel = select(cands, verify, bench, errors, max_quality_drop, objective, ctx, cut)
     write_json(run.selection_json, sel.to_dict())
-    if sel.chosen:
-        _write_best(run, next(c for c in cands if c.id == sel.chosen))
     return sel
 
 
-def _write_best(run: RunDir, cand: Candidate) -> None:
-    """best/ = the chosen artifact (hard links where possible: no second copy on disk) + launch."""
+def _write_best(run: RunDir, cand: Candidate, threads: int, deploy: bool) -> None:
+    """best/ = the chosen artifact (hard links where possible: no second copy on disk), its
+    launch configuration, and the deploy bundle (llmopt.deploy) for causal LMs."""
     src = run.candidate(cand.id).artifact
 
     def link_or_copy(a: str, b: str) -> None:
@@ -239,17 +313,145 @@ def _write_best(run: RunDir, cand: Candidate) -> None:
         except OSError:
             shutil.copy2(a, b)
 
+    info = read_json(run.model_json)
     with atomic_dir(run.best) as tmp:
         shutil.copytree(src, tmp / "artifact", copy_function=link_or_copy)
         write_json(tmp / "candidate.json", cand.to_dict())
         shutil.copy2(run.model_json, tmp / "model.json")
-        write_json(
-            tmp / "launch.json",
-            {
-                "engine": cand.engine,
-                "recipe": cand.recipe,
-                "settings": cand.settings,
-                "artifact": "artifact",
-                "python": "from llmopt.engines import load_best; runner = load_best('RUN/best')",
-            },
+        write_json(tmp / "launch.json", _launch(cand, info))
+    if deploy:
+        write_json(run.best / "deploy.json", _deploy(run, threads))
+
+
+def _launch(cand: Candidate, info: dict[str, Any]) -> dict[str, Any]:
+    """How to run the chosen candidate: in Python, and served (the engine's command line)."""
+    out = {
+        "engine": cand.engine,
+        "recipe": cand.recipe,
+        "settings": cand.settings,
+        "artifact": "artifact",
+        "python": "from llmopt.engines import load_best; runner = load_best('RUN/best')",
+    }
+    threads = cand.settings.get("threads")
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    if info.get("task") == "causal-lm":
+        out["serve"] = {"command": "llmopt serve RUN/best --host 127.0.0.1 --port 8000",
+                        "env": env, "api": "OpenAI-compatible /v1/completions, /v1/chat/completions"}  # fmt: skip
+    else:
+        out["serve"] = {"command": "llmopt serve RUN/best --host 127.0.0.1 --port 8000",
+                        "env": env, "api": "OpenAI-compatible /v1/embeddings"}  # fmt: skip
+    return out
+
+
+def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
+    """Write best/deploy (llmopt.deploy.write_bundle); return what happened, never raise."""
+    try:
+        from llmopt.deploy import resolve_source, write_bundle
+        from llmopt.serving_target import ServingTarget
+
+        src = resolve_source(run.root)
+        res = write_bundle(src, run.best / "deploy", ServingTarget.cpu(threads), validate=True)
+        return {"written": True, "path": "deploy", "ok": res.ok,
+                "checks": [c.to_dict() for c in res.checks], "files": res.files}  # fmt: skip
+    except Exception as e:  # e.g. embedders: bundles serve causal LMs today
+        hint = getattr(e, "hint", None)
+        return {"written": False, "reason": f"{type(e).__name__}: {e}", "hint": hint}
+
+
+def reverify(run_dir: str | Path, progress: Progress | None = None,
+             ray_address: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Re-verify and re-benchmark the chosen candidate and the reference of a finished run, with
+    the libraries installed now, and say whether the choice still holds. Writes `reverify.json`.
+
+    Args:
+        run_dir: a run directory `llmopt optimize` finished (it has selection.json).
+        progress: optional callback for stage events.
+        ray_address: run the two tasks on Ray (see `optimize`).
+
+    Example:
+        >>> r = reverify("runs/smollm2-135m")      # doctest: +SKIP
+        >>> r["holds"], r["verdict"]               # doctest: +SKIP
+        (True, 'the choice still holds: ...')
+    """
+    from llmopt.errors import RunDirError
+    from llmopt.search import get_objective
+    from llmopt.search.executor import Task, make_executor
+
+    run = RunDir(run_dir)
+    if not run.selection_json.exists():
+        raise RunDirError(f"{run.root} has no selection.json",
+                          hint="run `llmopt optimize` to the end first")  # fmt: skip
+    meta = read_json(run.run_json)
+    sel = Selection.from_dict(read_json(run.selection_json))
+    if not sel.chosen:
+        raise RunDirError(f"{run.root}: nothing was chosen, so there is no choice to re-check",
+                          hint="look at report.html; relax --max-quality-drop and re-run")  # fmt: skip
+    cands = [Candidate.from_dict(c) for c in read_json(run.plan_json)["candidates"]]
+    ref = next(c for c in cands if c.reference)
+    ids = [ref.id] + ([sel.chosen] if sel.chosen != ref.id else [])
+    for cid in ids:  # a re-check is always measured afresh
+        for stage in ("verify", "bench"):
+            run.candidate(cid).stage_file(stage, "reverify").unlink(missing_ok=True)
+    steps = [("verify", "reverify"), ("bench", "reverify")]
+    tasks = [Task(cid, steps, "reverify", None if cid == ref.id else ref.id) for cid in ids]
+    executor = make_executor(ray_address, int(meta["settings"].get("threads") or 1), progress)
+    try:
+        executor.run(str(run.root), tasks[:1])  # the reference's outputs first
+        executor.run(str(run.root), tasks[1:])
+    finally:
+        executor.close()
+    obj = get_objective(sel.objective)
+    by_id = {c.id: c for c in cands}
+    v_now, b_now, errors = _results(run, [by_id[i] for i in ids], "reverify")
+    _, b_then, _ = _results(run, [by_id[i] for i in ids], "full")
+
+    def score(b: dict[str, BenchResult]) -> float | None:
+        if sel.chosen not in b or ref.id not in b:
+            return None
+        return obj.score(obj.value(b[sel.chosen]), obj.value(b[ref.id]))
+
+    was, now = score(b_then), score(b_now)
+    v = v_now.get(sel.chosen)
+    spread = (
+        b_now[sel.chosen].metrics[b_now[sel.chosen].primary].spread if sel.chosen in b_now else 0
+    )
+    problems = [f"{cid}: {e}" for cid, e in errors.items()]
+    if v is None:
+        problems.append(f"{sel.chosen} could not be re-verified")
+    elif not v.passed:
+        problems.append(
+            f"{sel.chosen} now fails its quality gate (quality drop {v.quality_drop:+.2%})"
         )
+    if now is not None and sel.chosen != ref.id and now < 1 - max(spread, 0.05):
+        problems.append(f"{sel.chosen} is now {now:.2f}x the reference on {obj.name}")
+    holds = not problems
+    then_v = meta.get("versions") or {}
+    changed = {k: [then_v.get(k), x] for k, x in versions().items() if then_v.get(k) != x}
+    verdict = (
+        f"the choice still holds: {sel.chosen} passes its gates"
+        + (f" (quality drop {v.quality_drop:+.2%})" if v else "")
+        + (f" and is {now:.2f}x the reference on {obj.name}" if now else "")
+        + (f" (was {was:.2f}x)" if was else "")
+        if holds
+        else "the choice no longer holds: " + "; ".join(problems)
+    )
+    out = {
+        "checked": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "chosen": sel.chosen,
+        "reference": ref.id,
+        "objective": obj.name,
+        "holds": holds,
+        "verdict": verdict,
+        "score_then": was,
+        "score_now": now,
+        "quality_drop_then": (run.candidate(sel.chosen).read("verify") or {}).get("quality_drop"),
+        "quality_drop_now": v.quality_drop if v else None,
+        "versions_changed": changed,
+        "hardware_then": (meta.get("hardware") or {}).get("fingerprint"),
+        "problems": problems,
+    }
+    write_json(run.reverify_json, out)
+    from llmopt.report import write_report
+
+    write_report(run.root)
+    return out

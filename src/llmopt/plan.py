@@ -1,8 +1,8 @@
 """Planning: the target machine, the memory math, and which candidates to try (and which not, why).
 
-Every (engine, recipe) pair of the task's search space is considered; a pair the engine cannot run
-here (not installed, wrong task, wrong device) is listed in `skipped` with the reason and never
-attempted. The reference candidate (torch, fp32) is always first.
+Every registered recipe x engine x engine settings is considered (`llmopt.search.space`); a
+combination that cannot run here (task rule, not installed, wrong task, wrong device) is listed in
+`skipped` with the reason and never attempted. The reference candidate (hf, fp32) is always first.
 """
 
 from __future__ import annotations
@@ -13,18 +13,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmopt.schema import SCHEMA_VERSION, Candidate
+from llmopt.search.space import REFERENCE  # (hf, fp32): what every candidate is compared against
 
 if TYPE_CHECKING:
     from llmopt.modelinfo import ModelInfo
 
-__all__ = ["Target", "Plan", "detect_target", "make_plan", "SEARCH_SPACE", "REFERENCE"]
-
-# Recipes tried per task, in report order. Engines decide which of them they can run.
-SEARCH_SPACE: dict[str, tuple[str, ...]] = {
-    "causal-lm": ("fp32", "bf16", "fp16", "w8a16", "w8a8-dynamic"),
-    "embedding": ("fp32", "bf16", "w8a8-dynamic"),
-}
-REFERENCE = ("hf", "fp32")
+__all__ = ["Target", "Plan", "detect_target", "make_plan", "REFERENCE"]
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 
@@ -153,41 +147,14 @@ def make_plan(
         only: restrict to these candidate ids (the reference is always kept).
         settings: engine settings given to every candidate (e.g. {"threads": 2}).
     """
-    from llmopt.engines import ENGINES
-    from llmopt.recipes import get_recipe
+    from llmopt.search.space import candidate_space
 
-    settings = {"threads": target.threads, "device": target.device, **(settings or {})}
-    cands: list[Candidate] = []
-    skipped: list[dict[str, str]] = []
-    for recipe_name in SEARCH_SPACE[info.task]:
-        recipe = get_recipe(recipe_name)
-        for engine in ENGINES.values():
-            cid = f"{engine.name}-{recipe.name}"
-            reason = (
-                (
-                    f"engine does not run {info.task} models"
-                    if info.task not in engine.tasks
-                    else None
-                )
-                or engine.missing()
-                or engine.incompatible(info, recipe, target.device)
-            )
-            is_ref = (engine.name, recipe.name) == REFERENCE
-            if reason is None and only and cid not in only and not is_ref:
-                reason = "not selected (--candidates)"
-            if reason:
-                skipped.append(
-                    {"id": cid, "engine": engine.name, "recipe": recipe.name, "reason": reason}
-                )
-                continue
-            desc = f"{recipe.description} on {engine.name}"
-            cands.append(Candidate(cid, engine.name, recipe.name, dict(settings), is_ref, desc))
+    cands, skipped = candidate_space(info, target, only, settings)
     unknown = sorted(set(only or []) - {c.id for c in cands} - {s["id"] for s in skipped})
     if unknown:
         raise ValueError(
             f"unknown candidate id(s) {unknown}; known: "
             f"{sorted([c.id for c in cands] + [s['id'] for s in skipped])}"
         )
-    cands.sort(key=lambda c: not c.reference)
-    assert cands and cands[0].reference, "the torch fp32 reference must be runnable"
+    assert cands and cands[0].reference, "the hf fp32 reference must be runnable"
     return Plan(target, memory_math(info, target), cands, skipped)

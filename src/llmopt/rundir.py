@@ -2,6 +2,9 @@
 
     RUN/run.json  model.json  plan.json  selection.json  report.md  report.html
     RUN/candidates/<id>/{candidate.json, artifact/, build.json, verify.json, bench.json, log.txt}
+    RUN/candidates/<id>/{verify.screen.json, bench.screen.json}  the cheap screen (fidelity 1)
+    RUN/candidates/<id>/task.<rung>.json   where and how long each search task ran
+    RUN/search.json   the search of the last invocation: objective, budget, rungs, cuts, executor
     RUN/reference/   outputs of the reference candidate other candidates compare against
     RUN/best/        the chosen candidate's artifact and launch configuration
 
@@ -19,9 +22,12 @@ from typing import Any
 from llmopt.atomic import read_json, write_json
 from llmopt.errors import RunDirError
 
-__all__ = ["RunDir", "CandidateDir", "STAGES"]
+__all__ = ["RunDir", "CandidateDir", "STAGES", "FIDELITIES"]
 
 STAGES = ("build", "verify", "bench")
+# "full" writes <stage>.json; any other fidelity <stage>.<fidelity>.json ("screen": the cheap
+# first rung of the search; "reverify": `optimize --reverify`). Build has one fidelity.
+FIDELITIES = ("screen", "full", "reverify")
 # run.json keys that must match for a run directory to be resumed rather than refused.
 IDENTITY_KEYS = ("model_fingerprint", "target", "settings")
 
@@ -42,15 +48,21 @@ class CandidateDir:
     def log(self) -> Path:
         return self.root / "log.txt"
 
-    def stage_file(self, stage: str) -> Path:
+    def stage_file(self, stage: str, fidelity: str = "full") -> Path:
         assert stage in STAGES or stage in ("candidate", "error"), f"unknown stage {stage!r}"
-        return self.root / f"{stage}.json"
+        assert fidelity in FIDELITIES, f"unknown fidelity {fidelity!r}"
+        if fidelity == "full" or stage in ("build", "candidate", "error"):
+            return self.root / f"{stage}.json"
+        return self.root / f"{stage}.{fidelity}.json"
 
-    def done(self, stage: str) -> bool:
-        return self.stage_file(stage).exists()
+    def task_file(self, rung: str) -> Path:
+        return self.root / f"task.{rung}.json"
 
-    def read(self, stage: str) -> dict[str, Any] | None:
-        f = self.stage_file(stage)
+    def done(self, stage: str, fidelity: str = "full") -> bool:
+        return self.stage_file(stage, fidelity).exists()
+
+    def read(self, stage: str, fidelity: str = "full") -> dict[str, Any] | None:
+        f = self.stage_file(stage, fidelity)
         return read_json(f) if f.exists() else None
 
 
@@ -66,6 +78,9 @@ class RunDir:
             "model_json",
             "plan_json",
             "selection_json",
+            "search_json",
+            "doctor_json",
+            "reverify_json",
             "report_md",
             "report_html",
         }

@@ -105,6 +105,8 @@ class VerifyResult(_Serializable):
     quality_drop: float
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # The work behind the numbers: {"level": "screen"|"full"|"reverify", "rung": 1|2, sizes...}.
+    fidelity: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VerifyResult:
@@ -190,6 +192,7 @@ class BenchResult(_Serializable):
     notes: list[str] = field(default_factory=list)
     # Measured ceilings and per-phase attribution (llmopt.bench.roofline); {} in older runs.
     roofline: dict[str, Any] = field(default_factory=dict)
+    fidelity: dict[str, Any] = field(default_factory=dict)  # as VerifyResult.fidelity
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchResult:
@@ -204,11 +207,17 @@ class BenchResult(_Serializable):
 
 @dataclass
 class Selection(_Serializable):
-    """The chosen candidate and why every other one was kept or dropped."""
+    """The chosen candidate and why every other one was kept, dropped, cut or failed."""
 
-    objective: str  # "throughput" for now: the fastest candidate that passes the quality gates
+    objective: str  # latency | throughput | memory | cost (llmopt.search.objective)
     chosen: str | None
     max_quality_drop: float
-    reasons: dict[str, str]  # candidate id -> one line: why chosen / why dropped
-    ranking: list[str]  # candidate ids, best first (only those that passed)
+    reasons: dict[str, str]  # candidate id -> one line: why chosen / kept / dropped / cut
+    ranking: list[str]  # candidate ids, best first (only fully verified ones that passed)
     pareto: list[str] = field(default_factory=list)  # ids on the quality/speed Pareto front
+    # ids on the quality/speed/memory front (not dominated on all three at once)
+    pareto_memory: list[str] = field(default_factory=list)
+    objective_unit: str = ""
+    objective_values: dict[str, float] = field(default_factory=dict)  # full fidelity, by id
+    higher_is_better: bool = True
+    cut: dict[str, str] = field(default_factory=dict)  # id -> why the search never finished it

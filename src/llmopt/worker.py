@@ -1,4 +1,9 @@
-"""One stage of one candidate, in its own process: `python -m llmopt.worker RUN CANDIDATE STAGE`.
+"""One stage of one candidate, in its own process:
+`python -m llmopt.worker RUN CANDIDATE STAGE [FIDELITY]`.
+
+FIDELITY is "full" (default: the run's profile), "screen" (the search's cheap first rung: the
+sizes in `settings["fidelities"]["screen"]`) or "reverify" (full sizes, separate files). The sizes
+used are recorded in the result's `fidelity` field.
 
 Why a process per stage: peak memory is then the candidate's own (not the sum of everything loaded
 before it), a crash or an out-of-memory kill in one candidate cannot take the run down, and the
@@ -35,6 +40,23 @@ def _context(run: RunDir, cid: str):
     return meta, info, cand, get_engine(cand.engine), get_recipe(cand.recipe)
 
 
+def stage_settings(meta: dict[str, Any], fidelity: str) -> dict[str, Any]:
+    """The run's settings with the sizes of `fidelity` applied (full: the profile as is)."""
+    s = dict(meta["settings"])
+    over = (s.pop("fidelities", None) or {}).get(fidelity, {})
+    return {**s, **over}
+
+
+def _fidelity(s: dict[str, Any], fidelity: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    rung = {"screen": 1, "full": 2}.get(fidelity)
+    return {"level": fidelity, "rung": rung, **{k: s[k] for k in keys if k in s}}
+
+
+_VERIFY_KEYS = ("eval_windows", "window", "sentences")
+_BENCH_KEYS = ("bench_sentences", "bench_repeats", "prompt_tokens", "new_tokens",
+               "bench_batch_sizes")  # fmt: skip
+
+
 def _reference_id(run: RunDir) -> str:
     plan = read_json(run.plan_json)
     return next(c["id"] for c in plan["candidates"] if c.get("reference"))
@@ -54,18 +76,25 @@ def build(run: RunDir, cid: str) -> dict[str, Any]:
     return facts
 
 
-def verify(run: RunDir, cid: str) -> dict[str, Any]:
+def verify(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
+    out = _verify(run, cid, fidelity)
+    out["fidelity"] = _fidelity(stage_settings(read_json(run.run_json), fidelity), fidelity,
+                                _VERIFY_KEYS)  # fmt: skip
+    return out
+
+
+def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     from llmopt.verify.gates import Gates
     from llmopt.verify.integrity import check_weights, raise_on_problems
 
     meta, info, cand, engine, recipe = _context(run, cid)
-    s = meta["settings"]
+    s = stage_settings(meta, fidelity)
     # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
     raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
     gates = Gates(max_quality_drop=s["max_quality_drop"])
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
-        return _verify_embedding(run, cid, cand, runner, s, gates).to_dict()
+        return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
     from llmopt.assets.text import evaluation_text
     from llmopt.verify.lm import token_windows, verify_causal_lm
 
@@ -80,24 +109,29 @@ def verify(run: RunDir, cid: str) -> dict[str, Any]:
     ).to_dict()
 
 
-def _verify_embedding(run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any], gates):
+def _verify_embedding(
+    run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any], gates, fidelity: str
+):
     import numpy as np
 
     from llmopt.assets.text import evaluation_sentences, simlex999, wordsim353
     from llmopt.verify.embedding import reference_outputs, verify_embedding
 
     sentences = evaluation_sentences(s["sentences"])
-    ref_file = run.reference / "embeddings.npy"
+    # Reference outputs are computed once per fidelity and shared by every candidate.
+    ref_file = run.reference / (
+        "embeddings.npy" if fidelity == "full" else f"embeddings.{fidelity}.npy"
+    )
     if cand.reference:
         emb = reference_outputs(runner, sentences)
         run.reference.mkdir(parents=True, exist_ok=True)
-        tmp = ref_file.with_name(".tmp-embeddings.npy")
+        tmp = ref_file.with_name(f".tmp-{ref_file.name}")
         np.save(tmp, emb, allow_pickle=False)
         tmp.replace(ref_file)
         ref_emb, ref_spearman, scores = None, None, None
     else:
         ref_emb = np.load(ref_file, allow_pickle=False)
-        ref_verify = run.candidate(_reference_id(run)).read("verify")
+        ref_verify = run.candidate(_reference_id(run)).read("verify", fidelity)
         scores = {m["name"]: m["candidate"] for m in ref_verify["metrics"]}
         ref_spearman = scores["wordsim353_spearman"]
     return verify_embedding(
@@ -114,11 +148,11 @@ def _verify_embedding(run: RunDir, cid: str, cand: Candidate, runner, s: dict[st
     )
 
 
-def bench(run: RunDir, cid: str) -> dict[str, Any]:
+def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     from llmopt.bench.timing import environment, peak_rss_bytes, rss_bytes
 
     meta, info, cand, engine, recipe = _context(run, cid)
-    s = meta["settings"]
+    s = stage_settings(meta, fidelity)
     before = rss_bytes()
     t0 = time.perf_counter()
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
@@ -177,42 +211,47 @@ def bench(run: RunDir, cid: str) -> dict[str, Any]:
         settings=settings,
         env=environment(),
         roofline=roofline,
+        fidelity=_fidelity(s, fidelity, _BENCH_KEYS),
     ).to_dict()
 
 
 STAGE_FUNCS = {"build": build, "verify": verify, "bench": bench}
 
 
-def run_stage(run: RunDir, cid: str, stage: str) -> None:
-    """Run `stage` for candidate `cid` in this process and write its JSON (or error.json)."""
+def run_stage(run: RunDir, cid: str, stage: str, fidelity: str = "full") -> None:
+    """Run `stage` at `fidelity` for candidate `cid` in this process and write its JSON (or error.json)."""
     cdir: CandidateDir = run.candidate(cid)
     err = cdir.stage_file("error")
     err.unlink(missing_ok=True)
     try:
-        result = STAGE_FUNCS[stage](run, cid)
+        args = (run, cid) if stage == "build" else (run, cid, fidelity)
+        result = STAGE_FUNCS[stage](*args)
     except Exception as e:
         log.exception("%s of %s failed", stage, cid)
         write_json(
             err,
             {
                 "stage": stage,
+                "fidelity": fidelity,
                 "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
                 "traceback": traceback.format_exc(),
             },
         )
         raise SystemExit(1) from None
-    write_json(cdir.stage_file(stage), result)
+    write_json(cdir.stage_file(stage, fidelity), result)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    assert len(argv) == 3, "usage: python -m llmopt.worker RUN_DIR CANDIDATE_ID STAGE"
+    assert len(argv) in (3, 4), (
+        "usage: python -m llmopt.worker RUN_DIR CANDIDATE_ID STAGE [FIDELITY]"
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Per-tensor loading bars from transformers would flood log.txt; the parent shows progress.
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    run_stage(RunDir(argv[0]), argv[1], argv[2])
+    run_stage(RunDir(argv[0]), argv[1], argv[2], argv[3] if len(argv) == 4 else "full")
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def test_nonfinite_metric_fails_integrity(lm_run: Path) -> None:
     d["metrics"][0]["candidate"] = float("nan")
     p.write_text(json.dumps(d))
     md = render_markdown(load_run(lm_run))
-    assert "❌ **Integrity**" in md and "perplexity candidate = nan" in md
+    assert "❌ **Integrity checks passed**" in md and "perplexity candidate = nan" in md
 
 
 def test_formatters() -> None:
@@ -343,7 +343,15 @@ def test_roofline_rows_render(tmp_path):
     cv = CandidateView.__new__(CandidateView)
     cv.bench = bench
     rows = roofline_rows(cv)
-    want = ["decode b1", "6", "50.00%", "2.5", "2.00%", "memory-bound", "fewer bytes per token help"]
+    want = [
+        "decode b1",
+        "6",
+        "50.00%",
+        "2.5",
+        "2.00%",
+        "memory-bound",
+        "fewer bytes per token help",
+    ]
     assert rows == [want]
     cv.bench = BenchResult("c", "embedding", {}, "x", 1, 1, 1, 0.0, 0.0)
     assert roofline_rows(cv) == []

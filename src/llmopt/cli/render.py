@@ -94,11 +94,33 @@ def render_selection(res: OptimizeResult) -> None:
         console.print(
             f"resumed: {len(res.skipped)} finished stage(s) reused, {len(res.ran)} run now"
         )
+    srch = res.search or {}
+    if srch:
+        b = srch.get("budget") or {}
+        limit = f" of {b['seconds']:.0f} s budget" if b.get("seconds") else ""
+        ex = srch.get("executor") or {}
+        console.print(
+            f"search: {srch.get('search')} for {srch.get('objective')}, "
+            f"{len(srch.get('cut') or {})} cut, {b.get('elapsed_s', 0):.0f} s{limit}, "
+            f"on {ex.get('executor', 'local')} (x{ex.get('parallel', 1)})"
+        )
+        for e in srch.get("events") or []:
+            console.print(f"  {e}")
     console.print(
         f"chosen: [bold]{sel.chosen or 'none'}[/]"
         + (f"  (artifact in {res.run_dir / 'best'})" if sel.chosen else "")
     )
     console.print(f"report: [bold]{res.report_html}[/]\n        {res.report_md}")
+
+
+def render_reverify(res: dict) -> None:
+    style = "green" if res["holds"] else "red"
+    console.print(f"[{style}]{res['verdict']}[/]", highlight=False)
+    for k, (a, b) in (res.get("versions_changed") or {}).items():
+        console.print(f"  {k}: {a} -> {b}")
+    console.print(
+        f"recorded in reverify.json; chosen {res['chosen']}, reference {res['reference']}"
+    )
 
 
 class OptimizeProgress:

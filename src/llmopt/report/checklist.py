@@ -1,7 +1,8 @@
 """The report's checklist: each item a status (ok/warn/fail/info) with evidence from the run.
 
-Items: quantization applied and verified, integrity (finite numbers, failed candidates), memory
-plan vs measured peak RSS, selection within the quality budget, benchmark noise, doctor findings.
+Items: quantization applied and verified; fused/compiled kernels active; memory plan fits with
+headroom; scheduler settings match the workload; caches enabled; integrity checks passed; selection
+within the quality budget; benchmark noise; doctor findings.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ CHECK_MARK = {"ok": "✅", "warn": "⚠️", "fail": "❌", "info": "➖"}
 # Recipe names that mean integer/low-bit numbers (w8a16, int8-sq, fp8-dynamic, gguf-q4_k_m...).
 _QUANT_RE = re.compile(r"(^|[^a-z])(w\d|a\d|int\d|q\d|fp8|fp4|nf4|awq|gptq|gguf)", re.I)
 _SPREAD_WARN = 0.10  # run-to-run (max - min) / median above which a speed number is noisy
+_HEADROOM = 0.80  # peak RSS above this share of the target's memory leaves too little headroom
+# build.json keys that say which fused or compiled kernels an engine put in (any engine's wording)
+_KERNEL_KEY = re.compile(r"fus|compil|kernel|graph|optimi|cuda_graph|sdpa|attn_impl", re.I)
 
 
 @dataclass
@@ -36,8 +40,8 @@ def checklist(view: RunView) -> list[Check]:
     Args:
         view: the loaded run.
     """
-    checks = [_quantization(view), _integrity(view), _memory(view), _selection(view)]
-    checks.append(_noise(view))
+    checks = [_quantization(view), _kernels(view), _memory(view), _scheduler(view),
+              _caches(view), _integrity(view), _selection(view), _noise(view)]  # fmt: skip
     if view.doctor:
         checks.append(_doctor(view))
     return checks
@@ -59,20 +63,22 @@ def _quantization(view: RunView) -> Check:
         built = "built" if cv.build is not None else "not built"
         if cv.error is not None:
             built = f"failed at {cv.error.get('stage', '?')}"
-        if cv.verify is None:
+        v = cv.verify or cv.screen_verify
+        if v is None:
             evidence.append(f"{cv.id} ({cv.recipe} on {cv.engine}): {built}, not verified")
             continue
-        verified += 1
-        passed += cv.verify.passed
+        level = "verified" if cv.verify is not None else "verified at the screen only"
+        verified += cv.verify is not None
+        passed += bool(cv.verify is not None and v.passed)
         failed = [
             f"{m.name} {fmt_num(m.candidate)} vs threshold {fmt_num(m.threshold)}"
-            for m in cv.verify.metrics
+            for m in v.metrics
             if m.passed is False
         ]
-        gate = "gates passed" if cv.verify.passed else "gate failed: " + "; ".join(failed)
-        drop = fmt_pct(cv.verify.quality_drop)
+        gate = "gates passed" if v.passed else "gate failed: " + "; ".join(failed)
+        drop = fmt_pct(v.quality_drop)
         evidence.append(
-            f"{cv.id} ({cv.recipe} on {cv.engine}): {built}, verified, {gate}, quality drop {drop}"
+            f"{cv.id} ({cv.recipe} on {cv.engine}): {built}, {level}, {gate}, quality drop {drop}"
         )
     status = "ok" if passed else "warn"
     return Check(
@@ -108,8 +114,11 @@ def _integrity(view: RunView) -> Check:
     if incomplete:
         evidence.append("incomplete: " + ", ".join(incomplete))
     evidence += [f"unreadable: {p}" for p in view.problems]
+    for cv in view.candidates:  # the verifier's own integrity notes (NaN weights, scales...)
+        notes = [n for n in (cv.verify.notes if cv.verify else []) if "integrity" in n.lower()]
+        evidence += [f"{cv.id}: {n}" for n in notes]
     status = "fail" if bad else "warn" if failed or incomplete or view.problems else "ok"
-    return Check(status, "Integrity", evidence)
+    return Check(status, "Integrity checks passed", evidence)
 
 
 def _memory(view: RunView) -> Check:
@@ -119,7 +128,11 @@ def _memory(view: RunView) -> Check:
     weights = (view.plan.get("memory") or {}).get("weights_bytes") or {}
     evidence = [f"target memory {fmt_bytes(total)}"] if total else ["target memory unknown"]
     evidence += [f"planned weights {d}: {fmt_bytes(b)}" for d, b in weights.items()]
-    over = []
+    fits = (view.plan.get("memory") or {}).get("max_sequences_at_context")
+    if fits:
+        ctx = (view.plan.get("memory") or {}).get("context")
+        evidence.append(f"full-context ({ctx}-token) sequences that fit beside the weights: {fits}")
+    over, tight = [], []
     for cv in view.candidates:
         if cv.bench is not None:
             share = f" ({cv.bench.peak_rss_bytes / total:.1%} of target)" if total else ""
@@ -128,9 +141,111 @@ def _memory(view: RunView) -> Check:
             )
             if total and cv.bench.peak_rss_bytes > total:
                 over.append(cv.id)
+            elif total and cv.bench.peak_rss_bytes > _HEADROOM * total:
+                tight.append(cv.id)
     if over:
         evidence.append("over target memory: " + ", ".join(over))
-    return Check("fail" if over else "ok" if total else "warn", "Memory plan", evidence)
+    if tight:
+        evidence.append(f"less than {1 - _HEADROOM:.0%} headroom: " + ", ".join(tight))
+    chosen = view.chosen
+    if chosen is not None and chosen.bench is not None and total:
+        left = 1 - chosen.bench.peak_rss_bytes / total
+        evidence.insert(0, f"chosen {chosen.id} leaves {left:.1%} of target memory free")
+    status = "fail" if over else "warn" if tight or not total else "ok"
+    return Check(status, "Memory plan fits with headroom", evidence)
+
+
+def _kernels(view: RunView) -> Check:
+    title = "Fused/compiled kernels active"
+    ev, active = [], []
+    for cv in view.candidates:
+        facts = {k: v for k, v in (cv.build or {}).items() if _KERNEL_KEY.search(k)}
+        facts.update({k: v for k, v in (cv.candidate.settings if cv.candidate else {}).items()
+                      if _KERNEL_KEY.search(k)})  # fmt: skip
+        if facts:
+            ev.append(f"{cv.id}: " + ", ".join(f"{k}={_short(v)}" for k, v in facts.items()))
+            if any(v not in (None, False, 0, "", [], {}, "none", "eager") for v in facts.values()):
+                active.append(cv.id)
+    chosen = view.chosen
+    if chosen is not None:
+        on = chosen.id in active
+        ev.insert(0, f"chosen {chosen.id}: " + ("fused/compiled kernels reported by its engine"
+                  if on else "eager kernels (its engine reports no fusion or compilation)"))  # fmt: skip
+    if not ev:
+        ev = ["no engine reported fusion or compilation (eager PyTorch kernels)"]
+    status = "ok" if chosen is not None and chosen.id in active else "info"
+    return Check(status, title, ev)
+
+
+def _scheduler(view: RunView) -> Check:
+    title = "Scheduler settings match the workload"
+    s = view.run.get("settings") or {}
+    ev = []
+    if view.task == "causal-lm":
+        ev.append(f"workload measured: {s.get('prompt_tokens', '?')}-token prompts, "
+                  f"{s.get('new_tokens', '?')} new tokens, batch sizes {s.get('bench_batch_sizes', [1])}")  # fmt: skip
+    else:
+        ev.append(f"workload measured: {s.get('bench_sentences', '?')} sentences at batch 1 and 32")
+    chosen = view.chosen
+    status = "info"
+    if chosen is not None and chosen.bench is not None:
+        per_b = {int(m.group(1)): st.median for n, st in chosen.bench.metrics.items()
+                 if (m := re.fullmatch(r"(?:decode_tokens|sentences)_per_s_b(\d+)", n))}  # fmt: skip
+        if "decode_tokens_per_s" in chosen.bench.metrics:
+            per_b.setdefault(1, chosen.bench.metrics["decode_tokens_per_s"].median)
+        if len(per_b) >= 2:
+            best = max(per_b, key=per_b.get)
+            ev.append(f"chosen {chosen.id}: " + ", ".join(f"batch {b}: {fmt_num(v)}/s"
+                      for b, v in sorted(per_b.items())) + f"; best at batch {best}")  # fmt: skip
+            status = "ok"
+        threads = (chosen.candidate.settings if chosen.candidate else {}).get("threads")
+        env_threads = chosen.bench.env.get("torch_threads")
+        if threads:
+            ev.append(f"threads: {threads} requested, {env_threads} used by torch in the bench")
+            if env_threads and env_threads != threads:
+                status = "warn"
+    dep = view.deploy or {}
+    if dep.get("written"):
+        ev.append(f"deploy bundle best/deploy written with its serving plan ({len(dep.get('files', []))} files; "
+                  f"validators {'passed' if dep.get('ok') else 'reported problems'})")  # fmt: skip
+    elif dep:
+        ev.append(f"no deploy bundle: {dep.get('reason', '?')}")
+    return Check(status, title, ev)
+
+
+def _caches(view: RunView) -> Check:
+    title = "Caches enabled"
+    ev, status = [], "info"
+    chosen = view.chosen or view.reference
+    b = chosen.bench if chosen is not None else None
+    if view.task == "causal-lm" and b is not None:
+        dec, pre = b.metrics.get("decode_ms_per_token"), b.metrics.get("prefill_tokens_per_s")
+        p = b.settings.get("prompt_tokens")
+        if dec and pre and p and pre.median:
+            recompute = 1000.0 * p / pre.median  # what a step without a KV cache would cost
+            ok = dec.median < recompute
+            status = "ok" if ok else "warn"
+            ev.append(f"KV cache: {chosen.id} decodes in {fmt_num(dec.median)} ms/token; "
+                      f"recomputing the {p}-token prompt takes {fmt_num(recompute)} ms "
+                      f"({'cache in use' if ok else 'no faster than recomputing: cache not effective'})")  # fmt: skip
+        kv = (view.model or {}).get("kv_bytes_per_token") or {}
+        if kv:
+            ev.append(
+                "KV cache per token: " + ", ".join(f"{d} {fmt_bytes(v)}" for d, v in kv.items())
+            )
+    elif view.task == "embedding":
+        ev.append("encoder model: no KV cache; each request is one forward pass")
+    ref_files = sorted(p.name for p in (view.run_dir / "reference").glob("*") if p.is_file())
+    if ref_files:
+        ev.append("reference outputs computed once and shared by every candidate: "
+                  + ", ".join(ref_files))  # fmt: skip
+    ev.append("candidate artifacts built once and reused by the screen, full fidelity and reverify")
+    return Check(status, title, ev)
+
+
+def _short(v: Any) -> str:
+    s = str(v)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _selection(view: RunView) -> Check:
@@ -173,7 +288,8 @@ def _doctor(view: RunView) -> Check:
     worst = {s.get("status") for s in findings}
     status = "fail" if "fail" in worst else "warn" if "warn" in worst else "ok"
     ev = [
-        f"{f.get('check')}: {f.get('status')}: {f.get('evidence', '')}"
+        f"{f.get('title') or f.get('id') or f.get('check')}: {f.get('status')}: "
+        f"{f.get('evidence', '')}"
         for f in findings
         if f.get("status") != "ok"
     ] or [f"all {len(findings)} checks ok"]

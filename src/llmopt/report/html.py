@@ -24,7 +24,18 @@ from llmopt.report.facts import (
     summary_line,
     verify_rows,
 )
+from llmopt.report.facts_search import (
+    DOCTOR_HEADERS,
+    ROOFLINE_SUMMARY_HEADERS,
+    SEARCH_HEADERS,
+    doctor_rows,
+    reverify_lines,
+    roofline_summary_rows,
+    search_facts,
+    search_rows,
+)
 from llmopt.report.plots import COLORS, memory_bars_svg, quality_speed_svg, speed_bars_svg
+from llmopt.report.plots_search import latency_cdf_svg, throughput_concurrency_svg
 from llmopt.report.view import CandidateView, RunView, fmt_bytes, fmt_num, fmt_pct, fmt_value, fmt_x
 
 __all__ = ["render_html"]
@@ -57,7 +68,7 @@ th { background:#eef1f4; font-weight:600; }
 table.cands td:last-child { min-width:240px; }
 td.num { text-align:right; font-variant-numeric:tabular-nums; white-space:nowrap; }
 tr.chosen td { background:var(--okbg); } tr.failed td { background:#fbefff; }
-tr.dropped td { color:#6e4b4b; }
+tr.dropped td { color:#6e4b4b; } tr.cut td { color:#6e5a4b; background:#fff8f0; }
 td.pass { color:var(--ok); font-weight:600; } td.fail { color:var(--bad); font-weight:600; }
 table.kv { width:auto; min-width:50%; } table.kv th { text-align:left; }
 .pill { display:inline-block; border-radius:10px; padding:0 8px; font-size:12px; font-weight:600;
@@ -100,8 +111,10 @@ def render_html(view: RunView) -> str:
         _charts(view),
         "<h2>Candidates</h2>",
         _candidates(view),
+        _search(view),
         "<h2>Checklist</h2>",
         _checklist(view),
+        _roofline(view),
         "<h2>Model</h2>",
         _kv(model_rows(view)) if view.model else "<p>model.json missing.</p>",
         _plan(view),
@@ -119,7 +132,7 @@ def render_html(view: RunView) -> str:
 
 
 def _meta(view: RunView) -> str:
-    obj = view.run.get("objective") or (view.selection.objective if view.selection else "?")
+    obj = view.objective
     return (
         f"{view.created} · target {view.run.get('target', '?')} · objective {obj} · "
         f"max quality drop {fmt_pct(view.max_quality_drop)}"
@@ -184,6 +197,8 @@ def _charts(view: RunView) -> str:
             quality_speed_svg(view),
         ),
         ("Speed per candidate", speed_bars_svg(view)),
+        ("Latency CDF over the timed repeats (thick: chosen)", latency_cdf_svg(view)),
+        ("Throughput vs concurrency (batch size)", throughput_concurrency_svg(view)),
         ("Memory per candidate", memory_bars_svg(view)),
     ]
     figs = [
@@ -231,13 +246,31 @@ def _plan(view: RunView) -> str:
             _table(keys, [[str(s.get(k, "")) for k in keys] for s in skipped]),
         ]
     if view.doctor:
-        keys = ["check", "status", "evidence", "fix"]
-        findings = view.doctor.get("findings", [])
-        out += [
-            "<h3>Doctor</h3>",
-            _table(keys, [[str(f.get(k, "")) for k in keys] for f in findings]),
-        ]
+        out += ["<h3>Environment (llmopt doctor)</h3>", _table(DOCTOR_HEADERS, doctor_rows(view))]
     return "\n".join(out)
+
+
+def _search(view: RunView) -> str:
+    if not view.search and not view.reverify:
+        return ""
+    out = ["<h2>Search</h2>"]
+    if view.search:
+        out += [_kv(search_facts(view)), _table(SEARCH_HEADERS, search_rows(view))]
+    if lines := reverify_lines(view):
+        ok = (view.reverify or {}).get("holds")
+        out.append(f"<div class='notice'><b>Reverify:</b> {escape(lines[0])}</div>")
+        out.append(_notes(lines[1:]))
+        out.append("" if ok else "<p class='muted'>see reverify.json</p>")
+    return "\n".join(out)
+
+
+def _roofline(view: RunView) -> str:
+    rows = roofline_summary_rows(view)
+    if not rows:
+        return ""
+    return ("<h2>Roofline verdict per phase</h2><p class='muted'>chosen candidate and reference; "
+            "ceilings measured in the same process</p>"
+            + _table(ROOFLINE_SUMMARY_HEADERS, rows))  # fmt: skip
 
 
 def _detail(view: RunView, cv: CandidateView) -> str:

@@ -24,6 +24,16 @@ from llmopt.report.facts import (
     summary_line,
     verify_rows,
 )
+from llmopt.report.facts_search import (
+    DOCTOR_HEADERS,
+    ROOFLINE_SUMMARY_HEADERS,
+    SEARCH_HEADERS,
+    doctor_rows,
+    reverify_lines,
+    roofline_summary_rows,
+    search_facts,
+    search_rows,
+)
 from llmopt.report.view import CandidateView, RunView, fmt_num, fmt_pct, fmt_value
 
 __all__ = ["render_markdown"]
@@ -46,11 +56,15 @@ def render_markdown(view: RunView) -> str:
         out += _table(candidate_headers(view), [candidate_cells(view, c) for c in view.candidates])
     else:
         out += ["No candidates yet (plan.json and candidates/ are empty or missing).", ""]
+    out += _search(view)
     out += ["## Checklist", ""]
     for check in checklist(view):
         out.append(f"- {CHECK_MARK[check.status]} **{_md(check.title)}** ({check.status})")
         out += [f"    - {_md(e)}" for e in check.evidence]
     out += [""]
+    if roof := roofline_summary_rows(view):
+        out += ["## Roofline verdict per phase", ""]
+        out += _table(ROOFLINE_SUMMARY_HEADERS, roof)
     out += ["## Model", ""]
     out += (
         _table(["fact", "value"], model_rows(view)) if view.model else ["model.json missing.", ""]
@@ -63,6 +77,18 @@ def render_markdown(view: RunView) -> str:
     out += _environment(view)
     out += ["## Reproduce", "", *_code(str(view.run.get("command") or "(command not recorded)"))]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _search(view: RunView) -> list[str]:
+    if not view.search and not view.reverify:
+        return []
+    out = ["## Search", ""]
+    if view.search:
+        out += _table(["fact", "value"], search_facts(view))
+        out += _table(SEARCH_HEADERS, search_rows(view))
+    if lines := reverify_lines(view):
+        out += [f"**Reverify:** {_md(lines[0])}", ""] + [f"- {_md(x)}" for x in lines[1:]] + [""]
+    return out
 
 
 def _md(s: Any) -> str:
@@ -90,7 +116,7 @@ def _header(view: RunView) -> list[str]:
     meta = [
         view.created,
         f"target {view.run.get('target', '?')}",
-        f"objective {view.run.get('objective') or (view.selection and view.selection.objective) or '?'}",
+        f"objective {view.objective}",
         f"max quality drop {fmt_pct(view.max_quality_drop)}",
         f"llmopt {view.run.get('llmopt_version', '?')}",
     ]
@@ -119,12 +145,8 @@ def _plan(view: RunView) -> list[str]:
         rows = [[str(s.get(k, "")) for k in ("id", "engine", "recipe", "reason")] for s in skipped]
         out += _table(["id", "engine", "recipe", "reason"], rows)
     if view.doctor:
-        out += ["### Doctor", ""]
-        rows = [
-            [str(f.get(k, "")) for k in ("check", "status", "evidence", "fix")]
-            for f in view.doctor.get("findings", [])
-        ]
-        out += _table(["check", "status", "evidence", "fix"], rows)
+        out += ["### Environment (llmopt doctor)", ""]
+        out += _table(DOCTOR_HEADERS, doctor_rows(view))
     return out
 
 

@@ -23,6 +23,7 @@ COLORS = {
     "kept": "#0969da",
     "dropped": "#cf222e",
     "failed": "#8250df",
+    "cut": "#bc4c00",
     "incomplete": "#9a6700",
 }
 _FONT = 'font-family="system-ui, -apple-system, Segoe UI, sans-serif" font-size="12"'

@@ -70,7 +70,7 @@ def order_names(names: list[str], known: tuple[str, ...]) -> list[str]:
 class Status:
     """Where a candidate ended: label is chosen/kept/dropped/failed at <stage>/incomplete."""
 
-    kind: str  # "chosen" | "kept" | "dropped" | "failed" | "incomplete": drives colours
+    kind: str  # "chosen" | "kept" | "dropped" | "cut" | "failed" | "incomplete": drives colours
     label: str
     reason: str = ""
 
@@ -91,6 +91,10 @@ class CandidateView:
     verify: VerifyResult | None = None
     bench: BenchResult | None = None
     error: dict[str, Any] | None = None
+    # The search's cheap first rung (fidelity 1), and where each of its tasks ran.
+    screen_verify: VerifyResult | None = None
+    screen_bench: BenchResult | None = None
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)  # rung -> task record
 
     @property
     def reference(self) -> bool:
@@ -129,6 +133,9 @@ class RunView:
     candidates: list[CandidateView]
     missing: list[str] = field(default_factory=list)  # top-level files absent
     problems: list[str] = field(default_factory=list)  # files present but unreadable
+    search: dict[str, Any] | None = None  # search.json: objective, budget, cuts, executor
+    reverify: dict[str, Any] | None = None  # reverify.json: does the choice still hold?
+    deploy: dict[str, Any] | None = None  # best/deploy.json: the bundle written (or why not)
 
     # ---- run facts ----
     @property
@@ -211,6 +218,16 @@ class RunView:
         a, b = getattr(cv.bench, attr), getattr(ref.bench, attr)
         return a / b if a and b else None
 
+    @property
+    def objective(self) -> str:
+        if self.selection is not None:
+            return self.selection.objective
+        return str((self.search or {}).get("objective") or self.run.get("objective") or "?")
+
+    def screen_score(self, cv: CandidateView) -> float | None:
+        """The candidate's objective at the screen, relative to the reference's (higher better)."""
+        return ((self.search or {}).get("screen_scores") or {}).get(cv.id)
+
     def on_pareto(self, cv: CandidateView) -> bool:
         return cv.id in self.pareto_ids()
 
@@ -235,7 +252,11 @@ class RunView:
         reason = sel.reasons.get(cv.id, "") if sel else ""
         if cv.error is not None:
             stage = cv.error.get("stage", "?")
+            if cv.error.get("fidelity") not in (None, "full"):
+                stage += f" ({cv.error['fidelity']})"
             return Status("failed", f"failed at {stage}", _one_line(cv.error.get("error", "")))
+        if sel is not None and cv.id in sel.cut and (cv.verify is None or cv.bench is None):
+            return Status("cut", "cut", sel.cut[cv.id])
         if sel is not None and sel.chosen == cv.id:
             return Status("chosen", "chosen", reason)
         if sel is not None and cv.id in sel.ranking:
@@ -284,6 +305,9 @@ def load_run(run_dir: str | Path) -> RunView:
     run = load("run.json") or {}
     model = load("model.json") or {}
     doctor = load("doctor.json", note_missing=False)
+    search = load("search.json", note_missing=False)
+    reverify = load("reverify.json", note_missing=False)
+    deploy = load("best/deploy.json", note_missing=False)
     plan = load("plan.json")
     selection = load("selection.json", Selection.from_dict)
 
@@ -312,11 +336,19 @@ def load_run(run_dir: str | Path) -> RunView:
                 verify=load(pre + "verify.json", VerifyResult.from_dict, False),
                 bench=load(pre + "bench.json", BenchResult.from_dict, False),
                 error=load(pre + "error.json", None, False),
+                screen_verify=load(pre + "verify.screen.json", VerifyResult.from_dict, False),
+                screen_bench=load(pre + "bench.screen.json", BenchResult.from_dict, False),
+                tasks={
+                    rung: t
+                    for rung in ("build", "screen", "full", "reverify")
+                    if (t := load(pre + f"task.{rung}.json", None, False)) is not None
+                },
             )
         )
     # Reference first, then plan order (the sort is stable).
     views.sort(key=lambda c: not c.reference)
-    return RunView(run_dir, run, model, doctor, plan, selection, views, missing, problems)
+    return RunView(run_dir, run, model, doctor, plan, selection, views, missing, problems,
+                   search, reverify, deploy)  # fmt: skip
 
 
 def _finite(*xs: float) -> bool:

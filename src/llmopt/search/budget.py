@@ -1,0 +1,62 @@
+"""The wall-clock budget of a search (`--time-budget 15m`) and time estimates for its tasks.
+
+The budget counts this invocation's wall time (a resumed run gets its budget afresh and reuses
+everything already measured). A task is started only when its estimate fits in what is left after
+`reserve_s` (selection, best/ and the report).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Budget", "parse_duration"]
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(text: str | float | int | None) -> float | None:
+    """Seconds in "90s", "15m", "1h30m", "2.5h" or a bare number of seconds; None stays None.
+
+    >>> parse_duration("15m"), parse_duration("1h30m"), parse_duration("45")
+    (900.0, 5400.0, 45.0)
+    """
+    if text is None or isinstance(text, int | float):
+        return None if text is None else float(text)
+    s = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        return float(s)
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smh])", s)
+    if not parts or "".join(f"{n}{u}" for n, u in parts) != s.replace(" ", ""):
+        raise ValueError(f"cannot read time budget {text!r}; write it like 90s, 15m, 1h or 1h30m")
+    total = sum(float(n) * _UNITS[u] for n, u in parts)
+    if total <= 0:
+        raise ValueError(f"time budget must be positive, got {text!r}")
+    return total
+
+
+@dataclass
+class Budget:
+    """Seconds allowed for this invocation (None = unlimited), and what is left of them."""
+
+    seconds: float | None
+    reserve_s: float = 20.0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def left(self) -> float | None:
+        return None if self.seconds is None else self.seconds - self.elapsed
+
+    def fits(self, estimate_s: float, parallel: int = 1) -> bool:
+        """Whether a task of `estimate_s` (spread over `parallel` workers) fits before the end."""
+        if self.seconds is None:
+            return True
+        return self.elapsed + estimate_s / max(1, parallel) <= self.seconds - self.reserve_s
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {"seconds": self.seconds, "elapsed_s": round(self.elapsed, 1)}

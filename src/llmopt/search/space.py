@@ -1,0 +1,123 @@
+"""The search space: every compatible (recipe, engine, engine settings), filtered before any work.
+
+Recipes come from the registry (`llmopt.recipes.RECIPES`) and engines from theirs
+(`llmopt.engines.ENGINES`), so a newly registered recipe or engine is searched without touching
+this module. A combination is ruled out, with its reason, by (in this order) the task rules below,
+the engine's task list, `Engine.missing()` (not installed) and `Engine.incompatible()` (cannot run
+this recipe on this model and device). Nothing ruled out is ever built.
+
+Engine settings: an engine may offer variations worth measuring with an optional method
+`settings_space(info, recipe, device) -> list[dict]` (the first entry is its default). Engines
+without it get one candidate per recipe; on CPU that keeps the candidate count small.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from llmopt.schema import Candidate
+
+if TYPE_CHECKING:
+    from llmopt.engines.base import Engine
+    from llmopt.modelinfo import ModelInfo
+    from llmopt.plan import Target
+    from llmopt.recipes import Recipe
+
+__all__ = ["REFERENCE", "candidate_space", "task_rule", "settings_suffix"]
+
+REFERENCE = ("hf", "fp32")  # (engine, recipe) every other candidate is compared against
+
+
+def task_rule(task: str, recipe: Recipe) -> str | None:
+    """Why `recipe` makes no sense for a model of `task` (None when it may).
+
+    >>> from llmopt.recipes import Recipe
+    >>> task_rule("embedding", Recipe("kv-fp8")) is not None
+    True
+    """
+    kv = getattr(recipe, "kv_cache_dtype", None) or getattr(recipe, "kv_dtype", None)
+    if task != "causal-lm" and (kv or recipe.name.startswith("kv-")):
+        return "KV-cache recipes apply to decoder LMs only (an encoder keeps no KV cache)"
+    return None
+
+
+def settings_suffix(variation: dict[str, Any]) -> str:
+    """The candidate-id suffix of a settings variation: {"compile": True, "batch": 8} -> "-compile-batch8".
+
+    >>> settings_suffix({"compile": False, "block_size": 16})
+    '-nocompile-block_size16'
+    """
+    parts = []
+    for k, v in variation.items():
+        parts.append(k if v is True else f"no{k}" if v is False else f"{k}{v}")
+    return "".join(f"-{p}" for p in parts)
+
+
+def _variations(engine: Engine, info: ModelInfo, recipe: Recipe, device: str) -> list[dict]:
+    space = getattr(engine, "settings_space", None)
+    if space is None:
+        return [{}]
+    found = list(space(info, recipe, device) or [{}])
+    return found or [{}]
+
+
+def candidate_space(
+    info: ModelInfo,
+    target: Target,
+    only: list[str] | None = None,
+    settings: dict[str, Any] | None = None,
+) -> tuple[list[Candidate], list[dict[str, str]]]:
+    """Every candidate for `info` on `target`, and every combination ruled out with its reason.
+
+    Args:
+        info: from `inspect_model`.
+        target: from `plan.detect_target`.
+        only: restrict to these candidate ids (the reference is always kept).
+        settings: settings given to every candidate (threads, device).
+
+    Returns:
+        (candidates, reference first then registry order; skipped entries
+        {"id", "engine", "recipe", "reason"}).
+
+    Example:
+        >>> cands, skipped = candidate_space(info, target)       # doctest: +SKIP
+        >>> cands[0].id, skipped[0]["reason"]                      # doctest: +SKIP
+        ('hf-fp32', 'float16 matmuls are emulated on most CPUs ...')
+    """
+    from llmopt.engines import ENGINES
+    from llmopt.recipes import RECIPES
+
+    base = {"threads": target.threads, "device": target.device, **(settings or {})}
+    cands: list[Candidate] = []
+    skipped: list[dict[str, str]] = []
+    for recipe in RECIPES.values():
+        for engine in ENGINES.values():
+            cid = f"{engine.name}-{recipe.name}"
+            is_ref = (engine.name, recipe.name) == REFERENCE
+            reason = (
+                task_rule(info.task, recipe)
+                or (
+                    f"engine does not run {info.task} models"
+                    if info.task not in engine.tasks
+                    else None
+                )
+                or engine.missing()
+                or engine.incompatible(info, recipe, target.device)
+            )
+            if reason:
+                skipped.append({"id": cid, "engine": engine.name, "recipe": recipe.name,
+                                "reason": reason})  # fmt: skip
+                continue
+            for i, var in enumerate(_variations(engine, info, recipe, target.device)):
+                vid = cid + ("" if i == 0 else settings_suffix(var))
+                ref = is_ref and i == 0
+                if only and vid not in only and cid not in only and not ref:
+                    skipped.append({"id": vid, "engine": engine.name, "recipe": recipe.name,
+                                    "reason": "not selected (--candidates)"})  # fmt: skip
+                    continue
+                desc = f"{recipe.description or recipe.name} on {engine.name}" + (
+                    f" ({settings_suffix(var)[1:]})" if i else ""
+                )
+                cands.append(Candidate(vid, engine.name, recipe.name, {**base, **var}, ref, desc))
+    cands.sort(key=lambda c: not c.reference)
+    return cands, skipped

@@ -1,0 +1,183 @@
+"""The search's pure parts: candidate space, budget parsing, objectives, halving, selection."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmopt.modelinfo import inspect_model
+from llmopt.plan import Target, make_plan
+from llmopt.rundir import RunDir
+from llmopt.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.search import Budget, get_objective, parse_duration
+from llmopt.search.halving import ScreenEntry, cannot_improve, screen
+from llmopt.search.space import candidate_space, settings_suffix, task_rule
+from llmopt.select import pareto_front_nd, select
+
+CPU = Target(device="cpu", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
+
+
+def test_space_covers_every_registered_recipe_and_engine(tiny_llama_dir, tiny_bert_dir):
+    from llmopt.engines import ENGINES
+    from llmopt.recipes import RECIPES
+
+    for folder in (tiny_llama_dir, tiny_bert_dir):
+        info = inspect_model(folder)
+        cands, skipped = candidate_space(info, CPU)
+        ids = {c.id for c in cands} | {s["id"] for s in skipped}
+        # Every (engine, recipe) pair is either a candidate or skipped with a reason: none lost.
+        assert {f"{e}-{r}" for e in ENGINES for r in RECIPES} <= ids
+        assert all(s["reason"] for s in skipped)
+        assert cands[0].id == "hf-fp32" and cands[0].reference
+        assert sum(c.reference for c in cands) == 1
+
+
+def test_new_recipe_appears_without_code_changes(tiny_llama_dir, monkeypatch):
+    from llmopt import recipes
+
+    extra = recipes.Recipe("bf16-test", "bfloat16", description="test-only recipe")
+    monkeypatch.setitem(recipes.RECIPES, extra.name, extra)
+    cands, skipped = candidate_space(inspect_model(tiny_llama_dir), CPU)
+    # The hf engine refuses names it does not know: listed with its reason, never attempted.
+    assert any(s["id"] == "hf-bf16-test" and "hf engine" in s["reason"] for s in skipped)
+
+
+def test_engine_settings_variations_become_candidates(tiny_llama_dir, monkeypatch):
+    from llmopt.engines import ENGINES
+
+    hf = ENGINES["hf"]
+    monkeypatch.setattr(
+        hf, "settings_space", lambda info, recipe, device: [{}, {"compile": True}], raising=False
+    )
+    cands, _ = candidate_space(inspect_model(tiny_llama_dir), CPU)
+    ids = [c.id for c in cands]
+    assert "hf-fp32" in ids and "hf-fp32-compile" in ids
+    comp = next(c for c in cands if c.id == "hf-fp32-compile")
+    assert comp.settings["compile"] is True and not comp.reference
+    assert settings_suffix({"compile": False, "block_size": 16}) == "-nocompile-block_size16"
+
+
+def test_task_rule_keeps_kv_recipes_off_encoders():
+    from llmopt.recipes import Recipe
+
+    assert task_rule("embedding", Recipe("kv-fp8")) is not None
+    assert task_rule("causal-lm", Recipe("kv-fp8")) is None
+    assert task_rule("embedding", Recipe("fp32")) is None
+
+
+def test_plan_still_lists_skips_and_refuses_unknown(tiny_llama_dir):
+    info = inspect_model(tiny_llama_dir)
+    plan = make_plan(info, CPU, only=["hf-bf16"])
+    assert [c.id for c in plan.candidates] == ["hf-fp32", "hf-bf16"]
+    with pytest.raises(ValueError, match="unknown candidate"):
+        make_plan(info, CPU, only=["nope-int3"])
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("15m", 900.0), ("90s", 90.0), ("1h30m", 5400.0), ("2.5h", 9000.0)]
+)
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["15 minutes", "m", "-5m", "0s"])
+def test_parse_duration_rejects_with_fix(bad):
+    with pytest.raises(ValueError, match="15m|positive"):
+        parse_duration(bad)
+
+
+def test_budget_fits():
+    b = Budget(100.0, reserve_s=10.0, started=0.0)
+    import time
+
+    b.started = time.monotonic() - 50  # 50 s spent, 40 s usable left
+    assert b.fits(30) and not b.fits(45) and b.fits(60, parallel=2)
+    assert Budget(None).fits(1e9)
+
+
+def _bench(cid: str, task: str, **medians: float) -> BenchResult:
+    metrics = {k: summarize([v * 0.98, v, v * 1.02]) for k, v in medians.items()}
+    primary = "decode_tokens_per_s" if task == "causal-lm" else "sentences_per_s_b32"
+    return BenchResult(cid, task, metrics, primary, 100 * 2**20, 50 * 2**20, 1, 0.0, 0.0,
+                       settings={"prompt_tokens": 100, "new_tokens": 10})  # fmt: skip
+
+
+def test_objectives_read_the_right_numbers():
+    b = _bench("x", "causal-lm", decode_tokens_per_s=20, decode_tokens_per_s_b4=50,
+               prefill_tokens_per_s=1000, decode_ms_per_token=50)  # fmt: skip
+    assert get_objective("throughput").value(b) == pytest.approx(50)  # largest batch measured
+    # 100 prompt tokens at 1000/s + 10 tokens x p90 ms/token
+    assert get_objective("latency").value(b) == pytest.approx(100 + 10 * 50 * 1.016, rel=1e-3)
+    assert get_objective("memory").value(b) == 100 * 2**20
+    assert get_objective("cost").value(b, {"price_per_hour": 3.6}) == pytest.approx(20.0)
+    lat = get_objective("latency")
+    assert lat.score(50, 100) == 2.0 and get_objective("throughput").score(50, 100) == 0.5
+    with pytest.raises(ValueError, match="latency"):
+        get_objective("speed")
+
+
+def test_screen_cuts_with_reasons():
+    entries = [
+        ScreenEntry("ref", 0.0, True, 1.0, reference=True),
+        ScreenEntry("bad-quality", 0.07, False, 3.0, quality_name="ppl"),
+        ScreenEntry("borderline", 0.012, False, 2.5),
+        ScreenEntry("slow", 0.004, True, 0.6),
+        ScreenEntry("good", 0.001, True, 1.6),
+        ScreenEntry("ok", 0.002, True, 1.2),
+    ]
+    survivors, cut = screen(entries, 0.01, "throughput")
+    assert survivors == ["ref", "borderline", "good"]  # ceil(3 / 2) of the three that qualify
+    assert cut["bad-quality"] == ("screened out at fidelity 1 (screen): ppl +7.0% > budget 1.0%")
+    assert "reference dominates" in cut["slow"]
+    assert "ranks 3/3" in cut["ok"] and "keeps the best 2" in cut["ok"]
+    assert cannot_improve(1.0, 1.2) and not cannot_improve(1.15, 1.2)
+
+
+def _verify(cid: str, drop: float) -> VerifyResult:
+    m = Metric("perplexity", 10.0, 10.0 * (1 + drop), False, 10.1, drop <= 0.01, 100)
+    return VerifyResult(cid, "causal-lm", [m], m.passed, drop)
+
+
+def test_select_by_objective_and_cut_reasons():
+    cands = [Candidate("ref", "hf", "fp32", reference=True), Candidate("fast", "hf", "w8a16"),
+             Candidate("small", "hf", "bf16"), Candidate("cut", "hf", "x")]  # fmt: skip
+    verify = {
+        "ref": _verify("ref", 0),
+        "fast": _verify("fast", 0.005),
+        "small": _verify("small", 0.002),
+    }
+    bench = {
+        "ref": _bench("ref", "causal-lm", decode_tokens_per_s=10, prefill_tokens_per_s=500,
+                      decode_ms_per_token=100),
+        "fast": _bench("fast", "causal-lm", decode_tokens_per_s=30, prefill_tokens_per_s=300,
+                       decode_ms_per_token=33),
+        "small": _bench("small", "causal-lm", decode_tokens_per_s=20, prefill_tokens_per_s=2000,
+                        decode_ms_per_token=50),
+    }  # fmt: skip
+    bench["small"].peak_rss_bytes = 40 * 2**20
+    cut = {"cut": "screened out at fidelity 1 (screen): ppl +7.0% > budget 1.0%"}
+    tp = select(cands, verify, bench, {}, 0.01, "throughput", cut=cut)
+    assert tp.chosen == "fast" and "3.00x the reference" in tp.reasons["fast"]
+    assert tp.reasons["cut"].startswith("cut: screened out")
+    assert tp.objective == "throughput" and tp.objective_unit == "tokens/s"
+    mem = select(cands, verify, bench, {}, 0.01, "memory", cut=cut)
+    assert mem.chosen == "small" and mem.ranking[0] == "small"
+    lat = select(cands, verify, bench, {}, 0.01, "latency")
+    # fast: 100/300 s + 10 x 33 ms = 663 ms; small: 50 + 500 = 550 ms -> small wins latency
+    assert lat.chosen == "small"
+    assert set(tp.pareto) == {"fast", "small", "ref"}
+    assert set(tp.pareto_memory) >= {"fast", "small"}
+
+
+def test_pareto_nd():
+    pts = {"a": (1.0, 1.0, 1.0), "b": (2.0, 2.0, 2.0), "c": (0.5, 3.0, 1.0)}
+    assert pareto_front_nd(pts) == ["a", "c"]
+
+
+def test_rundir_fidelity_files(tmp_path):
+    cdir = RunDir(tmp_path).candidate("x")
+    assert cdir.stage_file("verify").name == "verify.json"
+    assert cdir.stage_file("verify", "screen").name == "verify.screen.json"
+    assert cdir.stage_file("build", "screen").name == "build.json"  # one build for all rungs
+    assert cdir.task_file("screen").name == "task.screen.json"
+    with pytest.raises(AssertionError):
+        cdir.stage_file("verify", "fidelity-7")
