@@ -1,4 +1,8 @@
-"""End to end: `llmopt optimize minilm-l6` as a real CLI process, then resume and crash recovery."""
+"""End to end: `llmopt optimize minilm-l6` as a real CLI process, then resume and crash recovery,
+the successive-halving screen, the time budget, and `--reverify`.
+
+The module's run is exhaustive (every candidate fully verified and benchmarked) so the resume
+tests can count stages; the search tests reuse copies of it, so only their own work runs."""
 
 from __future__ import annotations
 
@@ -19,9 +23,20 @@ LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
 STAGES = ("build", "verify", "bench")
 
 
-def _optimize(out: Path, *extra: str) -> tuple[int, dict]:
+def _optimize(out: Path, *extra: str, search: str = "exhaustive") -> tuple[int, dict]:
     proc = subprocess.run(
-        [*LLMOPT, "optimize", "minilm-l6", "--quick", "--out", str(out), "--json", *extra],
+        [
+            *LLMOPT,
+            "optimize",
+            "minilm-l6",
+            "--quick",
+            "--out",
+            str(out),
+            "--json",
+            "--search",
+            search,
+            *extra,
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=1500,
@@ -155,3 +170,60 @@ def test_other_model_in_same_run_dir_is_refused(run):
     )
     assert proc.returncode == 2
     assert "different" in proc.stdout and "--force" in proc.stdout
+
+
+def test_halving_screens_every_candidate_and_records_fidelity(run, tmp_path):
+    out = tmp_path / "halving"
+    shutil.copytree(run[0], out)
+    rc, res = _optimize(out, "--objective", "latency", search="halving")
+    assert rc == 0, res
+    ids = _plan_ids(out)
+    # Full results were reused; only the screen (fidelity 1) ran, once per candidate.
+    assert all(k.endswith("@screen") for k in res["ran"]), res["ran"]
+    for cid in ids:
+        v = json.loads((out / "candidates" / cid / "verify.screen.json").read_text())
+        b = json.loads((out / "candidates" / cid / "bench.screen.json").read_text())
+        assert v["fidelity"]["level"] == "screen" and v["fidelity"]["rung"] == 1
+        assert b["fidelity"]["bench_repeats"] == 2
+        full = json.loads((out / "candidates" / cid / "verify.json").read_text())
+        assert full["fidelity"]["level"] == "full"
+    assert (out / "reference" / "embeddings.screen.npy").is_file()
+    sel = json.loads((out / "selection.json").read_text())
+    assert sel["objective"] == "latency" and sel["objective_unit"] == "ms/sentence"
+    search = json.loads((out / "search.json").read_text())
+    assert search["objective"] == "latency" and set(search["screen_scores"]) == set(ids[1:])
+    # The latency objective chose the candidate with the lowest full-fidelity latency.
+    vals = {i: sel["objective_values"][i] for i in sel["ranking"]}
+    assert min(vals, key=vals.get) == sel["chosen"]
+    assert set(sel["pareto"]) <= set(ids) and sel["pareto"]
+    html = (out / "report.html").read_text()
+    assert "Search" in html and "Latency CDF" in html
+
+
+def test_time_budget_cuts_with_reasons(run, tmp_path):
+    out = tmp_path / "budget"
+    shutil.copytree(run[0], out)
+    rc, res = _optimize(out, "--time-budget", "1s", search="halving")
+    assert rc == 0, res
+    cut = res["search"]["cut"]
+    assert set(cut) == set(_plan_ids(out)[1:]), cut
+    assert all(r.startswith("time budget exhausted") for r in cut.values()), cut
+    assert res["search"]["budget"]["seconds"] == 1.0
+
+
+def test_reverify_rechecks_the_choice(run, tmp_path):
+    out = tmp_path / "reverify"
+    shutil.copytree(run[0], out)
+    proc = subprocess.run(
+        [*LLMOPT, "optimize", "--reverify", str(out), "--json"],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    res = json.loads(proc.stdout)
+    assert proc.returncode == (0 if res["holds"] else 1), proc.stderr
+    assert res["chosen"] == json.loads((out / "selection.json").read_text())["chosen"]
+    assert res["verdict"].startswith("the choice")
+    for cid in {res["chosen"], res["reference"]}:
+        v = json.loads((out / "candidates" / cid / "verify.reverify.json").read_text())
+        assert v["fidelity"]["level"] == "reverify"
+    assert json.loads((out / "reverify.json").read_text())["holds"] == res["holds"]
+    assert "Reverify" in (out / "report.html").read_text()

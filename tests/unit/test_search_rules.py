@@ -34,11 +34,30 @@ def test_space_covers_every_registered_recipe_and_engine(tiny_llama_dir, tiny_be
 def test_new_recipe_appears_without_code_changes(tiny_llama_dir, monkeypatch):
     from llmopt import recipes
 
-    extra = recipes.Recipe("bf16-test", "bfloat16", description="test-only recipe")
+    extra = recipes.Recipe("w8-bf16-test", "bfloat16", weight_bits=8, description="test-only")
     monkeypatch.setitem(recipes.RECIPES, extra.name, extra)
+    alias = recipes.Recipe("bf16-alias", "bfloat16", description="same numbers as bf16")
+    monkeypatch.setitem(recipes.RECIPES, alias.name, alias)
     cands, skipped = candidate_space(inspect_model(tiny_llama_dir), CPU)
+    why = {s["id"]: s["reason"] for s in skipped}
     # The hf engine refuses names it does not know: listed with its reason, never attempted.
-    assert any(s["id"] == "hf-bf16-test" and "hf engine" in s["reason"] for s in skipped)
+    assert "hf engine" in why["hf-w8-bf16-test"]
+    assert why["hf-bf16-alias"].startswith("alias of bf16")
+
+
+def test_cpu_searches_one_group_size_per_algorithm(tiny_llama_dir):
+    from llmopt.recipes import RECIPES
+
+    grouped = [r for r in RECIPES.values() if getattr(r, "group_size", None)]
+    if not grouped:
+        pytest.skip("no group-quantized recipes registered")
+    info = inspect_model(tiny_llama_dir)
+    _, skipped = candidate_space(info, CPU)
+    small = next(r for r in grouped if r.group_size != 128)
+    assert any(s["recipe"] == small.name and "group size" in s["reason"] for s in skipped)
+    # Named explicitly, it is searched (if an engine runs it).
+    _, skipped2 = candidate_space(info, CPU, only=[f"torch-{small.name}"])
+    assert not any(s["recipe"] == small.name and "group size" in s["reason"] for s in skipped2)
 
 
 def test_engine_settings_variations_become_candidates(tiny_llama_dir, monkeypatch):

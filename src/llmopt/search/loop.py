@@ -1,7 +1,8 @@
 """The search loop: which candidate tasks run, at which fidelity, in which order, within budget.
 
-    rung 0   the reference, fully (build, screen, full), and every other candidate's build
-    rung 1   the screen: short verification and benchmark for every built candidate
+    rung 0   the reference, fully (build, screen, full): every score is relative to it
+    rung 1   build and screen (short verification and benchmark) each other candidate, in waves
+             as wide as the executor, while the budget allows
     cut      `halving.screen`: quality, dominated by the reference, successive halving
     rung 2   full verification and benchmark for the survivors, best screen score first, in
              waves as wide as the executor; before each task the early stop ("cannot improve")
@@ -98,35 +99,39 @@ def run_search(
         st.tasks += recs
         return recs
 
-    # ---- rung 0: the reference (always fully), the other builds ----
+    # ---- rung 0: the reference (always fully), then the other builds ----
     ref_steps = [("build", "full")] + (SCREEN if mode == "halving" else []) + FULL
-    run_tasks([Task(ref.id, ref_steps, "full")]
-              + ([Task(c.id, [("build", "full")], "build", ref.id) for c in others]
-                 if mode == "halving" else []))  # fmt: skip
+    run_tasks([Task(ref.id, ref_steps, "full")])
     if not run.candidate(ref.id).done("bench", "full"):
         for c in others:
             st.cut[c.id] = "the reference failed, nothing to compare against"
         st.events.append("stopped: the reference failed")
         return st
     ref_full_s = _steps_seconds(run, ref.id, "full") or 0.0
+    ref_build_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/build", 0.0)
 
     if mode == "exhaustive":
         _full_rung(run, others, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
                    max_quality_drop, early_stop=False)  # fmt: skip
         return st
 
-    # ---- rung 1: the screen ----
-    built = [c for c in others if run.candidate(c.id).done("build")]
+    # ---- rung 1: build and screen each candidate, in waves, while the budget allows ----
     ref_screen_s = _screen_seconds(run, ref.id, ref_full_s)
-    todo = []
-    for c in built:
-        if all(run.candidate(c.id).done(s, f) for s, f in SCREEN) or budget.fits(
-            ref_screen_s, executor.parallel
-        ):
-            todo.append(Task(c.id, SCREEN, "screen", ref.id))
-        else:
-            st.cut[c.id] = _exhausted("the screen", ref_screen_s, budget)
-    run_tasks(todo)
+    est = ref_build_s + ref_screen_s
+    queue = list(others)
+    while queue:
+        wave = []
+        while queue and len(wave) < executor.parallel:
+            c = queue.pop(0)
+            cd = run.candidate(c.id)
+            if all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN]) or budget.fits(
+                est, executor.parallel
+            ):
+                wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
+            else:
+                st.cut[c.id] = _exhausted("the build and screen", est, budget)
+        run_tasks(wave)
+    built = [c for c in others if run.candidate(c.id).done("build")]
 
     entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]
     for c in built:

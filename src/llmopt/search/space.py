@@ -6,6 +6,11 @@ this module. A combination is ruled out, with its reason, by (in this order) the
 the engine's task list, `Engine.missing()` (not installed) and `Engine.incompatible()` (cannot run
 this recipe on this model and device). Nothing ruled out is ever built.
 
+Two rules keep the grid small without hiding anything (each skip is listed with its reason):
+an alias (a preset whose configuration equals an earlier one, e.g. `w4a16` = `w4a16-gptq-g128`)
+is measured once, under the first name; and on CPU one group size per quantization algorithm is
+searched (the 128 presets; `--candidates` still selects the others explicitly).
+
 Engine settings: an engine may offer variations worth measuring with an optional method
 `settings_space(info, recipe, device) -> list[dict]` (the first entry is its default). Engines
 without it get one candidate per recipe; on CPU that keeps the candidate count small.
@@ -13,15 +18,16 @@ without it get one candidate per recipe; on CPU that keeps the candidate count s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from llmopt.recipes import Recipe
 from llmopt.schema import Candidate
 
 if TYPE_CHECKING:
     from llmopt.engines.base import Engine
     from llmopt.modelinfo import ModelInfo
     from llmopt.plan import Target
-    from llmopt.recipes import Recipe
 
 __all__ = ["REFERENCE", "candidate_space", "task_rule", "settings_suffix"]
 
@@ -38,6 +44,31 @@ def task_rule(task: str, recipe: Recipe) -> str | None:
     kv = getattr(recipe, "kv_cache_dtype", None) or getattr(recipe, "kv_dtype", None)
     if task != "causal-lm" and (kv or recipe.name.startswith("kv-")):
         return "KV-cache recipes apply to decoder LMs only (an encoder keeps no KV cache)"
+    return None
+
+
+CPU_GROUP_SIZE = 128  # on CPU, the group size searched per algorithm (kernel speed barely varies)
+
+
+def _config(recipe: Recipe) -> Recipe:
+    """The recipe without its names: equal configs are the same numbers under another name."""
+    return replace(recipe, name="_", description="")
+
+
+def grid_rule(
+    recipe: Recipe, seen: dict[Recipe, str], device: str, only: list[str] | None
+) -> str | None:
+    """Why `recipe` is not searched as its own point of the grid (alias, CPU group size)."""
+    cfg = _config(recipe)
+    if cfg in seen:
+        return f"alias of {seen[cfg]} (same configuration), measured once under that name"
+    gs = getattr(recipe, "group_size", None)
+    named = bool(only) and any(i.endswith(f"-{recipe.name}") for i in only)
+    if device == "cpu" and gs and gs != CPU_GROUP_SIZE and not named:
+        return (
+            f"group size {gs}: on cpu one group size per algorithm is searched "
+            f"(g{CPU_GROUP_SIZE}); name it in --candidates to try it"
+        )
     return None
 
 
@@ -90,12 +121,16 @@ def candidate_space(
     base = {"threads": target.threads, "device": target.device, **(settings or {})}
     cands: list[Candidate] = []
     skipped: list[dict[str, str]] = []
+    seen: dict[Recipe, str] = {}
     for recipe in RECIPES.values():
+        grid = grid_rule(recipe, seen, target.device, only)
+        seen.setdefault(_config(recipe), recipe.name)
         for engine in ENGINES.values():
             cid = f"{engine.name}-{recipe.name}"
             is_ref = (engine.name, recipe.name) == REFERENCE
             reason = (
                 task_rule(info.task, recipe)
+                or (None if is_ref else grid)
                 or (
                     f"engine does not run {info.task} models"
                     if info.task not in engine.tasks
