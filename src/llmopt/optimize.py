@@ -318,28 +318,44 @@ def _write_best(run: RunDir, cand: Candidate, threads: int, deploy: bool) -> Non
         shutil.copytree(src, tmp / "artifact", copy_function=link_or_copy)
         write_json(tmp / "candidate.json", cand.to_dict())
         shutil.copy2(run.model_json, tmp / "model.json")
-        write_json(tmp / "launch.json", _launch(cand, info))
+        bench = run.candidate(cand.id).read("bench")
+        write_json(tmp / "launch.json", _launch(cand, info, run.best.resolve(), bench))
     if deploy:
         write_json(run.best / "deploy.json", _deploy(run, threads))
 
 
-def _launch(cand: Candidate, info: dict[str, Any]) -> dict[str, Any]:
-    """How to run the chosen candidate: in Python, and served (the engine's command line)."""
-    out = {
+def _launch(
+    cand: Candidate, info: dict[str, Any], best: Path, bench: dict | None
+) -> dict[str, Any]:
+    """How to run the chosen candidate: in Python, and served (`llmopt serve`), with the
+    scheduler's batch limit set to the batch size that measured the most throughput."""
+    import re
+
+    out: dict[str, Any] = {
         "engine": cand.engine,
         "recipe": cand.recipe,
         "settings": cand.settings,
         "artifact": "artifact",
-        "python": "from llmopt.engines import load_best; runner = load_best('RUN/best')",
+        "python": f"from llmopt.engines import load_best; runner = load_best({str(best)!r})",
     }
     threads = cand.settings.get("threads")
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    if info.get("task") == "causal-lm":
-        out["serve"] = {"command": "llmopt serve RUN/best --host 127.0.0.1 --port 8000",
-                        "env": env, "api": "OpenAI-compatible /v1/completions, /v1/chat/completions"}  # fmt: skip
-    else:
-        out["serve"] = {"command": "llmopt serve RUN/best --host 127.0.0.1 --port 8000",
-                        "env": env, "api": "OpenAI-compatible /v1/embeddings"}  # fmt: skip
+    cmd = f"llmopt serve {best} --host 127.0.0.1 --port 8000"
+    why = "batch limit left at the server's default (one batch size measured)"
+    per_b = {1: 0.0}
+    for name, st in ((bench or {}).get("metrics") or {}).items():
+        m = re.fullmatch(r"decode_tokens_per_s(?:_b(\d+))?", name)
+        if m:
+            per_b[int(m.group(1) or 1)] = st["median"]
+    if info.get("task") == "causal-lm" and len(per_b) > 1:
+        b = max(per_b, key=per_b.get)
+        cmd += f" --max-num-seqs {b}"
+        why = (f"--max-num-seqs {b}: the batch size with the most decode throughput measured "
+               f"({', '.join(f'b{k} {v:.1f}/s' for k, v in sorted(per_b.items()))})")  # fmt: skip
+    api = "/v1/completions, /v1/chat/completions" if info.get("task") == "causal-lm" else (
+        "/v1/embeddings")  # fmt: skip
+    out["serve"] = {"command": cmd, "env": env, "api": f"OpenAI-compatible {api}",
+                    "scheduler": why}  # fmt: skip
     return out
 
 

@@ -204,6 +204,9 @@ def _scheduler(view: RunView) -> Check:
             ev.append(f"threads: {threads} requested, {env_threads} used by torch in the bench")
             if env_threads and env_threads != threads:
                 status = "warn"
+    serve = (view.launch or {}).get("serve") or {}
+    if serve.get("scheduler"):
+        ev.append(f"launch: {serve['scheduler']}")
     dep = view.deploy or {}
     if dep.get("written"):
         ev.append(f"deploy bundle best/deploy written with its serving plan ({len(dep.get('files', []))} files; "

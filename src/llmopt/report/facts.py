@@ -59,8 +59,14 @@ def summary_line(view: RunView) -> str:
         return f"No candidate was chosen: none passed the quality gates within the {budget}."
     drop = fmt_pct(chosen.verify.quality_drop) if chosen.verify else "n/a"
     speed = fmt_num(view.speed(chosen))
+    sel = view.selection
+    value = sel.objective_values.get(chosen.id) if sel.objective_values else None
+    obj = ""
+    if value is not None and sel.objective != "throughput":
+        shown = fmt_bytes(value) if sel.objective_unit == "bytes" else fmt_num(value)
+        obj = f"best {sel.objective} ({shown} {sel.objective_unit}); ".replace(" bytes)", ")")
     return (
-        f"Chosen: {chosen.id} ({chosen.recipe} on {chosen.engine}): "
+        f"Chosen: {chosen.id} ({chosen.recipe} on {chosen.engine}): {obj}"
         f"{fmt_x(view.speedup(chosen))} the reference's {view.primary_metric} ({speed}), "
         f"quality drop {drop} ({budget})."
     )

@@ -136,6 +136,7 @@ class RunView:
     search: dict[str, Any] | None = None  # search.json: objective, budget, cuts, executor
     reverify: dict[str, Any] | None = None  # reverify.json: does the choice still hold?
     deploy: dict[str, Any] | None = None  # best/deploy.json: the bundle written (or why not)
+    launch: dict[str, Any] | None = None  # best/launch.json: how the chosen one is run
 
     # ---- run facts ----
     @property
@@ -308,6 +309,7 @@ def load_run(run_dir: str | Path) -> RunView:
     search = load("search.json", note_missing=False)
     reverify = load("reverify.json", note_missing=False)
     deploy = load("best/deploy.json", note_missing=False)
+    launch = load("best/launch.json", note_missing=False)
     plan = load("plan.json")
     selection = load("selection.json", Selection.from_dict)
 
@@ -348,7 +350,7 @@ def load_run(run_dir: str | Path) -> RunView:
     # Reference first, then plan order (the sort is stable).
     views.sort(key=lambda c: not c.reference)
     return RunView(run_dir, run, model, doctor, plan, selection, views, missing, problems,
-                   search, reverify, deploy)  # fmt: skip
+                   search, reverify, deploy, launch)  # fmt: skip
 
 
 def _finite(*xs: float) -> bool:

@@ -95,7 +95,9 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
             progress and progress("skip", task.cid, stage, "already finished")
             continue
         ref = run.candidate(task.reference_id) if task.reference_id else None
-        if stage == "verify" and ref is not None and not ref.done("verify", fid):
+        # The reference's verify at this fidelity (an LM's screen may rely on its full one).
+        ref_ok = ref is None or ref.done("verify", fid) or ref.done("verify", "full")
+        if stage == "verify" and not ref_ok:
             error = "the reference failed, nothing to compare against"
             write_json(cdir.stage_file("error"),
                        {"stage": stage, "fidelity": fid, "error": error, "traceback": ""})  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmopt.atomic import read_json
 from llmopt.rundir import RunDir
 from llmopt.schema import BenchResult, Candidate, VerifyResult
 from llmopt.search.budget import Budget
@@ -100,7 +101,11 @@ def run_search(
         return recs
 
     # ---- rung 0: the reference (always fully), then the other builds ----
-    ref_steps = [("build", "full")] + (SCREEN if mode == "halving" else []) + FULL
+    # An LM candidate's verify scores the reference itself (same windows, KL needs its logits),
+    # so the reference's own screen verify is needed only for embedders (shared embeddings file).
+    task = read_json(run.model_json).get("task")
+    ref_screen = SCREEN if task == "embedding" else [("bench", "screen")]
+    ref_steps = [("build", "full")] + (ref_screen if mode == "halving" else []) + FULL
     run_tasks([Task(ref.id, ref_steps, "full")])
     if not run.candidate(ref.id).done("bench", "full"):
         for c in others:
@@ -117,9 +122,15 @@ def run_search(
 
     # ---- rung 1: build and screen each candidate, in waves, while the budget allows ----
     ref_screen_s = _screen_seconds(run, ref.id, ref_full_s)
-    est = ref_build_s + ref_screen_s
+    ref_verify_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/verify", 0.0)
+    # Before any candidate has screened: the reference's build and screen bench, plus a screen
+    # verify of two models on a quarter of the tokens (~half the reference's full verify).
+    est = ref_build_s + ref_screen_s + (0.5 * ref_verify_s if task != "embedding" else 0.0)
+    observed: list[float] = []  # then: what candidate screens actually took (mean)
     queue = list(others)
     while queue:
+        if observed:
+            est = sum(observed) / len(observed)
         wave = []
         while queue and len(wave) < executor.parallel:
             c = queue.pop(0)
@@ -130,7 +141,7 @@ def run_search(
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
             else:
                 st.cut[c.id] = _exhausted("the build and screen", est, budget)
-        run_tasks(wave)
+        observed += [r["seconds"] for r in run_tasks(wave) if r.get("ran") and r.get("seconds")]
     built = [c for c in others if run.candidate(c.id).done("build")]
 
     entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]
