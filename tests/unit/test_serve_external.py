@@ -13,7 +13,7 @@ from llmopt.serve.settings import ServeSettings
 def test_missing_engine_is_a_clear_error(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(external.shutil, "which", lambda name: None)
     monkeypatch.setattr(external.importlib.util, "find_spec", lambda name: None)
-    for engine, hint in (("vllm", "pip install"), ("llamacpp", "llama-server")):
+    for engine, hint in (("vllm", "pip install"), ("llamacpp", "llama-cpp-python")):
         with pytest.raises(EngineUnavailableError) as ei:
             external.external_command(engine, str(tiny_llama_dir), ServeSettings())
         assert hint in str(ei.value)
@@ -34,9 +34,15 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
         external.external_command("llamacpp", str(tiny_llama_dir), s)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(external.shutil, "which", lambda name: "/usr/bin/" + name)
     argv = external.external_command("llamacpp", str(tiny_llama_dir), s, gguf=str(gguf)).argv
     assert argv[0] == "llama-server" and argv[argv.index("-m") + 1] == str(gguf)
     assert argv[argv.index("--port") + 1] == "9123"
+    # Without llama-server, llama-cpp-python's server gets the same settings in its spelling.
+    monkeypatch.setattr(external.shutil, "which", lambda name: None)
+    argv = external.external_command("llamacpp", str(tiny_llama_dir), s, gguf=str(gguf)).argv
+    assert argv[1:4] == ["-m", "llmopt.bench.llamacpp_peer", "--no-extra-bufts"]
+    assert argv[argv.index("--model") + 1] == str(gguf) and "--n_ctx" in argv
 
 
 def test_embedders_are_refused(tiny_bert_dir, monkeypatch):

