@@ -201,6 +201,20 @@ def test_client_disconnect_frees_kv_blocks(server):
     )
 
 
+def test_non_streamed_client_disconnect_cancels(server):
+    total = server.metric("llmopt_kv_cache_blocks")
+    body = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (server.metric("llmopt_num_requests_running") == 0
+                and server.metric("llmopt_kv_cache_free_blocks") == total):  # fmt: skip
+            return
+        time.sleep(0.1)
+    pytest.fail("the abandoned request kept running or kept its KV blocks")
+
+
 @pytest.mark.parametrize(
     "kwargs, status, param",
     [
