@@ -29,9 +29,17 @@ from llmopt.atomic import atomic_dir, read_json, write_json
 from llmopt.rundir import RunDir
 from llmopt.schema import BenchResult, Candidate, Selection, VerifyResult
 
-__all__ = ["optimize", "reverify", "OptimizeResult", "PROFILES", "SCREEN"]
+__all__ = ["optimize", "reverify", "OptimizeResult", "PROFILES", "SCREEN", "versions"]
 
 log = logging.getLogger(__name__)
+
+
+def reverify(run_dir: str | Path, progress: Progress | None = None, ray_address: str | None = None):
+    """Re-check a finished run's choice with today's libraries (`llmopt.search.reverify`)."""
+    from llmopt.search.reverify import reverify as _reverify
+
+    return _reverify(run_dir, progress, ray_address)
+
 
 # Sizes of the verification and benchmark work. "full" is the default; "quick" is for tests and
 # smoke runs (still >= 1000 sentences for embeddings, so the cosine statistics mean something).
@@ -275,15 +283,17 @@ def _doctor(run: RunDir, target: str) -> None:
 
 
 def _results(run: RunDir, cands: list[Candidate], fidelity: str = "full"):
+    """verify, bench and errors ("stage (fidelity): message") by candidate id at `fidelity`
+    (the full selection also counts failures at the screen)."""
+    allowed = (fidelity,) if fidelity == "reverify" else ("full", "screen")
     verify, bench, errors = {}, {}, {}
     for c in cands:
         cdir = run.candidate(c.id)
-        if (e := cdir.read("error")) is not None and e.get("fidelity", "full") in (fidelity,
-                                                                                  "screen"):  # fmt: skip
+        e = cdir.read("error")
+        if e is not None and e.get("fidelity", "full") in allowed:
+            fid = e.get("fidelity", "full")
             errors[c.id] = (
-                f"{e['stage']}"
-                + (f" ({e['fidelity']})" if e.get("fidelity") not in (None, "full") else "")
-                + f": {e['error']}"
+                f"{e['stage']}" + ("" if fid == "full" else f" ({fid})") + f": {e['error']}"
             )
         if (v := cdir.read("verify", fidelity)) is not None:
             verify[c.id] = VerifyResult.from_dict(v)
@@ -372,102 +382,3 @@ def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
     except Exception as e:  # e.g. embedders: bundles serve causal LMs today
         hint = getattr(e, "hint", None)
         return {"written": False, "reason": f"{type(e).__name__}: {e}", "hint": hint}
-
-
-def reverify(run_dir: str | Path, progress: Progress | None = None,
-             ray_address: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """Re-verify and re-benchmark the chosen candidate and the reference of a finished run, with
-    the libraries installed now, and say whether the choice still holds. Writes `reverify.json`.
-
-    Args:
-        run_dir: a run directory `llmopt optimize` finished (it has selection.json).
-        progress: optional callback for stage events.
-        ray_address: run the two tasks on Ray (see `optimize`).
-
-    Example:
-        >>> r = reverify("runs/smollm2-135m")      # doctest: +SKIP
-        >>> r["holds"], r["verdict"]               # doctest: +SKIP
-        (True, 'the choice still holds: ...')
-    """
-    from llmopt.errors import RunDirError
-    from llmopt.search import get_objective
-    from llmopt.search.executor import Task, make_executor
-
-    run = RunDir(run_dir)
-    if not run.selection_json.exists():
-        raise RunDirError(f"{run.root} has no selection.json",
-                          hint="run `llmopt optimize` to the end first")  # fmt: skip
-    meta = read_json(run.run_json)
-    sel = Selection.from_dict(read_json(run.selection_json))
-    if not sel.chosen:
-        raise RunDirError(f"{run.root}: nothing was chosen, so there is no choice to re-check",
-                          hint="look at report.html; relax --max-quality-drop and re-run")  # fmt: skip
-    cands = [Candidate.from_dict(c) for c in read_json(run.plan_json)["candidates"]]
-    ref = next(c for c in cands if c.reference)
-    ids = [ref.id] + ([sel.chosen] if sel.chosen != ref.id else [])
-    for cid in ids:  # a re-check is always measured afresh
-        for stage in ("verify", "bench"):
-            run.candidate(cid).stage_file(stage, "reverify").unlink(missing_ok=True)
-    steps = [("verify", "reverify"), ("bench", "reverify")]
-    tasks = [Task(cid, steps, "reverify", None if cid == ref.id else ref.id) for cid in ids]
-    executor = make_executor(ray_address, int(meta["settings"].get("threads") or 1), progress)
-    try:
-        executor.run(str(run.root), tasks[:1])  # the reference's outputs first
-        executor.run(str(run.root), tasks[1:])
-    finally:
-        executor.close()
-    obj = get_objective(sel.objective)
-    by_id = {c.id: c for c in cands}
-    v_now, b_now, errors = _results(run, [by_id[i] for i in ids], "reverify")
-    _, b_then, _ = _results(run, [by_id[i] for i in ids], "full")
-
-    def score(b: dict[str, BenchResult]) -> float | None:
-        if sel.chosen not in b or ref.id not in b:
-            return None
-        return obj.score(obj.value(b[sel.chosen]), obj.value(b[ref.id]))
-
-    was, now = score(b_then), score(b_now)
-    v = v_now.get(sel.chosen)
-    spread = (
-        b_now[sel.chosen].metrics[b_now[sel.chosen].primary].spread if sel.chosen in b_now else 0
-    )
-    problems = [f"{cid}: {e}" for cid, e in errors.items()]
-    if v is None:
-        problems.append(f"{sel.chosen} could not be re-verified")
-    elif not v.passed:
-        problems.append(
-            f"{sel.chosen} now fails its quality gate (quality drop {v.quality_drop:+.2%})"
-        )
-    if now is not None and sel.chosen != ref.id and now < 1 - max(spread, 0.05):
-        problems.append(f"{sel.chosen} is now {now:.2f}x the reference on {obj.name}")
-    holds = not problems
-    then_v = meta.get("versions") or {}
-    changed = {k: [then_v.get(k), x] for k, x in versions().items() if then_v.get(k) != x}
-    verdict = (
-        f"the choice still holds: {sel.chosen} passes its gates"
-        + (f" (quality drop {v.quality_drop:+.2%})" if v else "")
-        + (f" and is {now:.2f}x the reference on {obj.name}" if now else "")
-        + (f" (was {was:.2f}x)" if was else "")
-        if holds
-        else "the choice no longer holds: " + "; ".join(problems)
-    )
-    out = {
-        "checked": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "chosen": sel.chosen,
-        "reference": ref.id,
-        "objective": obj.name,
-        "holds": holds,
-        "verdict": verdict,
-        "score_then": was,
-        "score_now": now,
-        "quality_drop_then": (run.candidate(sel.chosen).read("verify") or {}).get("quality_drop"),
-        "quality_drop_now": v.quality_drop if v else None,
-        "versions_changed": changed,
-        "hardware_then": (meta.get("hardware") or {}).get("fingerprint"),
-        "problems": problems,
-    }
-    write_json(run.reverify_json, out)
-    from llmopt.report import write_report
-
-    write_report(run.root)
-    return out
