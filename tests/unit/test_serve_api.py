@@ -92,6 +92,12 @@ def test_completion_and_chat_shapes(client):
     lp = d["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 5 and all(len(t) >= 1 for t in lp["top_logprobs"])
     assert d["choices"][0]["finish_reason"] == "length"
+    # echo with logprobs: prompt tokens first, without log-probabilities
+    r = client.post("/v1/completions", json={"model": name, "prompt": [97, 98, 99], "max_tokens": 2,
+                                             "echo": True, "logprobs": 1, "temperature": 0})  # fmt: skip
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][:3] == [None] * 3 and len(lp["tokens"]) == 5
+    assert r.json()["choices"][0]["text"].startswith(client.ctx.tokenizer.decode([97, 98, 99]))
     # n=2 and a token-id prompt
     r = client.post("/v1/completions", json={"model": name, "prompt": [97, 98], "max_tokens": 3,
                                              "n": 2, "temperature": 0.8, "seed": 1})  # fmt: skip

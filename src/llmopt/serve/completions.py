@@ -135,6 +135,16 @@ def _completion_logprobs(ctx: ServerContext, deltas: list[Delta], offset: int) -
     return out
 
 
+def _echo_logprobs(ctx: ServerContext, ids: list[int]) -> dict[str, Any]:
+    # Prompt tokens are echoed without log-probabilities (None, as OpenAI gives for the first
+    # token): the engine computes none for the prompt. `llmopt verify --endpoint` reads the
+    # None values as "does not echo prompt log-probabilities" and says so.
+    toks = [ctx.token_text(t) for t in ids]
+    offsets = [sum(len(t) for t in toks[:i]) for i in range(len(toks))]
+    return {"tokens": toks, "token_logprobs": [None] * len(ids),
+            "top_logprobs": [None] * len(ids), "text_offset": offsets}  # fmt: skip
+
+
 def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> dict[str, Any]:
     def entry(t: int, v: float) -> dict[str, Any]:
         s = ctx.token_text(t)
@@ -170,8 +180,11 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
             c["choices"] = [choice(i, d.text, d.finish_reason, lp)]  # type: ignore[arg-type]
         return c
 
+    def echo_lp(p: int) -> dict[str, Any] | None:
+        return _echo_logprobs(ctx, prompts[p]) if req.logprobs is not None else None
+
     if req.stream:
-        first = [chunk(None, None) | {"choices": [choice(i, echo[i // n], None, None)]}
+        first = [chunk(None, None) | {"choices": [choice(i, echo[i // n], None, echo_lp(i // n))]}
                  for i in range(len(gens))] if echo else []  # fmt: skip
         include = bool(req.stream_options and req.stream_options.include_usage)
         return _streaming(_stream(ctx, gens, prompts, include, first, chunk, "completions"))
@@ -185,6 +198,8 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
         prefix = echo[i // n] if echo else ""
         text = prefix + "".join(d.text for d in deltas)
         lp = _completion_logprobs(ctx, deltas, len(prefix)) if req.logprobs is not None else None
+        if lp is not None and echo:
+            lp = {k: v + lp[k] for k, v in echo_lp(i // n).items()}  # type: ignore[union-attr]
         choices.append(choice(i, text, deltas[-1].finish_reason if deltas else "stop", lp))
     ctx.metrics.requests.labels("completions", "ok").inc()
     return JSONResponse({"id": cid, "object": "text_completion", "created": created,

@@ -114,9 +114,6 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt log-probabilities, which this "
-                           "server does not compute; drop one of them", param="echo")  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
