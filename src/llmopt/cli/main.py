@@ -235,10 +235,11 @@ def assets_status(as_json: JsonOpt = False) -> None:
 # doctor / plan / deploy live in their own module (environment and serving operations).
 from llmopt.cli import bench_cmd as _bench_cmd  # noqa: E402
 from llmopt.cli import ops as _ops  # noqa: E402
+from llmopt.cli import quantize_cmd as _quantize_cmd  # noqa: E402
 from llmopt.cli import serve_cmd as _serve_cmd  # noqa: E402
 from llmopt.cli import verify_cmd as _verify_cmd  # noqa: E402
 
-for _module in (_ops, _verify_cmd, _bench_cmd, _serve_cmd):
+for _module in (_ops, _verify_cmd, _bench_cmd, _serve_cmd, _quantize_cmd):
     _module.register(app)
 
 
