@@ -141,6 +141,23 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
             "ms_per_step": 1e3 * decode_s / steps, "tokens": tokens[0]}  # fmt: skip
 
 
+def hf_names(model) -> dict[str, torch.Tensor]:
+    """The native model's dense weights under HF names (fused q/k/v and gate/up split back)."""
+    c, out = model.cfg, {}
+    for k, v in model.state_dict().items():
+        if k.endswith("qkv_proj.weight"):
+            base = k[: -len("qkv_proj.weight")]
+            parts = v.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim])
+            out.update({f"{base}{n}_proj.weight": t for n, t in zip("qkv", parts, strict=True)})
+        elif k.endswith("gate_up_proj.weight"):
+            base = k[: -len("gate_up_proj.weight")]
+            g, u = v.chunk(2)
+            out.update({f"{base}gate_proj.weight": g, f"{base}up_proj.weight": u})
+        else:
+            out[k] = v
+    return out
+
+
 def run_hf(args, model, prompt: list[int], cache: str) -> dict:
     """transformers generate() on the same weights (shared, not copied)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -154,7 +171,8 @@ def run_hf(args, model, prompt: list[int], cache: str) -> dict:
         config = AutoConfig.for_model(**SHAPES[args.shape])
         with torch.device(args.device):  # random init, then replaced by the native weights
             hf = AutoModelForCausalLM.from_config(config, dtype=model.model.norm.weight.dtype)
-        hf.load_state_dict(dict(model.state_dict()), strict=False, assign=True)
+        missing, _ = hf.load_state_dict(hf_names(model), strict=False, assign=True)
+        assert not [k for k in missing if "lm_head" not in k], missing[:4]
         hf.tie_weights()
     hf = hf.to(args.device).eval()
     ids = torch.tensor([prompt], device=args.device)

@@ -65,18 +65,20 @@ def kernels(n: int, k: int, m: int, device: str):
     g = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.randn(n, k, generator=g) * 0.02).to(device=device, dtype=dt)
     x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
-    yield "bf16", n * k * 2, lambda: F.linear(x, w)
+    xf = x.float()
+    yield "bf16", n * k * 2, lambda: F.linear(x, w), xf @ w.float().t()
     q, s = L.quantize_int8(w.float())
     lin8 = L.Int8Linear(q, s, None, dt)
-    yield "int8-wo", n * k, lambda: lin8(x)
+    yield "int8-wo", n * k, lambda: lin8(x), xf @ (q.float() * s[:, None]).t()
     if k % 128 == 0:
         q4, s4 = L.quantize_int4(w.float(), 128)
         lin4 = L.Int4Linear(q4, s4, 128, None, dt)
-        yield "int4-wo-g128", n * k // 2, lambda: lin4(x)
+        deq = (q4.float().reshape(n, -1, 128) * s4[..., None]).reshape(n, k)
+        yield "int4-wo-g128", n * k // 2, lambda: lin4(x), xf @ deq.t()
     if device == "cuda" and L.fp8_supported():
         qf, sf = L.quantize_fp8(w.float())
         linf = L.Fp8Linear(qf, sf, None, dt)
-        yield "fp8-w8a8", n * k, lambda: linf(x)
+        yield "fp8-w8a8", n * k, lambda: linf(x), xf @ (qf.float() * sf[:, None]).t()
 
 
 def main() -> None:
@@ -89,8 +91,9 @@ def main() -> None:
     rows = []
     for m in args.m:
         for name, (n, k) in shapes.items():
-            for kern, nbytes, fn in kernels(n, k, m, device):
+            for kern, nbytes, fn, ref in kernels(n, k, m, device):
                 try:
+                    err = float((fn().float() - ref).norm() / ref.norm())  # vs its own dequantized weight
                     t = bench(fn, device)
                 except Exception as e:  # a kernel missing on this build is a finding, not a crash
                     rows.append({"m": m, "shape": name, "kernel": kern, "error": repr(e)[:200]})

@@ -5,7 +5,7 @@ activation dtype. The kernels are the ones PyTorch ships (no torchao on our host
 
 | layer       | CPU                                   | CUDA                                         |
 |-------------|---------------------------------------|----------------------------------------------|
-| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | `_weight_int8pack_mm` if built, else dequant |
+| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | own Triton GEMV (rows <= 4), else dequant    |
 | Int4Linear  | `_weight_int4pack_mm_for_cpu`         | `_weight_int4pack_mm` (tinygemm, bf16)       |
 | Fp8Linear   | refused (no fast FP8 matmul on CPU)   | `_scaled_mm`, row-wise scales, cc >= 8.9     |
 
@@ -96,7 +96,10 @@ class Int8Linear(_QuantLinear):
         kdt = torch.bfloat16 if q.device.type == "cpu" else dtype
         self.register_buffer("scale", scale.flatten().to(kdt).contiguous())
         self.register_buffer("scale_f", scale.flatten().to(dtype).contiguous())
-        self.packed_kernel = q.device.type == "cpu" or _int8pack_cuda()
+        # PyTorch's CUDA `_weight_int8pack_mm` exists but reads ~120 GB/s on an H200 (measured,
+        # benchmarks/linear_kernels.py), slower than bf16: CUDA uses the Triton GEMV below.
+        self.packed_kernel = q.device.type == "cpu"
+        self.triton_kernel = q.device.type == "cuda" and _triton_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -106,6 +109,8 @@ class Int8Linear(_QuantLinear):
             # lose a little precision in the activations here, as w8a16 means.
             xin = x2.to(self.scale.dtype).contiguous()
             y = torch.ops.aten._weight_int8pack_mm(xin, self.weight, self.scale).to(x.dtype)
+        elif x2.shape[0] <= TRITON_M and self.triton_kernel:
+            y = int8_gemv(x2, self.weight, self.scale_f)
         else:
             y = F.linear(x2, self.weight.to(x.dtype)) * self.scale_f.to(x.dtype)
         return self._finish(y, shape)
@@ -160,15 +165,56 @@ class Fp8Linear(_QuantLinear):
         return self._finish(y, shape)
 
 
+TRITON_M = 4  # rows up to which the Triton int8 GEMV runs (decode batches)
+
+
 @functools.cache
-def _int8pack_cuda() -> bool:
-    # Some CUDA builds of PyTorch implement _weight_int8pack_mm, some only on CPU.
-    if not torch.cuda.is_available():
-        return False
+def _triton_available() -> bool:
     try:
-        x = torch.ones(1, 64, device="cuda", dtype=torch.bfloat16)
-        w = torch.ones(64, 64, device="cuda", dtype=torch.int8)
-        s = torch.ones(64, device="cuda", dtype=torch.bfloat16)
-        return bool(torch.ops.aten._weight_int8pack_mm(x, w, s)[0, 0].item() == 64)
-    except (RuntimeError, NotImplementedError):
+        import triton  # noqa: F401
+    except ImportError:
         return False
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _int8_gemv_kernel():
+    # Written by hand: weight-only int8 at decode sizes is a GEMV (memory-bound); neither cuBLAS
+    # nor PyTorch's int8pack CUDA kernel reads int8 weights near bandwidth (see module docstring).
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, M_PAD)
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)  # fmt: skip
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        y = acc * s[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
+
+    return kernel
+
+
+def int8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ (w int8 (N, K) * scale (N,))^T for small M, on CUDA via Triton."""
+    import triton
+
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    block_n = 16 if n <= 8192 else 32
+    grid = (triton.cdiv(n, block_n),)
+    _int8_gemv_kernel()[grid](x.contiguous(), w, scale, y, m, n, k,
+                              M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=256)  # fmt: skip
+    return y

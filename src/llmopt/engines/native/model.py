@@ -85,6 +85,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # q/k/v fused into one matmul after loading (`weights.fuse_projections_`): one large GEMV
+        # reads weights at a higher share of bandwidth than three small ones.
+        self.qkv_proj: nn.Module | None = None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # (rows, n_kv, hd) each, set by Transformer.setup_cache. Buffers, so torch.compile and
@@ -94,9 +97,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.qkv_proj is not None:
+            nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
+            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.n_heads, self.hd)
+        k = k.reshape(B, T, self.n_kv, self.hd)
+        v = v.reshape(B, T, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -137,12 +145,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # fused after loading, like qkv_proj
         self.gemma = cfg.gemma
 
     def forward(self, x):
-        g = self.gate_proj(x)
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
         g = F.gelu(g, approximate="tanh") if self.gemma else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(g * u)
 
 
 class Block(nn.Module):

@@ -23,7 +23,7 @@ from llmopt.engines.native import linear as L
 from llmopt.engines.native.config import NativeConfig
 from llmopt.engines.native.model import Transformer, rope_inv_freq
 
-__all__ = ["load_model", "random_model", "quantize_model_", "QUANT_MODES"]
+__all__ = ["load_model", "random_model", "quantize_model_", "fuse_projections_", "QUANT_MODES"]
 
 QUANT_MODES = ("int8", "int4", "fp8")
 
@@ -40,6 +40,29 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def _set_param(model: nn.Module, name: str, t: torch.Tensor) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, nn.Parameter(t, requires_grad=False))
+
+
+def _fuse(parent: nn.Module, parts: tuple[str, ...], fused: str) -> bool:
+    mods = [getattr(parent, p) for p in parts]
+    if not all(type(m) is nn.Linear for m in mods):
+        return False  # already quantized (a compressed-tensors checkpoint): keep them apart
+    w = torch.cat([m.weight.data for m in mods])
+    bias = [m.bias for m in mods]
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias[0] is not None, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if bias[0] is not None:
+        lin.bias = nn.Parameter(torch.cat([b.data for b in bias]), requires_grad=False)
+    setattr(parent, fused, lin)
+    for p in parts:
+        setattr(parent, p, None)
+    return True
+
+
+def fuse_projections_(model: Transformer) -> None:
+    """Concatenate q/k/v and gate/up weights into single linears (before any quantization)."""
+    for layer in model.model.layers:
+        _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        _fuse(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
 
 
 def _finish(model: Transformer, device) -> Transformer:
@@ -95,7 +118,9 @@ def random_model(cfg: NativeConfig, device, dtype: torch.dtype, seed: int = 0) -
         else:
             t = torch.randn(p.shape, device=device, dtype=dtype, generator=g) * 0.02
         _set_param(model, name, t)
-    return _finish(model, device)
+    model = _finish(model, device)
+    fuse_projections_(model)
+    return model
 
 
 def load_model(
@@ -136,18 +161,17 @@ def load_model(
             _set_module(model, name, _from_compressed(name, tensors, qcfg, device, dtype, bias))
             continue
         w = tensors[f"{name}.weight"].get_tensor(f"{name}.weight").to(device=device, dtype=dtype)
-        skip = any(name == s or name.endswith("." + s) for s in ignore)
-        if quant and not skip and not (quant == "int4" and w.shape[1] % group):
-            b = None if bias is None else bias.to(device)
-            _set_module(model, name, _quantized_linear(w, b, quant, dtype, group))
-        else:
-            _set_param(model, f"{name}.weight", w)
-            if bias is not None:
-                _set_param(model, f"{name}.bias", bias.to(device=device, dtype=dtype))
+        _set_param(model, f"{name}.weight", w)
+        if bias is not None:
+            _set_param(model, f"{name}.bias", bias.to(device=device, dtype=dtype))
     for name, p in list(model.named_parameters()):
         if p.is_meta and name in tensors:
             _set_param(model, name, tensors[name].get_tensor(name).to(device=device, dtype=dtype))
-    return _finish(model, device)
+    model = _finish(model, device)
+    fuse_projections_(model)
+    if quant:
+        quantize_model_(model, quant, ignore, group)
+    return model
 
 
 def _is_quantized(name: str, tensors) -> bool:
