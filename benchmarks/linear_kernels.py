@@ -100,10 +100,9 @@ def main() -> None:
                     print(f"m={m:3d} {name:8s} {kern:14s} ERROR {e!r:.120}")
                     continue
                 rows.append({"m": m, "shape": name, "n": n, "k": k, "kernel": kern,
-                             "us": t * 1e6, "GBps": nbytes / t / 1e9})  # fmt: skip
-                print(
-                    f"m={m:3d} {name:8s} {kern:14s} {t * 1e6:9.1f} us {nbytes / t / 1e9:8.1f} GB/s"
-                )
+                             "us": t * 1e6, "GBps": nbytes / t / 1e9, "rel_err": err})  # fmt: skip
+                print(f"m={m:3d} {name:8s} {kern:14s} {t * 1e6:9.1f} us "
+                      f"{nbytes / t / 1e9:8.1f} GB/s  rel.err {err:.1e}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "rows": rows}, f, indent=1)
