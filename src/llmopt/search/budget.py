@@ -43,6 +43,7 @@ class Budget:
     seconds: float | None
     reserve_s: float = 20.0
     started: float = field(default_factory=time.monotonic)
+    wall_start: float = field(default_factory=time.time)
 
     @property
     def elapsed(self) -> float:
@@ -57,6 +58,14 @@ class Budget:
         if self.seconds is None:
             return True
         return self.elapsed + estimate_s / max(1, parallel) <= self.seconds - self.reserve_s
+
+    @property
+    def deadline(self) -> float | None:
+        """Epoch seconds by which candidate stages must end (half the reserve left after it for
+        selection and the report); a stage still running then is killed and recorded as cut."""
+        if self.seconds is None:
+            return None
+        return self.wall_start + self.seconds - self.reserve_s / 2
 
     def to_dict(self) -> dict[str, float | None]:
         return {"seconds": self.seconds, "elapsed_s": round(self.elapsed, 1)}

@@ -42,27 +42,46 @@ class Task:
     steps: list[tuple[str, str]]
     rung: str  # "screen", "full" or "reverify": names the task file
     reference_id: str | None = None  # None for the reference itself
+    # Wall-clock time (epoch seconds) by which the task must end: a stage still running then is
+    # killed and the candidate recorded as cut by the time budget (None: no limit).
+    deadline: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"cid": self.cid, "steps": [list(s) for s in self.steps], "rung": self.rung,
-                "reference_id": self.reference_id}  # fmt: skip
+                "reference_id": self.reference_id, "deadline": self.deadline}  # fmt: skip
 
 
-def _spawn(run: RunDir, cid: str, stage: str, fidelity: str) -> tuple[bool, str]:
-    """Run one stage in a child process; its output goes to the candidate's log.txt."""
+class _OutOfTime(Exception):
+    pass
+
+
+def _spawn(
+    run: RunDir, cid: str, stage: str, fidelity: str, deadline: float | None = None
+) -> tuple[bool, str]:
+    """Run one stage in a child process; its output goes to the candidate's log.txt.
+
+    Raises _OutOfTime when `deadline` passes first (the child is killed; nothing is written, so a
+    resumed run with more time runs the stage again).
+    """
     cdir = run.candidate(cid)
     cdir.root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(cdir.log, "a", encoding="utf-8") as log:
         log.write(f"\n=== {stage} ({fidelity}) on {socket.gethostname()} pid {os.getpid()} ===\n")
         log.flush()
-        proc = subprocess.run(
-            [sys.executable, "-m", "llmopt.worker", str(run.root), cid, stage, fidelity],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            check=False,
-        )
+        timeout = None if deadline is None else max(1.0, deadline - time.time())
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "llmopt.worker", str(run.root), cid, stage, fidelity],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                check=False,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            log.write(f"\n=== killed: time budget exhausted during {stage} ({fidelity}) ===\n")
+            raise _OutOfTime(f"time budget exhausted during {stage} ({fidelity})") from None
     if proc.returncode == 0 and cdir.done(stage, fidelity):
         return True, ""
     err = cdir.read("error")
@@ -86,6 +105,7 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
     ran: list[str] = []
     skipped: list[str] = []
     error: str | None = None
+    out_of_time: str | None = None
     old = read_json(cdir.task_file(task.rung)) if cdir.task_file(task.rung).exists() else {}
     step_seconds: dict[str, float] = dict(old.get("step_seconds") or {})
     for stage, fid in task.steps:
@@ -105,7 +125,12 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
             break
         progress and progress("start", task.cid, stage, fid)
         t1 = time.perf_counter()
-        ok, detail = _spawn(run, task.cid, stage, fid)
+        try:
+            ok, detail = _spawn(run, task.cid, stage, fid, task.deadline)
+        except _OutOfTime as e:
+            out_of_time = str(e)
+            progress and progress("fail", task.cid, stage, out_of_time)
+            break
         step_seconds[key] = round(time.perf_counter() - t1, 2)
         ran.append(key)
         progress and progress("done" if ok else "fail", task.cid, stage, detail)
@@ -114,8 +139,9 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
             break
     record = {
         **task.to_dict(),
-        "ok": error is None,
+        "ok": error is None and out_of_time is None,
         "error": error,
+        "out_of_time": out_of_time,
         "ran": ran,
         "skipped": skipped,
         "seconds": round(time.perf_counter() - t0, 2),

@@ -96,8 +96,13 @@ def run_search(
     assert ref.reference, "the reference must be the first candidate"
 
     def run_tasks(tasks: list[Task]) -> list[dict[str, Any]]:
+        for t in tasks:  # every candidate but the reference stops at the budget's end
+            t.deadline = None if t.cid == ref.id else budget.deadline
         recs = executor.run(str(run.root), tasks) if tasks else []
         st.tasks += recs
+        for r in recs:
+            if r.get("out_of_time"):
+                st.cut[r["cid"]] = r["out_of_time"]
         return recs
 
     # ---- rung 0: the reference (always fully), then the other builds ----
@@ -127,6 +132,8 @@ def run_search(
     # verify of two models on a quarter of the tokens (~half the reference's full verify).
     est = ref_build_s + ref_screen_s + (0.5 * ref_verify_s if task != "embedding" else 0.0)
     observed: list[float] = []  # then: what candidate screens actually took (mean)
+    # Screening stops while there is still time to fully verify one survivor.
+    one_full = _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
     queue = list(others)
     while queue:
         if observed:
@@ -136,11 +143,14 @@ def run_search(
             c = queue.pop(0)
             cd = run.candidate(c.id)
             if all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN]) or budget.fits(
-                est, executor.parallel
+                est + one_full, executor.parallel
             ):
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
             else:
-                st.cut[c.id] = _exhausted("the build and screen", est, budget)
+                st.cut[c.id] = _exhausted(
+                    "the build and screen (keeping time for one full verification)",
+                    est + one_full, budget,
+                )  # fmt: skip
         observed += [r["seconds"] for r in run_tasks(wave) if r.get("ran") and r.get("seconds")]
     built = [c for c in others if run.candidate(c.id).done("build")]
 
@@ -226,8 +236,11 @@ def _full_estimate(run: RunDir, cid: str, ref_full_s: float, ref_screen_s: float
     ref_steps = _step_seconds(run, run_ref_id(run), "full")
     full_only = sum(v for k, v in ref_steps.items() if "@" not in k and "/build" not in k)
     full_only = full_only or max(ref_full_s - ref_screen_s, 1.0)
-    mine = _steps_seconds(run, cid, "screen")
-    ratio = min(3.0, max(0.3, mine / ref_screen_s)) if mine and ref_screen_s else 1.0
+    ref_id = run_ref_id(run)
+    # Like with like: the candidate's screen bench against the reference's.
+    mine = _step_seconds(run, cid, "screen").get(f"{cid}/bench@screen")
+    theirs = ref_steps.get(f"{ref_id}/bench@screen")
+    ratio = min(3.0, max(0.3, mine / theirs)) if mine and theirs else 1.0
     return full_only * ratio
 
 
