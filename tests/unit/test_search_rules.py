@@ -200,3 +200,27 @@ def test_rundir_fidelity_files(tmp_path):
     assert cdir.task_file("screen").name == "task.screen.json"
     with pytest.raises(AssertionError):
         cdir.stage_file("verify", "fidelity-7")
+
+
+def test_stage_past_the_deadline_is_killed_and_recorded_as_cut(tiny_bert_dir, tmp_path):
+    import time
+
+    from llmopt.atomic import write_json
+    from llmopt.search.executor import Task, run_task
+
+    info = inspect_model(tiny_bert_dir)
+    plan = make_plan(info, CPU, only=["hf-bf16"])
+    run = RunDir(tmp_path / "run")
+    run.open({"model_fingerprint": info.fingerprint, "target": "cpu",
+              "model_path": str(tiny_bert_dir), "settings": {"threads": 1}})  # fmt: skip
+    write_json(run.model_json, info.to_dict())
+    write_json(run.plan_json, plan.to_dict())
+    write_json(run.candidate("hf-bf16").stage_file("candidate"), plan.candidates[1].to_dict())
+    t0 = time.monotonic()
+    rec = run_task(str(run.root), Task("hf-bf16", [("build", "full")], "screen", "hf-fp32",
+                                       deadline=time.time()))  # fmt: skip
+    assert time.monotonic() - t0 < 30
+    assert rec["ok"] is False and rec["out_of_time"] == "time budget exhausted during build (full)"
+    cdir = run.candidate("hf-bf16")
+    assert not cdir.done("build") and not cdir.stage_file("error").exists()
+    assert "killed: time budget exhausted" in cdir.log.read_text()
