@@ -164,3 +164,5 @@ class OptimizeProgress:
             self.bar.advance(self.task)
             if event == "fail" and self.enabled:
                 self.bar.console.print(f"[red]{cid}: {stage} failed: {detail}[/]")
+            elif event == "cut" and self.enabled:
+                self.bar.console.print(f"[yellow]{cid}: cut: {detail}[/]")

@@ -30,7 +30,7 @@ __all__ = ["Task", "run_task", "LocalExecutor", "RayExecutor", "make_executor", 
 
 RAY_MISSING = "Ray is not installed: pip install 'llmopt[ray]' (or drop --ray / --ray-address)"
 
-# progress(event, candidate_id, stage, detail): event is "start", "done", "skip" or "fail".
+# progress(event, candidate_id, stage, detail): "start", "done", "skip", "fail" or "cut".
 Progress = Callable[[str, str, str, str], None]
 
 
@@ -129,7 +129,7 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
             ok, detail = _spawn(run, task.cid, stage, fid, task.deadline)
         except _OutOfTime as e:
             out_of_time = str(e)
-            progress and progress("fail", task.cid, stage, out_of_time)
+            progress and progress("cut", task.cid, stage, out_of_time)
             break
         step_seconds[key] = round(time.perf_counter() - t1, 2)
         ran.append(key)
