@@ -204,6 +204,7 @@ class NativeCausalLMRunner:
 
         width = bucket(tables.shape[1], gen.max_blocks_per_seq)
         padded = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+        packed = torch.cat([tokens.to(gen.device), pos, padded], dim=1)
         with torch.inference_mode():
-            out = gen._decode(tokens.to(gen.device), pos, padded)
+            out = gen._decode(packed)[0]
         return out.float().cpu(), {"tables": tables, "len": n + 1}

@@ -207,31 +207,33 @@ class Generator:
             if self.bucket_blocks
             else self.max_blocks_per_seq
         )
-        tokens = torch.zeros(bp, 1, dtype=torch.long)
-        pos = torch.zeros(bp, 1, dtype=torch.long)
-        tables = torch.zeros(bp, nb, dtype=torch.long)  # padding rows write to scratch block 0
+        # One host->device copy per step: rows of [token, position, block table...]; padding
+        # rows (and table tails) point at scratch block 0.
+        rows = [[0] * (2 + nb) for _ in range(bp)]
         for i, k in enumerate(keys):
             s = self.seqs[k]
-            tokens[i, 0], pos[i, 0] = s.ids[-1], len(s.ids) - 1
-            tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
-        logits = self._decode(tokens.to(self.device), pos.to(self.device), tables.to(self.device))[
-            :b
-        ]
+            rows[i][0], rows[i][1] = s.ids[-1], len(s.ids) - 1
+            rows[i][2 : 2 + len(s.blocks)] = s.blocks
+        packed = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        logits, best, best_lp = self._decode(packed)
         plain = [
             not self.seqs[k].params.logprobs and self.seqs[k].params.temperature <= 0 for k in keys
         ]
         if not all(plain):
+            logits = logits[:b].clone()
             return [self._emit(k, self.seqs[k], logits[i]) for i, k in enumerate(keys)]
-        # All greedy without alternatives: one argmax and one host transfer for the whole batch.
-        best = torch.argmax(logits, -1, keepdim=True)
-        lps = (logits.gather(1, best) - torch.logsumexp(logits, -1, keepdim=True)).flatten()
+        # All greedy without alternatives: argmax and its logprob came out of the same graph.
+        toks, lps = best[:b].tolist(), best_lp[:b].tolist()
         return [
             self._append(k, self.seqs[k], t, lp, [])
-            for k, t, lp in zip(keys, best.flatten().tolist(), lps.tolist(), strict=True)
+            for k, t, lp in zip(keys, toks, lps, strict=True)
         ]
 
-    def _decode_eager(self, tokens, pos, tables):
-        return self.model(tokens, pos, tables).clone()
+    def _decode_eager(self, packed: torch.Tensor):
+        logits = self.model(packed[:, :1], packed[:, 1:2], packed[:, 2:])
+        best = torch.argmax(logits, -1, keepdim=True)
+        best_lp = logits.gather(1, best) - torch.logsumexp(logits, -1, keepdim=True)
+        return logits, best.flatten(), best_lp.flatten()
 
     def _emit(self, key: Hashable, s: _Seq, logits: torch.Tensor) -> TokenEvent:
         return self._append(key, s, *sample(logits, s.params, s.rng))

@@ -100,6 +100,8 @@ class Int8Linear(_QuantLinear):
         # benchmarks/linear_kernels.py), slower than bf16: CUDA uses the Triton GEMV below.
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
+        if self.triton_kernel:
+            _KERNELS.setdefault("int8_gemv", _int8_gemv_kernel())  # built outside torch.compile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -166,6 +168,7 @@ class Fp8Linear(_QuantLinear):
 
 
 TRITON_M = 4  # rows up to which the Triton int8 GEMV runs (decode batches)
+_KERNELS: dict = {}  # Triton kernels, created eagerly so torch.compile only sees their launch
 
 
 @functools.cache
@@ -215,6 +218,6 @@ def int8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Te
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_n = 16 if n <= 8192 else 32
     grid = (triton.cdiv(n, block_n),)
-    _int8_gemv_kernel()[grid](x.contiguous(), w, scale, y, m, n, k,
+    _KERNELS["int8_gemv"][grid](x.contiguous(), w, scale, y, m, n, k,
                               M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=256)  # fmt: skip
     return y

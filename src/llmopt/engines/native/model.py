@@ -123,19 +123,21 @@ class Attention(nn.Module):
     def _paged(self, q, pos, block_tables, block_size):
         B, T, _, hd = q.shape
         g = self.n_heads // self.n_kv
-        nb = block_tables.shape[1]
-        # Gather the sequences' blocks: (B, nb * block_size, n_kv, hd) -> (B, n_kv, 1, S, hd).
+        S = block_tables.shape[1] * block_size
+        # Gather the sequences' blocks: (B, S, n_kv, hd) -> (B, n_kv, S, hd).
         kc = self.k_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
         vc = self.v_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
-        kc = kc.reshape(B, nb * block_size, self.n_kv, hd).permute(0, 2, 1, 3).unsqueeze(2)
-        vc = vc.reshape(B, nb * block_size, self.n_kv, hd).permute(0, 2, 1, 3).unsqueeze(2)
-        qg = q.view(B, T, self.n_kv, g, hd).permute(0, 2, 3, 1, 4)  # (B, n_kv, g, T, hd)
-        scores = (qg @ kc.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, n_kv, g, T, S)
-        keys = torch.arange(nb * block_size, device=q.device)
-        visible = keys.view(1, 1, 1, 1, -1) <= pos.view(B, 1, 1, T, 1)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = p @ vc  # (B, n_kv, g, T, hd)
+        kc = kc.reshape(B, S, self.n_kv, hd).transpose(1, 2)
+        vc = vc.reshape(B, S, self.n_kv, hd).transpose(1, 2)
+        # Grouped-query attention as plain batched matmuls over (B, n_kv): the g query heads of a
+        # KV head become g * T rows, so K/V are neither repeated nor broadcast-expanded.
+        qg = q.view(B, T, self.n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, hd)
+        scores = (qg @ kc.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, n_kv, g*T, S)
+        keys = torch.arange(S, device=q.device)
+        visible = keys.view(1, 1, 1, 1, S) <= pos.view(B, 1, 1, T, 1)  # (B, 1, 1, T, S)
+        scores = scores.view(B, self.n_kv, g, T, S).masked_fill(~visible, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.n_kv, g * T, S)
+        out = (p @ vc).view(B, self.n_kv, g, T, hd)
         return out.permute(0, 3, 1, 2, 4)  # (B, T, n_kv, g, hd)
 
 
