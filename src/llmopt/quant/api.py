@@ -21,7 +21,7 @@ from llmopt.recipes import Recipe, get_recipe
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["quantize", "EvalConfig"]
+__all__ = ["quantize", "fake_quantized_model", "EvalConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,10 @@ def quantize(
 
 def _quantize(source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from llmopt.atomic import atomic_dir, write_json
     from llmopt.bench.timing import peak_rss_bytes
     from llmopt.quant.calibration import calibration_windows
-    from llmopt.quant.checks import preflight
     from llmopt.quant.export_ct import format_for, write_folder
     from llmopt.quant.sequential import _layers_prefix, decoder_layers, run_sequential
 
@@ -104,29 +102,10 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     calibration = calibration or CalibrationConfig()
     budget = 0.01 if max_quality_drop is None else float(max_quality_drop)
     measure = auto_exclude or max_quality_drop is not None
-    dtype = getattr(torch, recipe.dtype)
 
-    # 1. Checks on a weightless (meta) model: shapes only.
-    config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    plan = preflight(
-        meta,
-        recipe,
-        device=device,
-        num_samples=calibration.num_samples,
-        seq_len=calibration.seq_len,
-        keep_originals=auto_exclude,
-    )
-    del meta
-    for name, why in plan.skipped.items():
-        log.warning("skipped %s: %s", name, why)
-
-    # 2. Calibration windows, the model on the host.
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    # 1-2. Checks on a weightless model, then the tokenizer, calibration windows, model on host.
+    model, tokenizer, plan = _load_checked(source, recipe, calibration, device, auto_exclude)
     windows = calibration_windows(tokenizer, calibration)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(torch.device(device))
 
@@ -218,6 +197,63 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     return facts
 
 
+def _load_checked(source: Path, recipe: Recipe, calibration, device: str, keep_originals: bool):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from llmopt.quant.checks import preflight
+
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    plan = preflight(
+        meta,
+        recipe,
+        device=device,
+        num_samples=calibration.num_samples,
+        seq_len=calibration.seq_len,
+        keep_originals=keep_originals,
+    )
+    del meta
+    for name, why in plan.skipped.items():
+        log.warning("skipped %s: %s", name, why)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    dtype = getattr(torch, recipe.dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    return model.eval(), tokenizer, plan
+
+
+def fake_quantized_model(
+    source: Path,
+    recipe: Recipe | str,
+    *,
+    calibration: CalibrationConfig | None = None,
+    device: str = "cpu",
+):
+    """The model quantized in memory exactly as `quantize` does, without writing anything.
+
+    Weights hold the dequantized codes and activation fake-quant hooks are installed, so a torch
+    forward computes what the deployed kernels compute. Evaluate KV-FP8 recipes inside
+    `llmopt.quant.sequential.kv_fp8()`.
+
+    Returns:
+        (model on the CPU, SequentialResult)
+
+    >>> model, res = fake_quantized_model(Path("smollm2"), "w8a16")  # doctest: +SKIP
+    """
+    from llmopt.quant.calibration import calibration_windows
+    from llmopt.quant.sequential import run_sequential
+    from llmopt.verify.lm import flush_denormals
+
+    recipe = get_recipe(recipe)
+    calibration = calibration or CalibrationConfig()
+    with flush_denormals():
+        model, tokenizer, plan = _load_checked(Path(source), recipe, calibration, device, False)
+        windows = calibration_windows(tokenizer, calibration)
+        res = run_sequential(model, windows, recipe, plan.specs, device=device)
+    return model, res
+
+
 def _sensitivity(res) -> dict[str, Any]:
     ranked = sorted(res.linears.values(), key=lambda q: q.sqnr_db)
     finite = [q.sqnr_db for q in ranked if math.isfinite(q.sqnr_db)]
@@ -233,7 +269,9 @@ def _eval_windows(tokenizer):
     from llmopt.assets.text import evaluation_text
     from llmopt.verify.lm import token_windows
 
-    return token_windows(tokenizer, evaluation_text(), EvalConfig.seq_len, EvalConfig.windows)
+    # Tokenize only a prefix long enough for the windows (~4 characters per token, 2x margin).
+    text = evaluation_text()[: 8 * EvalConfig.seq_len * EvalConfig.windows]
+    return token_windows(tokenizer, text, EvalConfig.seq_len, EvalConfig.windows)
 
 
 def _nll(model, windows, device: str) -> float:

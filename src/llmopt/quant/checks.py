@@ -137,7 +137,7 @@ def _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals
     layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in layers) * nbytes
     hidden = model_meta.config.hidden_size
     inter = getattr(model_meta.config, "intermediate_size", 4 * hidden)
-    acts = num_samples * seq_len * hidden * nbytes * 2  # layer inputs and outputs, all samples
+    acts = num_samples * seq_len * hidden * nbytes * 3  # inputs, float and quantized outputs
     stats = 4 * (3 * hidden * hidden + inter * inter) if recipe.algorithm == "gptq" else 0
     work = seq_len * max(inter, hidden) * 4 * 8  # one sample's transient activations
     pf.device_bytes_needed = layer_bytes + acts + stats + work

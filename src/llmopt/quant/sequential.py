@@ -276,10 +276,18 @@ def run_sequential(
         captured = _capture_layer0(model, layers, windows, device)
         for i, layer in enumerate(layers):
             layer.to(device)
-            _quantize_layer(
+            float_outs = _quantize_layer(
                 i, layer, f"{prefix}.{i}.", captured, recipe, specs, res, keep_originals
             )
             outs = _run_layer(layer, captured)
+            # Layer output SQNR: same inputs, float vs quantized layer (where the error enters).
+            res.layer_sqnr_db.append(
+                sqnr_db(
+                    torch.cat([o.flatten() for o in float_outs]),
+                    torch.cat([o.flatten() for o in outs]),
+                )
+            )
+            del float_outs
             captured = [(o.detach(), kw) for o, (_, kw) in zip(outs, captured, strict=True)]
             layer.to("cpu")
             if device.startswith("cuda"):
@@ -297,7 +305,7 @@ def _layers_prefix(model, layers) -> str:
     raise AssertionError("layers not found in model")
 
 
-def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_originals) -> None:
+def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_originals):
     local = {
         n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and prefix + n in specs
     }
@@ -342,14 +350,7 @@ def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_origina
         lin.weight.data.copy_(deq)
         if recipe.activations != "none":
             install_activation_hook(lin, recipe.activations, input_scale)
-    # Layer output SQNR: same inputs, float vs quantized layer (attribution of error per layer).
-    q_outs = _run_layer(layer, captured[:4])
-    res.layer_sqnr_db.append(
-        sqnr_db(
-            torch.cat([o.flatten() for o in float_outs[:4]]),
-            torch.cat([o.flatten() for o in q_outs]),
-        )
-    )
+    return float_outs
 
 
 def install_activation_hook(lin: nn.Linear, mode: str, input_scale: torch.Tensor | None) -> None:
