@@ -80,8 +80,10 @@ def _quantization(view: RunView) -> Check:
         evidence.append(
             f"{cv.id} ({cv.recipe} on {cv.engine}): {built}, {level}, {gate}, quality drop {drop}"
         )
-    if not verified:  # every quantized candidate was cut at the screen (or failed)
-        return Check("info", "Quantization applied and verified (screen only)", evidence)
+    if not verified:  # every quantized candidate was cut by the search (or failed)
+        screened = any(cv.screen_verify is not None for cv in quant)
+        how = "screen only" if screened else "none verified: cut by the search or failed"
+        return Check("info", f"Quantization applied and verified ({how})", evidence)
     status = "ok" if passed else "warn"
     return Check(
         status, f"Quantization applied and verified ({passed}/{verified} passed)", evidence
