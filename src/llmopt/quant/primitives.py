@@ -112,7 +112,9 @@ def fake_quant_activation(
         assert static_scale is not None, "static-fp8 needs a calibrated scale"
         s = static_scale.float()
         return ((xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
-    qmax = 127.0 if mode == "dynamic-int8" else FP8_MAX
+    # int8: absmax / 127.5 with codes clamped to [-128, 127], compressed-tensors' symmetric
+    # convention (what transformers computes when it loads the folder; vLLM's kernel uses 127).
+    qmax = 127.5 if mode == "dynamic-int8" else FP8_MAX
     s = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=_EPS)  # (..., 1) per token
     if mode == "dynamic-int8":
         q = torch.round(xf / s).clamp(-128, 127)

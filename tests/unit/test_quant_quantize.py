@@ -1,0 +1,214 @@
+"""`llmopt.quant.quantize` end to end on the tiny random Llama: the folder it writes is a standard
+compressed-tensors checkpoint (the library parses and decompresses it, transformers loads it and
+computes what our fake-quantized model computes), the source is untouched, the checks fire
+before any work, and auto-exclude writes its exclusions into the artifact."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmopt.quant import (
+    CalibrationConfig,
+    CalibrationDataError,
+    QuantConfigError,
+    QuantMemoryError,
+    fake_quantized_model,
+    quantize,
+)
+from llmopt.quant.api import EvalConfig
+from llmopt.quant.calibration import calibration_windows
+from llmopt.quant.sequential import kv_fp8
+
+TEXT = (
+    "The river rises in the northern hills and flows south through farmland, past two old "
+    "mill towns, before it reaches the sea at a wide estuary where birds gather in winter. "
+) * 40
+
+
+@pytest.fixture
+def cal(tmp_path: Path) -> CalibrationConfig:
+    f = tmp_path / "cal.jsonl"
+    f.write_text("\n".join(json.dumps({"text": TEXT[i * 300 :]}) for i in range(8)))
+    return CalibrationConfig(f, num_samples=4, seq_len=64, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def small_eval(monkeypatch):
+    monkeypatch.setattr(EvalConfig, "windows", 2)
+    monkeypatch.setattr(EvalConfig, "seq_len", 64)
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def _ids(n=48):
+    return torch.arange(3, 3 + n).view(1, -1) % 250
+
+
+@pytest.mark.parametrize(
+    "recipe, fmt",
+    [
+        ("w4a16-gptq-g32", "pack-quantized"),
+        ("w4a16-awq-g32", "pack-quantized"),
+        ("w8a8-int8", "int-quantized"),
+        ("fp8-static", "float-quantized"),
+    ],
+)
+def test_folder_loads_in_transformers_and_matches_fake_quant(
+    tiny_llama_dir, tmp_path, cal, recipe, fmt
+):
+    from compressed_tensors.compressors import ModelCompressor
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    before = _digest(tiny_llama_dir)
+    out = tmp_path / "q"
+    facts = quantize(tiny_llama_dir, recipe, out, calibration=cal)
+    assert _digest(tiny_llama_dir) == before  # source untouched
+    assert not list(tmp_path.glob(".tmp-*"))  # written atomically
+    assert facts["format"] == fmt and facts["quantized_linears"] == 14  # 2 layers x 7
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == fmt and qcfg["ignore"] == ["lm_head"]
+    # compressed-tensors parses the config and knows how to decompress it.
+    ModelCompressor.from_compression_config(CompressedTensorsConfig(**qcfg))
+
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours, res = fake_quantized_model(tiny_llama_dir, recipe, calibration=cal)
+    with torch.no_grad():
+        a = loaded(_ids()).logits  # compressed-tensors decompresses on the first forward
+        b = ours(_ids()).logits
+        ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()(_ids()).logits
+    name = "model.layers.1.mlp.down_proj"
+    torch.testing.assert_close(
+        loaded.get_submodule(name).weight.float(), ours.get_submodule(name).weight.float()
+    )
+    assert (a - b).abs().max() < 0.2 * (b - ref).abs().max() + 1e-4
+    if recipe == "fp8-static":
+        assert float(res.linears[name].input_scale) > 0
+
+
+def test_kv_fp8_scales_are_written_and_load(tiny_llama_dir, tmp_path, cal):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    facts = quantize(tiny_llama_dir, "kv-fp8", tmp_path / "kv", calibration=cal)
+    state = load_file(tmp_path / "kv" / "model.safetensors")
+    for i in range(2):
+        k = state[f"model.layers.{i}.self_attn.k_scale"]
+        assert k.shape == (1,) and 0 < float(k) < 1
+        assert float(state[f"model.layers.{i}.self_attn.v_scale"]) > 0
+    qcfg = json.loads((tmp_path / "kv" / "config.json").read_text())["quantization_config"]
+    assert qcfg["kv_cache_scheme"]["type"] == "float" and qcfg["kv_cache_scheme"]["num_bits"] == 8
+    assert facts["kv_cache_scales"]["0"]["k"] == pytest.approx(
+        float(state["model.layers.0.self_attn.k_scale"])
+    )
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "kv", dtype=torch.float32)
+    assert torch.isfinite(model(_ids()).logits).all()
+
+
+def test_sensitivity_and_auto_exclude_write_exclusions(tiny_llama_dir, tmp_path, cal):
+    out = tmp_path / "ae"
+    first = quantize(tiny_llama_dir, "w4a16-rtn-g32", out, calibration=cal, max_quality_drop=0.0)
+    drop0 = first["quality"]["quality_drop"]
+    assert drop0 > 0, "4-bit RTN on a random model should cost some perplexity"
+    sens = first["sensitivity"]
+    assert len(sens["layer_output_sqnr_db"]) == 2 and sens["most_sensitive"][0]["sqnr_db"] < 40
+    facts = quantize(
+        tiny_llama_dir,
+        "w4a16-rtn-g32",
+        out,
+        calibration=cal,
+        auto_exclude=True,
+        max_quality_drop=drop0 / 4,
+    )
+    assert facts["excluded"], "a budget below the full-quantization drop must exclude layers"
+    assert facts["quality"]["within_budget"]
+    steps = facts["quality"]["auto_exclude_steps"]
+    assert steps[0]["excluded"] == 0 and steps[-1]["excluded"] == len(facts["excluded"])
+    # The most sensitive layer by SQNR is the first one excluded.
+    assert facts["excluded"][0] == sens["most_sensitive"][0]["name"]
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert set(facts["excluded"]) <= set(qcfg["ignore"])
+    written = json.loads((out / "llmopt_quant.json").read_text())
+    assert written["excluded"] == facts["excluded"]
+    assert facts["quantized_linears"] == 14 - len(facts["excluded"])
+
+
+def test_checks_fail_before_any_work(tiny_llama_dir, tmp_path, cal):
+    # hidden 64: a group of 128 does not divide any layer's width.
+    with pytest.raises(QuantConfigError, match="group size 128 does not divide"):
+        quantize(tiny_llama_dir, "w4a16", tmp_path / "g128", calibration=cal)
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantConfigError, match="no CUDA GPU"):
+            quantize(tiny_llama_dir, "fp8-dynamic", tmp_path / "c", calibration=cal, device="cuda")
+    with pytest.raises(ValueError, match="does not quantize"):
+        quantize(tiny_llama_dir, "bf16", tmp_path / "b", calibration=cal)
+    assert not (tmp_path / "g128").exists() and not (tmp_path / "c").exists()
+
+
+def test_memory_and_unsupported_layers_are_reported():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    from llmopt.quant.checks import plan_specs, preflight
+    from llmopt.recipes import get_recipe
+
+    big = LlamaConfig(
+        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, vocab_size=128256,
+        num_attention_heads=128, num_key_value_heads=8,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(big)
+    with pytest.raises(QuantMemoryError, match="GiB of host memory"):
+        preflight(
+            model, get_recipe("w8a16"), device="cpu", num_samples=8, seq_len=64, keep_originals=True
+        )
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.c_attn = Conv1D(24, 8)  # GPT-2 style
+
+    plan = plan_specs(Odd(), get_recipe("w8a16"))
+    assert list(plan.specs) == ["proj"]
+    assert "Conv1D" in plan.skipped["c_attn"]
+
+
+def test_calibration_is_deterministic_and_validates_input(tiny_llama_dir, tmp_path, cal):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    a = calibration_windows(tok, cal)
+    assert a.shape == (4, 64)
+    assert torch.equal(a, calibration_windows(tok, cal))
+    other = calibration_windows(tok, CalibrationConfig(cal.path, 4, 64, seed=1))
+    assert not torch.equal(a, other)
+    txt = tmp_path / "c.txt"
+    txt.write_text(TEXT)
+    assert calibration_windows(tok, CalibrationConfig(txt, 2, 32)).shape == (2, 32)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(CalibrationDataError, match=":2 has no string"):
+        calibration_windows(tok, CalibrationConfig(bad, 2, 32))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(CalibrationDataError, match="fewer than one window"):
+        calibration_windows(tok, CalibrationConfig(short, 2, 32))
+
+
+def test_kv_fp8_context_quantizes_keys(tiny_llama_dir, cal):
+    model, res = fake_quantized_model(tiny_llama_dir, "kv-fp8", calibration=cal)
+    assert set(res.kv_scales) == {0, 1}
+    with torch.no_grad():
+        plain = model(_ids()).logits
+        with kv_fp8():
+            quant = model(_ids()).logits
+    assert not torch.equal(plain, quant)  # the FP8 cache changes the numbers...
+    assert (plain - quant).abs().max() < 0.05 * plain.abs().max()  # ...a little
