@@ -54,7 +54,9 @@ class Int8WeightOnlyLinear(nn.Module):
         assert q.dtype == torch.int8 and q.dim() == 2, "q must be a 2-D int8 tensor"
         assert scale.shape == (q.shape[0], 1), f"scale must be (out, 1), got {tuple(scale.shape)}"
         self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.register_buffer("weight", q.contiguous())
+        # clone(): a tensor read from safetensors can sit at an unaligned offset of the mapped file,
+        # and the CPU int8pack kernel (AVX-512/AMX) segfaults on those.
+        self.register_buffer("weight", q.contiguous().clone())
         self.register_buffer("weight_scale", scale.float().contiguous())
         # The CPU kernel wants the scale as a flat vector in the activation dtype.
         self.register_buffer("_scale_bf16", scale.flatten().to(torch.bfloat16), persistent=False)

@@ -91,7 +91,9 @@ class Int8Linear(_QuantLinear):
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias, dtype: torch.dtype):
         super().__init__(q.shape[0], q.shape[1], bias, dtype)
-        self.register_buffer("weight", q.to(torch.int8).contiguous())
+        # clone(): tensors read from safetensors may sit at unaligned offsets of the mapped file,
+        # and the CPU int8pack kernel (AVX-512/AMX) segfaults on those (seen with 64-wide rows).
+        self.register_buffer("weight", q.to(torch.int8).contiguous().clone())
         # The int8pack kernel takes the scale in the activation dtype (bf16 on CPU: see forward).
         kdt = torch.bfloat16 if q.device.type == "cpu" else dtype
         self.register_buffer("scale", scale.flatten().to(kdt).contiguous())
