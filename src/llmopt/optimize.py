@@ -76,6 +76,7 @@ SCREEN: dict[str, dict[str, Any]] = {
         "bench_repeats": 2,
         "prompt_tokens": 64,
         "new_tokens": 24,
+        "generation_prompts": 0,  # greedy-match generation is left to full fidelity
         "bench_batch_sizes": [1],
     },
     "quick": {
@@ -86,6 +87,7 @@ SCREEN: dict[str, dict[str, Any]] = {
         "bench_repeats": 2,
         "prompt_tokens": 32,
         "new_tokens": 12,
+        "generation_prompts": 0,  # greedy-match generation is left to full fidelity
         "bench_batch_sizes": [1],
     },
 }

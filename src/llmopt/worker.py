@@ -52,7 +52,7 @@ def _fidelity(s: dict[str, Any], fidelity: str, keys: tuple[str, ...]) -> dict[s
     return {"level": fidelity, "rung": rung, **{k: s[k] for k in keys if k in s}}
 
 
-_VERIFY_KEYS = ("eval_windows", "window", "sentences")
+_VERIFY_KEYS = ("eval_windows", "window", "sentences", "generation_prompts")
 _BENCH_KEYS = ("bench_sentences", "bench_repeats", "prompt_tokens", "new_tokens",
                "bench_batch_sizes")  # fmt: skip
 
@@ -105,7 +105,13 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
         _, _, rc, re, rr = _context(run, _reference_id(run))
         reference = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
     return verify_causal_lm(
-        cid, runner, windows, reference, s["max_quality_drop"], gates=gates
+        cid,
+        runner,
+        windows,
+        reference,
+        s["max_quality_drop"],
+        gates=gates,
+        generation_prompts=s.get("generation_prompts", 2),  # the screen skips generation
     ).to_dict()
 
 
@@ -192,7 +198,7 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
             "new_tokens": new,
         }
     peak = peak_rss_bytes()  # before the ceilings below: their buffers are not the model's
-    if info.task == "causal-lm":
+    if info.task == "causal-lm" and fidelity != "screen":  # the screen only ranks candidates
         # The machine's ceilings, measured in this process right after the phases, so each
         # phase's achieved bandwidth and FLOP/s read as a share of what the machine does now.
         ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
