@@ -129,8 +129,8 @@ def run_search(
     ref_screen_s = _screen_seconds(run, ref.id, ref_full_s)
     ref_verify_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/verify", 0.0)
     # Before any candidate has screened: the reference's build and screen bench, plus a screen
-    # verify of two models on a quarter of the tokens (~half the reference's full verify).
-    est = ref_build_s + ref_screen_s + (0.5 * ref_verify_s if task != "embedding" else 0.0)
+    # verify of two models on an eighth of the tokens, no generation (~a quarter of its full verify).
+    est = ref_build_s + ref_screen_s + (0.25 * ref_verify_s if task != "embedding" else 0.0)
     observed: list[float] = []  # then: what candidate screens actually took (mean)
     # Screening stops while there is still time to fully verify one survivor.
     one_full = _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
