@@ -84,7 +84,22 @@ def kv_bytes_read(model, ctx: int, batch: int) -> int:
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * el * ctx * batch
 
 
-def build(args, mode: str, dtype, cfg_dict):
+def prompt_logits(model, prompt: list[int], device) -> torch.Tensor:
+    nb = len(prompt) // 16 + 1
+    model.setup_cache(nb + 1, 16, model.model.norm.weight.dtype, device)
+    ids = torch.tensor([prompt], device=device)
+    pos = torch.arange(len(prompt), device=device).unsqueeze(0)
+    table = torch.arange(1, nb + 1, device=device).unsqueeze(0)
+    with torch.inference_mode():
+        return model(ids, pos, table, prefill=True, last_only=False)
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum().clamp(min=1e-30)))
+
+
+def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
+    """The model for `mode`, and the SQNR (dB) of its prompt logits against the unquantized model."""
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import load_model, quantize_model_, random_model
 
@@ -93,13 +108,16 @@ def build(args, mode: str, dtype, cfg_dict):
         from llmopt.assets.models import resolve_model
 
         folder, _ = resolve_model(args.model)
-        return load_model(folder, args.device, dtype, quant=quant)
-    model = random_model(NativeConfig.from_hf(cfg_dict), args.device, dtype, seed=args.seed)
-    if quant:
-        quantize_model_(model, quant)
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return model
+        model = load_model(folder, args.device, dtype)
+    else:
+        model = random_model(NativeConfig.from_hf(cfg_dict), args.device, dtype, seed=args.seed)
+    if not quant:
+        return model, None
+    ref = prompt_logits(model, prompt, args.device)
+    quantize_model_(model, quant)
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return model, sqnr_db(ref, prompt_logits(model, prompt, args.device))
 
 
 def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> dict:
@@ -134,11 +152,15 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
     t2 = time.perf_counter()
     for i in range(batch):
         gen.remove(i)
+    graph = replay_only(args, gen, batch, len(prompt))
+    if args.profile:
+        profile_steps(args, gen, batch, len(prompt))
     model.setup_cache(1, 1, torch.bfloat16, args.device)  # free the pool
     decode_s = t2 - t1
     return {"batch": batch, "warmup_s": warm, "prefill_s": t1 - t0, "decode_s": decode_s,
             "decode_steps": steps, "tok_s": batch * steps / decode_s,
-            "ms_per_step": 1e3 * decode_s / steps, "tokens": tokens[0]}  # fmt: skip
+            "ms_per_step": 1e3 * decode_s / steps, "tokens": tokens[0],
+            "ms_per_step_device_only": graph}  # fmt: skip
 
 
 def hf_names(model) -> dict[str, torch.Tensor]:
@@ -147,7 +169,9 @@ def hf_names(model) -> dict[str, torch.Tensor]:
     for k, v in model.state_dict().items():
         if k.endswith("qkv_proj.weight"):
             base = k[: -len("qkv_proj.weight")]
-            parts = v.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim])
+            parts = v.split(
+                [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
+            )
             out.update({f"{base}{n}_proj.weight": t for n, t in zip("qkv", parts, strict=True)})
         elif k.endswith("gate_up_proj.weight"):
             base = k[: -len("gate_up_proj.weight")]
@@ -156,6 +180,40 @@ def hf_names(model) -> dict[str, torch.Tensor]:
         else:
             out[k] = v
     return out
+
+
+def _packed(gen, batch: int, ctx: int) -> torch.Tensor:
+    rows = [[1, ctx] + list(range(1 + i * gen.max_blocks_per_seq, 1 + (i + 1) * gen.max_blocks_per_seq))
+            for i in range(batch)]  # fmt: skip
+    return torch.tensor(rows, device=gen.device)
+
+
+def replay_only(args, gen, batch: int, ctx: int) -> float:
+    """ms per decode step with the host out of the loop: the same step back to back."""
+    packed = _packed(gen, batch, ctx)
+    with torch.inference_mode():
+        for _ in range(3):
+            gen._decode(packed)
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            gen._decode(packed)
+        sync(args.device)
+    return 1e3 * (time.perf_counter() - t0) / 50
+
+
+def profile_steps(args, gen, batch: int, ctx: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    packed = _packed(gen, batch, ctx)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.inference_mode(), profile(activities=acts) as prof:
+        for _ in range(20):
+            gen._decode(packed)
+        sync(args.device)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"--- profile: batch {batch}, 20 decode steps ---")
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 def run_hf(args, model, prompt: list[int], cache: str) -> dict:
@@ -220,6 +278,9 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also time HF generate() (dynamic, static)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -253,13 +314,13 @@ def main() -> None:
     results: dict = {"env": env, "args": vars(args), "native": [], "hf": []}
     native_tokens = None
     for mode in modes:
-        model = build(args, mode, dtype, cfg_dict)
+        model, sqnr = build(args, mode, dtype, cfg_dict, prompt)
         wbytes = weight_bytes(model)
         for b in args.batches if mode in ("bf16", "fp32") else [1]:
             r = run_native(args, model, b, prompt, compile_)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
-            r.update(mode=mode, weight_GB=wbytes / 1e9,
+            r.update(mode=mode, weight_GB=wbytes / 1e9, logits_sqnr_db_vs_dense=sqnr,
                      achieved_GBps=step_bytes / (r["ms_per_step"] / 1e3) / 1e9)  # fmt: skip
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
             if b == 1 and mode in ("bf16", "fp32"):
@@ -283,12 +344,14 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    print(
-        f"\n{'mode':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'GB/s':>8s} {'%copy':>6s} {'warm s':>7s}"
-    )
+    print(f"\n{'mode':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'dev ms':>7s} {'GB/s':>8s} "
+          f"{'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}")  # fmt: skip
     for r in results["native"]:
+        q = r.get("logits_sqnr_db_vs_dense")
         print(f"{r['mode']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
-              f"{r['achieved_GBps']:8.1f} {100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f}")  # fmt: skip
+              f"{r['ms_per_step_device_only']:7.2f} {r['achieved_GBps']:8.1f} "
+              f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
+              f"{'-' if q is None else format(q, '.1f'):>8s}")  # fmt: skip
     for h in results["hf"]:
         if "error" in h:
             print(f"hf {h['cache']}: {h['error']}")

@@ -5,9 +5,10 @@ activation dtype. The kernels are the ones PyTorch ships (no torchao on our host
 
 | layer       | CPU                                   | CUDA                                         |
 |-------------|---------------------------------------|----------------------------------------------|
-| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | own Triton GEMV (rows <= 4), else dequant    |
+| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton GEMV (rows <= 4), else dequant + mm   |
 | Int4Linear  | `_weight_int4pack_mm_for_cpu`         | `_weight_int4pack_mm` (tinygemm, bf16)       |
-| Fp8Linear   | refused (no fast FP8 matmul on CPU)   | `_scaled_mm`, row-wise scales, cc >= 8.9     |
+| Fp8Linear   | refused (no fast FP8 matmul on CPU)   | `_scaled_mm` (row-wise scales, cc >= 8.9);   |
+|             |                                       | Triton GEMV, weight-only, for rows <= 4      |
 
 Above `SMALL_M` rows (prompts), int8 layers dequantize and use the dense matmul: the weight-only
 kernels are GEMV-shaped and lose to cuBLAS/oneDNN when the input is a whole prompt.
@@ -103,7 +104,7 @@ class Int8Linear(_QuantLinear):
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
         if self.triton_kernel:
-            _KERNELS.setdefault("int8_gemv", _int8_gemv_kernel())  # built outside torch.compile
+            _KERNELS.setdefault("gemv", _gemv_kernel())  # built outside torch.compile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -114,7 +115,7 @@ class Int8Linear(_QuantLinear):
             xin = x2.to(self.scale.dtype).contiguous()
             y = torch.ops.aten._weight_int8pack_mm(xin, self.weight, self.scale).to(x.dtype)
         elif x2.shape[0] <= TRITON_M and self.triton_kernel:
-            y = int8_gemv(x2, self.weight, self.scale_f)
+            y = wo_gemv(x2, self.weight, self.scale_f)
         else:
             y = F.linear(x2, self.weight.to(x.dtype)) * self.scale_f.to(x.dtype)
         return self._finish(y, shape)
@@ -158,10 +159,18 @@ class Fp8Linear(_QuantLinear):
             "weight", q.contiguous()
         )  # (N, K) row-major; passed as K x N col-major
         self.register_buffer("scale", scale.float().reshape(1, -1).contiguous())  # (1, N)
+        # At decode sizes the FP8 weights go through the weight-only GEMV (activations stay
+        # 16-bit): `_scaled_mm` at one row reads FP8 weights at well under half of bandwidth
+        # (benchmarks/linear_kernels.py) and needs three extra kernels to quantize activations.
+        self.triton_kernel = q.device.type == "cuda" and _triton_available()
+        if self.triton_kernel:
+            _KERNELS.setdefault("gemv", _gemv_kernel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= TRITON_M and self.triton_kernel:
+            return self._finish(wo_gemv(x2, self.weight, self.scale), shape)
         xs = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
         xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale,
@@ -183,43 +192,51 @@ def _triton_available() -> bool:
 
 
 @functools.cache
-def _int8_gemv_kernel():
-    # Written by hand: weight-only int8 at decode sizes is a GEMV (memory-bound); neither cuBLAS
-    # nor PyTorch's int8pack CUDA kernel reads int8 weights near bandwidth (see module docstring).
+def _gemv_kernel():
+    # Written by hand: weight-only linears at decode sizes are GEMVs (memory-bound), and neither
+    # cuBLAS nor PyTorch's CUDA int8pack kernel reads 1-byte weights near bandwidth (module doc).
+    # One program computes BLOCK_N outputs of one activation row; the partial products stay in a
+    # (BLOCK_N, BLOCK_K) register tile and are reduced once at the end.
     import triton
     import triton.language as tl
 
+    configs = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+        for bn, bk, w in ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (32, 128, 4), (64, 128, 8))
+    ]  # fmt: skip
+
+    @triton.autotune(configs=configs, key=["N", "K"])
     @triton.jit
-    def kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, M_PAD)
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    def kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, m = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
                         mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)  # fmt: skip
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        y = acc * s[None, :]
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
+        y = tl.sum(acc, axis=1) * s
+        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
     return kernel
 
 
-def int8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y (M, N) = x (M, K) @ (w int8 (N, K) * scale (N,))^T for small M, on CUDA via Triton."""
+def wo_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ (w (N, K) * scale (N,))^T for small M, on CUDA via Triton.
+
+    `w` is int8 or float8_e4m3fn (1 byte per weight); `scale` one float per output channel.
+    """
     import triton
 
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_n = 16 if n <= 8192 else 32
-    grid = (triton.cdiv(n, block_n),)
-    _KERNELS["int8_gemv"][grid](x.contiguous(), w, scale, y, m, n, k,
-                              M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=256)  # fmt: skip
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), m)
+
+    _KERNELS["gemv"][grid](x.contiguous(), w, scale, y, n, k)
     return y
