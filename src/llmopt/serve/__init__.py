@@ -1,0 +1,28 @@
+"""`llmopt serve`: an OpenAI-compatible server with continuous batching (see docs/serving.md).
+
+Modules, in reading order: `settings` (the typed limits), `protocol` (OpenAI request models and
+error bodies), `scheduler` (waiting / running / preempted queues over the native engine's paged
+KV cache), `engine_loop` (the engine thread and its bridge to asyncio), `detok` (incremental
+detokenization, stop strings), `generation` (one choice as an async stream of text deltas),
+`completions` and `embeddings` (the endpoints), `metrics` (Prometheus), `app` (FastAPI app and
+the guard middleware), `server` (what to load, uvicorn with draining shutdown), `external`
+(`--engine vllm|llamacpp`).
+
+>>> from llmopt.serve import ServeSettings, load_context, run_server      # doctest: +SKIP
+>>> run_server(load_context("smollm2-135m", ServeSettings(port=8000)))    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from llmopt.serve.settings import ServeSettings
+
+__all__ = ["ServeSettings", "load_context", "run_server"]
+
+
+def __getattr__(name: str):
+    # The server pulls in torch, FastAPI and uvicorn: import it only when asked for.
+    if name in ("load_context", "run_server"):
+        from llmopt.serve import server
+
+        return getattr(server, name)
+    raise AttributeError(name)
