@@ -138,7 +138,12 @@ def worker_shape(args) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    res = run_sequential(model, windows, recipe, plan.specs, device=args.device)
+
+    def progress(done: int, total: int) -> None:  # to stderr, so a timeout shows how far it got
+        print(f"layer {done}/{total} at {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    print(f"built in {build_s:.1f} s; calibrating on {args.device}", file=sys.stderr)
+    res = run_sequential(model, windows, recipe, plan.specs, device=args.device, progress=progress)
     seconds = time.perf_counter() - t0
     return {
         "recipe": args.worker,
@@ -186,10 +191,11 @@ def main() -> None:
     for r in recipes:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", r]
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        # stderr passes through (progress, warnings); the result is the RESULT line on stdout.
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            row = {"recipe": r, "error": (p.stderr or p.stdout).strip().splitlines()[-3:]}
+            row = {"recipe": r, "error": [f"worker exited with {p.returncode}; see stderr"]}
         else:
             row = json.loads(line[7:])
         row["process_seconds"] = time.perf_counter() - t0
