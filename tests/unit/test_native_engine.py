@@ -206,3 +206,23 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
     }
     assert all(r["tok_s"] > 0 and r["achieved_GBps"] > 0 for r in res["native"])
     assert [h["match_prefix"] for h in res["hf"]] == [8, 8]  # same greedy tokens as HF
+
+
+def test_loads_compressed_tensors_int4_from_llmopt_quantize(tiny_llama_dir, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.modelinfo import inspect_model
+    from llmopt.recipes import get_recipe
+
+    info, rec = inspect_model(tiny_llama_dir), get_recipe("w4a16-rtn-g64")
+    out = tmp_path / "w4"
+    get_engine("torch").build(tiny_llama_dir, info, rec, out)
+    runner = get_engine("torch").load(out, info, rec, {})
+    assert type(runner.gen.model.model.layers[0].self_attn.q_proj).__name__ == "Int4Linear"
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.no_grad():  # transformers + compressed-tensors decompress the same folder
+        ref = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+    mine = runner.logits(ids)
+    sqnr = 10 * torch.log10(ref.pow(2).sum() / (ref - mine).pow(2).sum())
+    assert sqnr > 35, float(sqnr)  # same int4 values; only bf16 activations in the kernel differ

@@ -187,13 +187,9 @@ def _from_compressed(name: str, tensors, qcfg: dict | None, device, dtype, bias)
     scale = get(f"{name}.weight_scale").float()
     b = None if bias is None else bias.to(device)
     if f"{name}.weight_packed" in tensors:  # pack-quantized int4 (or int8) in int32 words
-        from compressed_tensors.compressors.quantized_compressors.pack_quantized import (
-            unpack_from_int32,
-        )
-
         shape = torch.Size(get(f"{name}.weight_shape").tolist())
         bits = _num_bits(qcfg)
-        q = unpack_from_int32(get(f"{name}.weight_packed"), bits, shape).to(torch.int8)
+        q = _unpack_int32()(get(f"{name}.weight_packed"), bits, shape).to(torch.int8)
     else:
         q = get(f"{name}.weight")
     if f"{name}.weight_zero_point" in tensors and bool(get(f"{name}.weight_zero_point").any()):
@@ -209,6 +205,17 @@ def _from_compressed(name: str, tensors, qcfg: dict | None, device, dtype, bias)
         return L.Int8Linear(q, scale.flatten(), b, dtype)
     group = k // scale.shape[1]
     return L.Int4Linear(q, scale.reshape(n, -1), group, b, dtype)
+
+
+def _unpack_int32():
+    """compressed-tensors' own unpacker (its module moved between releases)."""
+    try:  # compressed-tensors >= 0.20
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    except ImportError:  # 0.9 - 0.19
+        from compressed_tensors.compressors.quantized_compressors.pack_quantized import (
+            unpack_from_int32,
+        )
+    return unpack_from_int32
 
 
 def _num_bits(qcfg: dict | None) -> int:
