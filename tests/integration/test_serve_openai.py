@@ -71,11 +71,13 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"),
                              max_retries=0, timeout=120, **kw)  # fmt: skip
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        if default is None:
+            raise KeyError(name)
+        return default
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -203,13 +205,16 @@ def test_client_disconnect_frees_kv_blocks(server):
 
 def test_non_streamed_client_disconnect_cancels(server):
     total = server.metric("llmopt_kv_cache_blocks")
+    gone = 'llmopt_requests_total{endpoint="completions",outcome="disconnected"}'
+    before = server.metric(gone, default=0.0)
     body = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if (server.metric("llmopt_num_requests_running") == 0
-                and server.metric("llmopt_kv_cache_free_blocks") == total):  # fmt: skip
+                and server.metric("llmopt_kv_cache_free_blocks") == total
+                and server.metric(gone, default=0.0) > before):  # fmt: skip
             return
         time.sleep(0.1)
     pytest.fail("the abandoned request kept running or kept its KV blocks")
@@ -245,7 +250,8 @@ def test_malformed_json_and_chat_errors(server):
 
 
 def test_shutdown_during_load_drains(tmp_path):
-    s = Server(MODEL, [*COMMON, "--api-key", "sk-test"], tmp_path / "server.log")
+    args = [*COMMON, "--api-key", "sk-test", "--drain-timeout", "120"]  # slow shared CPUs
+    s = Server(MODEL, args, tmp_path / "server.log")
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").models.list()
