@@ -7,7 +7,8 @@ Screen rules, in order (a cut candidate gets the sentence that says which one):
      screen sees fewer tokens, so a borderline candidate is re-checked at full fidelity instead);
   2. no better than the reference: its objective score (relative to the reference at the same
      fidelity) is below `1 - NOISE` and it is not more accurate either (the reference dominates);
-  3. halving: of the rest, the best ceil(n / ETA) by score survive.
+  3. halving: of the rest, the best ceil(n / ETA) by score survive, and at least `MIN_KEEP`
+     (at two or three candidates, halving would otherwise decide on one noisy screen number).
 The reference always goes on. In the full rung, a candidate whose screen score, even
 `1 + NOISE` times better, cannot beat the best fully verified score so far is stopped early.
 """
@@ -17,9 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ScreenEntry", "screen", "cannot_improve", "ETA", "QUALITY_MARGIN", "NOISE"]
+__all__ = ["ScreenEntry", "screen", "cannot_improve", "ETA", "MIN_KEEP", "QUALITY_MARGIN", "NOISE"]
 
 ETA = 2  # keep 1/ETA of the candidates that pass the screen's quality rule
+MIN_KEEP = 2  # ... but never fewer than this many (when there are that many)
 QUALITY_MARGIN = 1.5  # screen quality drop allowed up to 1.5x the budget before a cut
 NOISE = 0.10  # relative speed differences below this are not trusted at screen fidelity
 
@@ -52,10 +54,11 @@ def screen(
         eta: halving factor.
 
     >>> e = [ScreenEntry("ref", 0, True, 1.0, True), ScreenEntry("a", 0.07, False, 3.0),
-    ...      ScreenEntry("b", 0.001, True, 1.5), ScreenEntry("c", 0.002, True, 1.2)]
+    ...      ScreenEntry("b", 0.001, True, 1.5), ScreenEntry("c", 0.002, True, 1.2),
+    ...      ScreenEntry("d", 0.002, True, 1.1), ScreenEntry("e", 0.0, True, 1.3)]
     >>> survivors, cut = screen(e, 0.01, "throughput")
     >>> survivors, sorted(cut)
-    (['ref', 'b'], ['a', 'c'])
+    (['ref', 'b', 'e'], ['a', 'c', 'd'])
     """
     cut: dict[str, str] = {}
     ranked: list[ScreenEntry] = []
@@ -79,7 +82,7 @@ def screen(
             ranked.append(e)
     # Best score first; the smaller quality drop breaks ties.
     ranked.sort(key=lambda e: (-(e.score or 0.0), e.quality_drop))
-    keep = max(1, math.ceil(len(ranked) / eta)) if ranked else 0
+    keep = min(len(ranked), max(MIN_KEEP, math.ceil(len(ranked) / eta)))
     for i, e in enumerate(ranked[keep:], start=keep + 1):
         cut[e.id] = (
             f"screened out at fidelity 1 (screen): {objective} {e.score:.2f}x the reference "
