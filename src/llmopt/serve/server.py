@@ -91,7 +91,6 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     gen = load_generator(str(folder), recipe=recipe, device=settings.device,
                          max_batch=settings.max_num_seqs, block_size=settings.block_size,
                          num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len)  # fmt: skip
-    _align_int8_weights(gen.model)
     t0 = time.perf_counter()
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
@@ -99,22 +98,6 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     return ServerContext(settings, name, "causal-lm", gen.tokenizer, metrics, int(gen.max_seq_len),
                          engine=engine, num_blocks=engine.sched.capacity_blocks,
                          block_size=int(gen.block_size))  # fmt: skip
-
-
-def _align_int8_weights(model: Any) -> None:
-    # Workaround: int8 weights read from a safetensors file can start at an address that is not
-    # 64-byte aligned, and torch's CPU `_weight_int8pack_mm` then crashes (SIGSEGV) for more
-    # than a few rows (prefill). A copy is aligned. Reported to the engine's owner.
-    import torch
-
-    n = 0
-    for m in model.modules():
-        w = m._buffers.get("weight") if hasattr(m, "_buffers") else None
-        if isinstance(w, torch.Tensor) and w.dtype == torch.int8 and w.data_ptr() % 64:
-            m._buffers["weight"] = w.clone()
-            n += 1
-    if n:
-        log.info("re-aligned %d int8 weight buffers", n)
 
 
 def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, name: str,
