@@ -21,6 +21,7 @@ folders and are only re-laid-out here (`weights.py`).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ __all__ = [
     "fp8_supported",
     "SMALL_M",
 ]
+
+log = logging.getLogger(__name__)
 
 SMALL_M = 8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -103,8 +106,6 @@ class Int8Linear(_QuantLinear):
         # benchmarks/linear_kernels.py), slower than bf16: CUDA uses the Triton GEMV below.
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
-        if self.triton_kernel:
-            _KERNELS.setdefault("gemv", _gemv_kernel())  # built outside torch.compile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -163,8 +164,6 @@ class Fp8Linear(_QuantLinear):
         # 16-bit): `_scaled_mm` at one row reads FP8 weights at well under half of bandwidth
         # (benchmarks/linear_kernels.py) and needs three extra kernels to quantize activations.
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
-        if self.triton_kernel:
-            _KERNELS.setdefault("gemv", _gemv_kernel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -179,16 +178,32 @@ class Fp8Linear(_QuantLinear):
 
 
 TRITON_M = 4  # rows up to which the Triton int8 GEMV runs (decode batches)
-_KERNELS: dict = {}  # Triton kernels, created eagerly so torch.compile only sees their launch
+_KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
 @functools.cache
 def _triton_available() -> bool:
+    """Triton importable, a CUDA GPU present, and the GEMV compiles and is right on it."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return False
+    try:  # one eager check on this GPU; on failure the layers fall back to dequant + matmul
+        _KERNELS.setdefault("gemv", _gemv_kernel())
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(96, 512, device="cuda", generator=g)
+        x = torch.randn(2, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+        q, s = quantize_int8(w)
+        ref = x.float() @ (q.float() * s[:, None]).t()
+        err = float((wo_gemv(x, q, s).float() - ref).norm() / ref.norm())
+        if err > 1e-2:
+            raise RuntimeError(f"relative error {err:.2e}")
+        return True
+    except Exception as e:  # a Triton/driver mismatch must not take the engine down
+        log.warning("Triton GEMV disabled on this GPU (%s); int8/FP8 decode uses dequant + mm", e)
+        return False
 
 
 @functools.cache
@@ -207,16 +222,19 @@ def _gemv_kernel():
 
     @triton.autotune(configs=configs, key=["N", "K"])
     @triton.jit
-    def kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def kernel(
+        x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
         pid_n, m = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)  # fmt: skip
+            wmask = (rn[:, None] < N) & (rk[None, :] < K)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
+            w = tl.where(wmask, w.to(tl.float32), 0.0)  # (not `other=`: no FP8 literal for it)
             x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += w * x.to(tl.float32)[None, :]
         s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         y = tl.sum(acc, axis=1) * s
         tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
