@@ -164,7 +164,7 @@ def optimize(
     if search not in MODES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(MODES)}")
     obj = get_objective(objective)
-    budget = Budget(parse_duration(time_budget))
+    budget = Budget.since_process_start(parse_duration(time_budget))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars

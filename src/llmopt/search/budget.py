@@ -67,5 +67,17 @@ class Budget:
             return None
         return self.wall_start + self.seconds - self.reserve_s / 2
 
+    @classmethod
+    def since_process_start(cls, seconds: float | None) -> Budget:
+        """A budget whose clock started with this process (the CLI's imports count too)."""
+        try:
+            import psutil
+
+            born = psutil.Process().create_time()
+        except Exception:  # no psutil or no /proc: count from now
+            return cls(seconds)
+        ago = max(0.0, time.time() - born)
+        return cls(seconds, started=time.monotonic() - ago, wall_start=born)
+
     def to_dict(self) -> dict[str, float | None]:
         return {"seconds": self.seconds, "elapsed_s": round(self.elapsed, 1)}
