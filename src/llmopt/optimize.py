@@ -124,6 +124,7 @@ def optimize(
     ray_address: str | None = None,
     price_per_hour: float | None = None,
     deploy: bool = True,
+    budget_started_at: float | None = None,
 ) -> OptimizeResult:
     """Find the best deployment of `model` on `target` for `objective` within the quality budget.
 
@@ -145,6 +146,8 @@ def optimize(
             address of a Ray cluster; candidates then run as Ray tasks.
         price_per_hour: the target's price, for the cost objective (default: relative units).
         deploy: write the deploy bundle into best/deploy (causal LMs).
+        budget_started_at: epoch seconds the time budget counts from (default: now; the CLI
+            passes its process's start).
 
     Example:
         >>> r = optimize("minilm-l6", "runs/minilm", time_budget="10m")   # doctest: +SKIP
@@ -164,7 +167,7 @@ def optimize(
     if search not in MODES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(MODES)}")
     obj = get_objective(objective)
-    budget = Budget.since_process_start(parse_duration(time_budget))
+    budget = Budget.since(parse_duration(time_budget), budget_started_at)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars

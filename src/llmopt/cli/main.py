@@ -140,6 +140,7 @@ def optimize(
     from llmopt.cli.render import OptimizeProgress, render_reverify
     from llmopt.optimize import optimize as run_optimize
     from llmopt.optimize import reverify
+    from llmopt.search.budget import Budget
 
     address = ray_address or ("local" if ray else None)
     if address:
@@ -173,6 +174,7 @@ def optimize(
             ray_address=address,
             price_per_hour=price_per_hour,
             deploy=not no_deploy,
+            budget_started_at=Budget.process_start(),
         )
     if as_json:
         emit_json(

@@ -68,16 +68,23 @@ class Budget:
         return self.wall_start + self.seconds - self.reserve_s / 2
 
     @classmethod
-    def since_process_start(cls, seconds: float | None) -> Budget:
-        """A budget whose clock started with this process (the CLI's imports count too)."""
+    def since(cls, seconds: float | None, started_at: float | None = None) -> Budget:
+        """A budget whose clock started at epoch `started_at` (e.g. the CLI process's start, so
+        its imports count too); None: now."""
+        if started_at is None:
+            return cls(seconds)
+        ago = max(0.0, time.time() - started_at)
+        return cls(seconds, started=time.monotonic() - ago, wall_start=started_at)
+
+    @staticmethod
+    def process_start() -> float | None:
+        """When this process started (epoch seconds), or None if unknown."""
         try:
             import psutil
 
-            born = psutil.Process().create_time()
-        except Exception:  # no psutil or no /proc: count from now
-            return cls(seconds)
-        ago = max(0.0, time.time() - born)
-        return cls(seconds, started=time.monotonic() - ago, wall_start=born)
+            return float(psutil.Process().create_time())
+        except Exception:  # no psutil or no /proc: the caller counts from now
+            return None
 
     def to_dict(self) -> dict[str, float | None]:
         return {"seconds": self.seconds, "elapsed_s": round(self.elapsed, 1)}
