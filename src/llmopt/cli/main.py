@@ -251,7 +251,10 @@ def main() -> None:
     try:
         app()
     except (LlmoptError, ValueError) as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        from rich.markup import escape
+
+        # escape(): messages carry literal brackets (pip install 'llmopt[vllm]').
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
 
 
