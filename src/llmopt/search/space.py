@@ -9,7 +9,8 @@ this recipe on this model and device). Nothing ruled out is ever built.
 Two rules keep the grid small without hiding anything (each skip is listed with its reason):
 an alias (a preset whose configuration equals an earlier one, e.g. `w4a16` = `w4a16-gptq-g128`)
 is measured once, under the first name; and on CPU one group size per quantization algorithm is
-searched (the 128 presets; `--candidates` still selects the others explicitly).
+searched (128, or the largest registered size that divides the model's widths; a size that does
+not divide them is never built; `--candidates` still selects the others explicitly).
 
 Engine settings: an engine may offer variations worth measuring with an optional method
 `settings_space(info, recipe, device) -> list[dict]` (the first entry is its default). Engines
@@ -18,7 +19,7 @@ without it get one candidate per recipe; on CPU that keeps the candidate count s
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.recipes import Recipe
@@ -55,19 +56,45 @@ def _config(recipe: Recipe) -> Recipe:
     return replace(recipe, name="_", description="")
 
 
+def _widths(info: ModelInfo) -> list[int]:
+    return [w for w in (info.hidden_size, info.intermediate_size) if isinstance(w, int) and w > 0]
+
+
+def _cpu_group_size(recipe: Recipe, info: ModelInfo) -> int | None:
+    """The one group size searched on CPU for `recipe`'s family (same config, any group size):
+    the largest registered one that divides the model's widths (CPU_GROUP_SIZE if it does)."""
+    from llmopt.recipes import RECIPES
+
+    def family(r: Recipe) -> str:  # the config without names and group size
+        skip = ("name", "description", "group_size", "extra")
+        return repr(sorted((k, repr(v)) for k, v in asdict(r).items() if k not in skip))
+
+    fam = family(recipe)
+    sizes = {r.group_size for r in RECIPES.values()
+             if getattr(r, "group_size", None) and family(r) == fam}  # fmt: skip
+    fits = [g for g in sizes if all(w % g == 0 for w in _widths(info))]
+    if CPU_GROUP_SIZE in fits:
+        return CPU_GROUP_SIZE
+    return max(fits, default=None)
+
+
 def grid_rule(
-    recipe: Recipe, seen: dict[Recipe, str], device: str, only: list[str] | None
+    recipe: Recipe, seen: dict[Recipe, str], info: ModelInfo, device: str, only: list[str] | None
 ) -> str | None:
-    """Why `recipe` is not searched as its own point of the grid (alias, CPU group size)."""
+    """Why `recipe` is not searched as its own point of the grid: an alias, a group size that
+    does not divide the model's widths, or (on CPU) not the one group size searched per family."""
     cfg = _config(recipe)
     if cfg in seen:
         return f"alias of {seen[cfg]} (same configuration), measured once under that name"
     gs = getattr(recipe, "group_size", None)
+    if gs and (bad := [w for w in _widths(info) if w % gs]):
+        return f"group size {gs} does not divide the model's width {bad[0]}"
     named = bool(only) and any(i.endswith(f"-{recipe.name}") for i in only)
-    if device == "cpu" and gs and gs != CPU_GROUP_SIZE and not named:
+    pick = _cpu_group_size(recipe, info) if gs else None
+    if device == "cpu" and gs and gs != pick and not named:
         return (
             f"group size {gs}: on cpu one group size per algorithm is searched "
-            f"(g{CPU_GROUP_SIZE}); name it in --candidates to try it"
+            f"(g{pick}, the largest that divides the model); name it in --candidates to try it"
         )
     return None
 
@@ -123,7 +150,7 @@ def candidate_space(
     skipped: list[dict[str, str]] = []
     seen: dict[Recipe, str] = {}
     for recipe in RECIPES.values():
-        grid = grid_rule(recipe, seen, target.device, only)
+        grid = grid_rule(recipe, seen, info, target.device, only)
         seen.setdefault(_config(recipe), recipe.name)
         for engine in ENGINES.values():
             cid = f"{engine.name}-{recipe.name}"
