@@ -1,0 +1,44 @@
+"""`llmopt quantize`: wiring, JSON facts, GGUF export, and a clear error with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from llmopt.cli.main import app
+
+TEXT = "A quiet village sits beside the lake, and its people fish there every morning. " * 60
+
+
+def test_quantize_json_and_gguf(tiny_llama_dir, tmp_path):
+    cal = tmp_path / "cal.txt"
+    cal.write_text(TEXT)
+    out = tmp_path / "q"
+    args = ["quantize", str(tiny_llama_dir), "--recipe", "w4a16-gptq-g32", "--out", str(out)]
+    args += ["--calibration", str(cal), "--samples", "2", "--seq-len", "32", "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    facts = json.loads(r.stdout)
+    assert facts["format"] == "pack-quantized" and facts["calibration"]["windows_used"] == 2
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    g = tmp_path / "m.gguf"
+    r = CliRunner().invoke(
+        app, ["quantize", str(tiny_llama_dir), "--export", "gguf-q8_0", "--out", str(g), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tensors"]["Q8_0"] == 15 and g.is_file()
+
+
+def test_quantize_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "llmopt.cli.main", "quantize", str(tiny_llama_dir), "--recipe",
+         "w4a16", "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2
+    assert "group size 128 does not divide" in p.stdout + p.stderr
+    assert "fix:" in p.stdout + p.stderr
+    assert not (tmp_path / "x").exists()
