@@ -10,8 +10,8 @@ sequences. A scheduler (`llmopt.serve`) decides *who* runs; the generator only s
         for ev in gen.step():
             print(ev.seq_id, tok.decode([ev.token_id]))
 
-Each `step()` first prefills the sequences added since the last step (one forward each, SDPA
-causal attention), then runs one decode step for every sequence that was already running, as a
+Each `step()` first prefills the sequences added since the last step (batched, right-padded, up
+to `max_prefill_tokens` per forward; SDPA causal attention), then runs one decode step for every sequence that was already running, as a
 single batch padded to a bucket size (1, 2, 4, 8, ...), with the block tables cut to a bucket of
 the longest sequence. With `compile=True` the decode step is `torch.compile`d
 (`mode="reduce-overhead"`: CUDA graphs on GPU), one graph per (batch, length) bucket.
@@ -91,6 +91,7 @@ class Generator:
         kv_dtype: torch.dtype | None = None,
         compile: bool = False,
         bucket_blocks: bool = True,
+        max_prefill_tokens: int = 4096,
     ):
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
@@ -106,6 +107,8 @@ class Generator:
         self._free = list(range(self.num_blocks - 1, 0, -1))  # pop() gives low ids first
         self.seqs: dict[Hashable, _Seq] = {}
         self.bucket_blocks = bucket_blocks
+        # Prompts admitted together are prefilled in one forward while padded tokens stay under this.
+        self.max_prefill_tokens = max_prefill_tokens
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -177,9 +180,15 @@ class Generator:
         for k in short:
             self.seqs[k].blocks.append(self._free.pop())
         events = []
-        for k, s in list(self.seqs.items()):
-            if not s.prefilled:
-                events.append(self._prefill(k, s))
+        group: list[Hashable] = []
+        for k in [k for k, s in self.seqs.items() if not s.prefilled]:
+            longest = max([len(self.seqs[g].ids) for g in group] + [len(self.seqs[k].ids)])
+            if group and longest * (len(group) + 1) > self.max_prefill_tokens:
+                events.extend(self._prefill(group))
+                group = []
+            group.append(k)
+        if group:
+            events.extend(self._prefill(group))
         if decoding:
             events.extend(self._decode_batch(decoding))
         return events
@@ -188,14 +197,23 @@ class Generator:
         return (len(s.ids) - 1) // self.block_size >= len(s.blocks)
 
     @torch.inference_mode()
-    def _prefill(self, key: Hashable, s: _Seq) -> TokenEvent:
-        n = len(s.ids)
-        tokens = torch.tensor([s.ids], device=self.device)
-        pos = torch.arange(n, device=self.device).unsqueeze(0)
-        table = torch.tensor([s.blocks], device=self.device)
-        logits = self.model(tokens, pos, table, prefill=True)
-        s.prefilled = True
-        return self._emit(key, s, logits[0])
+    def _prefill(self, keys: list[Hashable]) -> list[TokenEvent]:
+        """One forward for several new prompts, right-padded to the longest."""
+        seqs = [self.seqs[k] for k in keys]
+        t = max(len(s.ids) for s in seqs)
+        nb = self.blocks_needed(t)
+        tokens = torch.tensor([s.ids + [0] * (t - len(s.ids)) for s in seqs], device=self.device)
+        tables = torch.tensor(
+            [s.blocks + [0] * (nb - len(s.blocks)) for s in seqs], device=self.device
+        )
+        pos = torch.arange(t, device=self.device).expand(len(seqs), t)
+        last = torch.tensor([len(s.ids) - 1 for s in seqs], device=self.device)
+        logits = self.model(tokens, pos, tables, prefill=True, last_index=last)
+        for s in seqs:
+            s.prefilled = True
+        return [
+            self._emit(k, s, logits[i]) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))
+        ]
 
     @torch.inference_mode()
     def _decode_batch(self, keys: list[Hashable]) -> list[TokenEvent]:

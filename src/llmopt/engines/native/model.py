@@ -203,11 +203,14 @@ class Transformer(nn.Module):
         block_tables: torch.Tensor,
         prefill: bool = False,
         last_only: bool = True,
+        last_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, pos: (B, T) int64; block_tables: (B, nb) int64 block ids.
 
-        `prefill=True` requires every sequence to start at position 0 in this call. Returns fp32
-        logits (B, V) for the last position if `last_only`, else (B, T, V).
+        `prefill=True` requires every sequence to start at position 0 in this call (right
+        padding is fine: causal attention keeps real tokens from seeing it, and padding rows'
+        block-table entries point at scratch block 0). Returns fp32 logits (B, V) at the last
+        position, or at `last_index` (B,) per row, or (B, T, V) if not `last_only`.
         """
         bs = self.block_size
         rows = block_tables.gather(1, pos // bs) * bs + pos % bs  # (B, T) cache rows
@@ -219,6 +222,8 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, rows, pos, block_tables, bs, prefill)
         x = self.model.norm(x)
-        if last_only:
+        if last_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last_index]
+        elif last_only:
             x = x[:, -1]
         return self.lm_head(x).float()
