@@ -140,7 +140,9 @@ class Recipe:
             raise ValueError(f"recipe {n!r}: kv_cache_dtype must be None or 'fp8'")
         if not isinstance(self.ignore, tuple):
             object.__setattr__(self, "ignore", tuple(self.ignore))
-        ov = tuple(o if isinstance(o, LayerOverride) else LayerOverride(**o) for o in self.overrides)
+        ov = tuple(
+            o if isinstance(o, LayerOverride) else LayerOverride(**o) for o in self.overrides
+        )
         object.__setattr__(self, "overrides", ov)
 
     @property

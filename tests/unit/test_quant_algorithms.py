@@ -94,8 +94,7 @@ def test_awq_scales_are_no_worse_than_rtn():
 
     def err(scale):
         return sum(
-            (x @ (fake_quant_weight(w * scale, spec) / scale).T - x @ w.T).pow(2).mean()
-            for w in ws
+            (x @ (fake_quant_weight(w * scale, spec) / scale).T - x @ w.T).pow(2).mean() for w in ws
         )
 
     assert err(s) <= err(torch.ones(128))
