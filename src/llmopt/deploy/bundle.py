@@ -40,6 +40,22 @@ _RECIPE_PRECISION = {
 }
 
 
+def _recipe_precision(name: str | None) -> tuple[str, str | None] | None:
+    """(weight precision for the memory math, dtype flag) of a recipe; None: plan's default."""
+    if not name:
+        return None
+    if name in _RECIPE_PRECISION:
+        return _RECIPE_PRECISION[name]
+    from llmopt.recipes import RECIPES
+
+    rec = RECIPES.get(name)
+    if rec is None or rec.weight_bits is None or getattr(rec, "weight_type", "int") != "int":
+        # FP8 checkpoints carry their scheme in config.json; vLLM must not get --quantization fp8
+        # on top of it, so they keep the default (bf16) memory math: an overestimate, never short.
+        return None
+    return ("int4" if rec.weight_bits == 4 else "int8"), None
+
+
 class DeployError(LlmoptError):
     """The source cannot be deployed (wrong kind of folder, unsupported task)."""
 
@@ -149,14 +165,16 @@ def write_bundle(
     """
     from llmopt.serving_plan import plan_serving
 
-    if source.recipe in _RECIPE_PRECISION:  # serve what was verified, unless told otherwise
-        precision, dtype = _RECIPE_PRECISION[source.recipe]
+    if _recipe_precision(source.recipe):  # serve what was verified, unless told otherwise
+        precision, dtype = _recipe_precision(source.recipe)
         plan_kw.setdefault("precision", precision)
         if dtype:
             plan_kw.setdefault("dtype", dtype)
     # Inside the container the server must listen on all interfaces so the published port and
     # the nginx sidecar reach it; the host side publishes it on 127.0.0.1 unless told otherwise.
-    plan = plan_serving(source.info, target, workload, model_path=T.MODEL_MOUNT, host="0.0.0.0", **plan_kw)
+    plan = plan_serving(
+        source.info, target, workload, model_path=T.MODEL_MOUNT, host="0.0.0.0", **plan_kw
+    )
     image = image or f"llmopt/{T.slug(source.info.name)}:latest"
     files = _files(plan, image, source.model_dir)
     files["README.md"] = bundle_readme(plan, source, image)

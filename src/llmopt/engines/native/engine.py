@@ -67,6 +67,12 @@ class NativeEngine(Engine):
             return "FP8 matmuls need an NVIDIA GPU of compute capability 8.9+; CPUs have none"
         if recipe.name not in DENSE and kernel is None:
             return f"the torch engine does not know recipe {recipe.name!r}"
+        group = getattr(recipe, "group_size", None)
+        if kernel == "int4" and group:
+            widths = {info.hidden_size, info.intermediate_size or info.hidden_size}
+            if any(w % group for w in widths) or group not in (32, 64, 128, 256):
+                return (f"int4 group size {group} must be 32, 64, 128 or 256 and divide the "
+                        f"model's widths {sorted(widths)}")  # fmt: skip
         return None
 
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
