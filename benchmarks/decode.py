@@ -19,28 +19,14 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "llama-3.1-8b": {
-        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "bos_token_id": 128000, "eos_token_id": 128001,
-    },
-    # For the smoke test of this script (tests/unit/test_native_engine.py).
-    "tiny": {
-        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
-        "vocab_size": 1024, "max_position_embeddings": 2048, "hidden_act": "silu",
-        "tie_word_embeddings": False, "eos_token_id": 2,
-    },
-}  # fmt: skip
+sys.path.insert(0, str(Path(__file__).parent))  # run as `python benchmarks/decode.py`
+from shapes import SHAPES  # noqa: E402
 
 
 def sync(device) -> None:

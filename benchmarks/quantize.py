@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # run as `python benchmarks/quantize.py`
+from shapes import SHAPES  # noqa: E402
+
 RECIPES = [
     "fp32",
     "w8a16",
@@ -40,20 +43,6 @@ RECIPES = [
     "w4a16-awq-g64",
     "w4a16-gptq-g64",
 ]
-SHAPES = {
-    "llama-3.1-8b": {
-        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
-    },
-    "tiny": {
-        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
-        "vocab_size": 1024, "max_position_embeddings": 2048, "hidden_act": "silu",
-        "tie_word_embeddings": False,
-    },
-}  # fmt: skip
 
 
 def _peak(device: str) -> int:
