@@ -100,6 +100,26 @@ def test_continuous_batching_equals_one_at_a_time(tiny_llama_dir):
     assert gen.free_blocks == gen.num_blocks - 1 and not gen.running
 
 
+def test_padded_batch_sizes_and_warmup_leave_tokens_unchanged(tiny_llama_dir):
+    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4,
+                         batch_sizes=[3], min_bucket_tokens=32)  # fmt: skip
+    assert gen.batch_sizes == [3, 4] and [gen.padded_batch(b) for b in (1, 3, 4)] == [3, 3, 4]
+    assert gen.table_width(1) == 8 and gen.table_width(9) == 16  # floor of 32 tokens = 8 blocks
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    alone = [gen.generate(p, params)[0] for p in ([5, 6, 7], list(range(20, 41)))]
+    gen.add(0, [5, 6, 7], params)
+    gen.add(1, list(range(20, 41)), params)
+    out: dict[int, list[int]] = {0: [], 1: []}
+    for i in range(10):
+        if i == 4:  # a warm-up between steps must not touch the running sequences' cache
+            assert gen.warmup(64) >= 0
+        for ev in gen.step():
+            out[ev.seq_id].append(ev.token_id)
+    assert [out[0], out[1]] == alone
+    with pytest.raises(ValueError, match="batch sizes"):
+        load_generator(tiny_llama_dir, max_batch=4, batch_sizes=[8])
+
+
 def test_out_of_blocks_and_limits(tiny_llama_dir):
     gen = load_generator(tiny_llama_dir, max_batch=2, max_seq_len=64, block_size=4, num_blocks=6)
     assert gen.free_blocks == 5 and gen.blocks_needed(9) == 3

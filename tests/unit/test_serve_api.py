@@ -58,6 +58,12 @@ def test_settings_validate():
     with pytest.raises(ValueError, match="api-key"):
         ServeSettings(api_key=" ")
     assert ServeSettings(api_key="s3cret").to_dict()["api_key"] == "***"
+    # Decode shapes: fewer (compiled) batch sizes on CUDA; the full batch is always one of them.
+    assert ServeSettings(max_num_seqs=64, device="cuda").batch_sizes() == [1, 4, 16, 64]
+    assert ServeSettings(max_num_seqs=6).batch_sizes() == [1, 2, 4, 6]
+    assert ServeSettings(max_num_seqs=8, decode_batch_sizes=(2,)).batch_sizes() == [2, 8]
+    with pytest.raises(ValueError, match="decode-batch-sizes"):
+        ServeSettings(max_num_seqs=8, decode_batch_sizes=(16,))
 
 
 @pytest.fixture

@@ -87,6 +87,21 @@ def serve(
     embed_max_batch: Annotated[
         int, typer.Option("--embed-max-batch", help="Embeddings: most texts per forward pass.")
     ] = 64,
+    decode_batch_sizes: Annotated[
+        str | None,
+        typer.Option(
+            "--decode-batch-sizes",
+            help="Batch sizes the decode step runs at, e.g. 1,8,64 (batches pad up; on CUDA one "
+            "compiled graph each). Default: 1,4,16,... on CUDA, 1,2,4,... on the CPU.",
+        ),
+    ] = None,
+    warmup: Annotated[
+        bool,
+        typer.Option(
+            "--warmup/--no-warmup",
+            help="Compile every decode shape before accepting requests (else on first use).",
+        ),
+    ] = True,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
     gguf: Annotated[
@@ -110,6 +125,7 @@ def serve(
         max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
         drain_timeout_s=drain_timeout, embed_batch_window_ms=embed_batch_window_ms,
         embed_max_batch=embed_max_batch, recipe=recipe or "fp32", device=device, threads=threads,
+        decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"), warmup=warmup,
     )  # fmt: skip
     if engine:
         from llmopt.serve.external import external_command, launch_external
@@ -131,6 +147,17 @@ def serve(
         sys.stderr.write(f"warning: listening on {host} without --api-key\n")
     sys.stderr.write(f"serving {ctx.served_name} ({ctx.task}) on http://{host}:{port}/v1\n")
     run_server(ctx, log_level=log_level.lower())
+
+
+def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r}: give whole numbers separated by commas", param_hint=flag
+        ) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -90,7 +90,14 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
 
     gen = load_generator(str(folder), recipe=recipe, device=settings.device,
                          max_batch=settings.max_num_seqs, block_size=settings.block_size,
-                         num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len)  # fmt: skip
+                         num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len,
+                         batch_sizes=settings.batch_sizes())  # fmt: skip
+    if settings.warmup:
+        widths = sorted({gen.table_width(w) for w in range(1, gen.max_blocks_per_seq + 1)})
+        log.info("warming up the decode step: batch sizes %s x %d length buckets (on CUDA each "
+                 "is compiled once: about a minute for an 8B model)", gen.batch_sizes,
+                 len(widths))  # fmt: skip
+        log.info("decode warm-up took %.1f s", gen.warmup())
     t0 = time.perf_counter()
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)

@@ -33,6 +33,11 @@ class ServeSettings:
         drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
         embed_batch_window_ms: embeddings: how long the batcher waits for more requests.
         embed_max_batch: embeddings: most texts per forward pass.
+        decode_batch_sizes: batch sizes the decode step runs at (a batch is padded up to the next
+            one); on CUDA each is a compiled graph. None: 1, 4, 16, ... up to max_num_seqs on
+            CUDA (fewer compiles), 1, 2, 4, ... on the CPU.
+        warmup: run (on CUDA: compile) the decode step for every batch size and length bucket
+            before accepting requests, so no request waits for a compile.
         recipe: numeric recipe of the engine (fp32, bf16, ...).
         device: "cpu" or "cuda".
         threads: torch CPU threads (None: torch's default).
@@ -53,6 +58,8 @@ class ServeSettings:
     drain_timeout_s: float = 30.0
     embed_batch_window_ms: float = 5.0
     embed_max_batch: int = 64
+    decode_batch_sizes: tuple[int, ...] | None = None
+    warmup: bool = True
     recipe: str = "fp32"
     device: str = "cpu"
     threads: int | None = None
@@ -76,8 +83,26 @@ class ServeSettings:
             raise ValueError("max-body-bytes must be at least 1024")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty; pass a real key or leave it out")
+        if self.decode_batch_sizes is not None and not all(
+            1 <= b <= self.max_num_seqs for b in self.decode_batch_sizes
+        ):
+            raise ValueError(
+                f"decode-batch-sizes {list(self.decode_batch_sizes)} must lie in 1..max-num-seqs "
+                f"({self.max_num_seqs})"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: use cpu or cuda")
+
+    def batch_sizes(self) -> list[int]:
+        """The decode batch sizes the engine is built with (see `decode_batch_sizes`)."""
+        if self.decode_batch_sizes:
+            return sorted(set(self.decode_batch_sizes) | {self.max_num_seqs})
+        step = 4 if self.device == "cuda" else 2
+        sizes, b = [], 1
+        while b < self.max_num_seqs:
+            sizes.append(b)
+            b *= step
+        return sizes + [self.max_num_seqs]
 
     @property
     def capacity(self) -> int:

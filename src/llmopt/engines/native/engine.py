@@ -110,6 +110,8 @@ def load_generator(
     num_blocks: int | None = None,
     max_seq_len: int | None = None,
     compile: bool | None = None,
+    batch_sizes: list[int] | tuple[int, ...] | None = None,
+    min_bucket_tokens: int | None = None,
 ):
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
@@ -118,6 +120,7 @@ def load_generator(
         recipe: dense recipes pick the dtype; `w8a16`/int4/fp8 recipes quantize dense weights on
             load (round-to-nearest) unless the folder is already quantized.
         compile: torch.compile the decode step (default: on for CUDA, off for CPU).
+        batch_sizes, min_bucket_tokens: the decode shapes (see `Generator`).
     """
     import torch
     from transformers import AutoTokenizer
@@ -144,6 +147,8 @@ def load_generator(
         num_blocks=num_blocks,
         max_seq_len=max_seq_len,
         compile=(device != "cpu") if compile is None else bool(compile),
+        batch_sizes=batch_sizes,
+        min_bucket_tokens=min_bucket_tokens,
     )
 
 
@@ -204,13 +209,13 @@ class NativeCausalLMRunner:
             tables = torch.cat([tables, extra], dim=1)
         b = tokens.shape[0]
         pos = torch.full((b, 1), n, dtype=torch.long, device=gen.device)
-        # Pad the tables to a bucket width (block 0 is scratch, masked) so a compiled decode
-        # sees a few shapes, not one per block.
-        from llmopt.engines.native.generator import bucket
-
-        width = bucket(tables.shape[1], gen.max_blocks_per_seq)
+        # Pad the tables to a length bucket and the rows to a batch size (block 0 is scratch,
+        # masked) so a compiled decode sees the generator's few shapes, not one per block.
+        width = gen.table_width(tables.shape[1])
         padded = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
         packed = torch.cat([tokens.to(gen.device), pos, padded], dim=1)
+        rows = gen.padded_batch(b) if b <= gen.max_batch else b
+        packed = torch.nn.functional.pad(packed, (0, 0, 0, rows - b))
         with torch.inference_mode():
-            out = gen._decode(packed)[0]
+            out = gen._decode(packed)[0][:b]
         return out.float().cpu(), {"tables": tables, "len": n + 1}

@@ -12,9 +12,13 @@ sequences. A scheduler (`llmopt.serve`) decides *who* runs; the generator only s
 
 Each `step()` first prefills the sequences added since the last step (batched, right-padded, up
 to `max_prefill_tokens` per forward; SDPA causal attention), then runs one decode step for every sequence that was already running, as a
-single batch padded to a bucket size (1, 2, 4, 8, ...), with the block tables cut to a bucket of
-the longest sequence. With `compile=True` the decode step is `torch.compile`d
-(`mode="reduce-overhead"`: CUDA graphs on GPU), one graph per (batch, length) bucket.
+single batch padded to a bucket size (`batch_sizes`: 1, 2, 4, 8, ... by default), with the block
+tables cut to a bucket of the longest sequence. With `compile=True` the decode step is
+`torch.compile`d (`mode="reduce-overhead"`: CUDA graphs on GPU), one graph per (batch, length)
+bucket. Each new bucket costs a compile (about a minute for an 8B model on an H200), so a compiled
+generator never cuts the tables below `min_bucket_tokens` (the gather of a few hundred tokens costs
+microseconds, a compile a minute), and `warmup()` compiles the buckets up front: a server calls it
+before it accepts requests, so no request waits for a compile.
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ def bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def _powers_of_two(cap: int) -> list[int]:
+    return [1 << i for i in range(cap.bit_length()) if 1 << i <= cap]
+
+
 class Generator:
     """Runs many sequences of different lengths through one native model."""
 
@@ -92,6 +100,8 @@ class Generator:
         compile: bool = False,
         bucket_blocks: bool = True,
         max_prefill_tokens: int = 4096,
+        batch_sizes: list[int] | tuple[int, ...] | None = None,
+        min_bucket_tokens: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
@@ -102,6 +112,18 @@ class Generator:
             self.max_seq_len = int(cfg.sliding_window)  # beyond it, the window would matter
         self.block_size, self.max_batch = block_size, max_batch
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / block_size)
+        # Decode batches are padded up to one of these sizes (each a compiled graph when compiled).
+        sizes = sorted({int(b) for b in (batch_sizes or _powers_of_two(max_batch))})
+        if sizes[0] < 1 or sizes[-1] > max_batch:
+            raise ValueError(f"batch sizes {sizes} must lie in 1..max_batch ({max_batch})")
+        if sizes[-1] != max_batch:
+            sizes.append(max_batch)  # a full batch must fit somewhere
+        self.batch_sizes = sizes
+        if min_bucket_tokens is None:
+            min_bucket_tokens = 512 if compile else 0
+        self.min_bucket_blocks = min(
+            self.max_blocks_per_seq, max(1, math.ceil(min_bucket_tokens / block_size))
+        )
         self.num_blocks = int(num_blocks or max_batch * self.max_blocks_per_seq + 1)
         model.setup_cache(self.num_blocks, block_size, self.dtype, self.device)
         self._free = list(range(self.num_blocks - 1, 0, -1))  # pop() gives low ids first
@@ -215,16 +237,40 @@ class Generator:
             self._emit(k, s, logits[i]) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))
         ]
 
+    def padded_batch(self, b: int) -> int:
+        """The decode batch size `b` sequences run at (the smallest of `batch_sizes` >= b)."""
+        return next(s for s in self.batch_sizes if s >= b)
+
+    def table_width(self, blocks: int) -> int:
+        """The block-table width (a length bucket) a decode step over `blocks` blocks runs at."""
+        if not self.bucket_blocks:
+            return self.max_blocks_per_seq
+        return max(self.min_bucket_blocks, bucket(blocks, self.max_blocks_per_seq))
+
+    @torch.inference_mode()
+    def warmup(self, max_tokens: int | None = None) -> float:
+        """Run (and so compile) the decode step for every batch size and length bucket up to
+        `max_tokens` of context (default: the whole context). Returns the seconds it took.
+
+        Only scratch block 0 is touched: the running sequences' KV cache is left alone.
+        """
+        t0 = time.perf_counter()
+        top = self.table_width(self.blocks_needed(max_tokens or self.max_seq_len))
+        widths = sorted({self.table_width(w) for w in range(1, top + 1)})
+        for bp in self.batch_sizes:
+            for nb in widths:
+                packed = torch.zeros(bp, 2 + nb, dtype=torch.long, device=self.device)
+                for _ in range(3):  # compile, then the CUDA-graph warm-up and recording runs
+                    self._decode(packed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     @torch.inference_mode()
     def _decode_batch(self, keys: list[Hashable]) -> list[TokenEvent]:
         b = len(keys)
-        bp = bucket(b, self.max_batch)
-        longest = max(len(self.seqs[k].blocks) for k in keys)
-        nb = (
-            bucket(longest, self.max_blocks_per_seq)
-            if self.bucket_blocks
-            else self.max_blocks_per_seq
-        )
+        bp = self.padded_batch(b)
+        nb = self.table_width(max(len(self.seqs[k].blocks) for k in keys))
         # One host->device copy per step: rows of [token, position, block table...]; padding
         # rows (and table tails) point at scratch block 0.
         rows = [[0] * (2 + nb) for _ in range(bp)]
