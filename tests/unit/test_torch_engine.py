@@ -53,6 +53,22 @@ def test_fp32_matches_transformers_exactly(tiny_llama_dir, tmp_path):
     assert _tree_digest(tiny_llama_dir) == before, "the source folder must never be written"
 
 
+def test_dense_build_links_weights_already_in_the_recipe_dtype(tiny_llama_dir, tmp_path):
+    from safetensors import safe_open
+
+    src = next(tiny_llama_dir.glob("*.safetensors"))
+    _, facts, _ = _build(tiny_llama_dir, tmp_path, "fp32")  # stored fp32: nothing to convert
+    linked = tmp_path / "artifact-fp32" / src.name
+    assert "linked" in facts["weights"] or "copied" in facts["weights"]
+    assert linked.read_bytes() == src.read_bytes()
+    _, facts, runner = _build(tiny_llama_dir, tmp_path, "bf16")  # a real conversion
+    assert "weights" not in facts
+    out = next((tmp_path / "artifact-bf16").glob("*.safetensors"))
+    with safe_open(out, "pt") as st:
+        assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"BF16"}  # noqa: SIM118
+    assert torch.isfinite(runner.logits(IDS)).all()
+
+
 def test_cached_decode_equals_full_forward(tiny_llama_dir, tmp_path):
     # Logits from prefill + step-by-step decode must equal one full forward: the KV cache is right.
     _, _, runner = _build(tiny_llama_dir, tmp_path, "fp32")

@@ -60,8 +60,11 @@ class HFEngine(Engine):
         import torch
 
         t0 = time.perf_counter()
-        model = _auto_class(info.task).from_pretrained(source, dtype=torch.float32)
         facts: dict[str, Any] = {"recipe": recipe.name, "dtype": recipe.dtype}
+        if recipe.weight_bits is None and (linked := link_dense_weights(source, out, recipe.dtype)):
+            _copy_tokenizer_files(source, out)
+            return facts | {"weights": linked, "seconds": time.perf_counter() - t0}
+        model = _auto_class(info.task).from_pretrained(source, dtype=torch.float32)
         if recipe.weight_bits == 8:
             from llmopt.engines.int8 import quantize_linears_
 
@@ -237,6 +240,43 @@ def _load_model(artifact: Path, task: str, recipe: Recipe):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def link_dense_weights(source: Path, out: Path, dtype: str) -> str | None:
+    """Give `out` the source's own safetensors when they are stored in `dtype` already.
+
+    Rewriting them would produce the same bytes after a load-and-save round trip that needs the
+    whole model in host memory in fp32 (an 8B model: 32 GB of RAM, minutes, and another 16 GB on
+    disk per candidate). The files are hard-linked (copied across filesystems): nothing ever
+    writes to them in place (artifacts are written to new files and renamed), so the user's folder
+    stays as it was. Returns what was done, or None when the weights must be converted (another
+    stored dtype, mixed dtypes, pickle `.bin` files, no safetensors).
+    """
+    import os
+
+    from safetensors import safe_open
+
+    want = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(dtype)
+    files = sorted(source.glob("*.safetensors"))
+    if want is None or not files or any(source.glob("*.bin")):
+        return None
+    for f in files:
+        with safe_open(f, "pt") as st:
+            stored = {st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118
+        if stored & {"F32", "BF16", "F16", "F64"} != {want}:
+            return None
+    out.mkdir(parents=True, exist_ok=True)
+    how = "hard-linked"
+    for f in [*files, *source.glob("*.safetensors.index.json")]:
+        try:
+            os.link(f, out / f.name)
+        except OSError:  # another filesystem, or links not allowed
+            shutil.copy2(f, out / f.name)
+            how = "copied"
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    return f"{how} from the source ({len(files)} safetensors file(s), already {dtype})"
 
 
 def _copy_tokenizer_files(source: Path, out: Path) -> None:
