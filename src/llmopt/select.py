@@ -112,6 +112,7 @@ def select(
         reasons[chosen] = (
             f"chosen: best {obj.name} within the quality budget ({_fmt(values[chosen], unit)}"
             f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
+            + _vs_eager(chosen, candidates, bench)
         )
         best_noise = _noise(bench[chosen], obj.name)
         for i in ranking[1:]:
@@ -139,6 +140,23 @@ def select(
         higher_is_better=obj.higher_is_better,
         cut={i: r for i, r in cut.items()},
     )
+
+
+def _vs_eager(chosen: str, candidates: list[Candidate], bench: dict[str, BenchResult]) -> str:
+    """The chosen candidate's batch-1 decode against the same recipe run eagerly by transformers
+    (the `hf` engine), when both were benchmarked in this run: what the engine itself bought."""
+    by_id = {c.id: c for c in candidates}
+    c = by_id[chosen]
+    if c.engine == "hf":
+        return ""
+    twin = next((o.id for o in candidates if o.engine == "hf" and o.recipe == c.recipe
+                 and not o.settings and o.id in bench), None)  # fmt: skip
+    key = "decode_tokens_per_s"
+    mine, theirs = bench[chosen].metrics.get(key), twin and bench[twin].metrics.get(key)
+    if not mine or not theirs or not theirs.median:
+        return ""
+    return (f"; batch-1 decode {mine.median / theirs.median:.1f}x {twin} (the same recipe in "
+            f"eager transformers, measured in this run)")  # fmt: skip
 
 
 def _noise(b: BenchResult, objective: str) -> float:

@@ -169,3 +169,22 @@ def test_peak_rss_is_the_process_own_not_inherited():
         f"child reports {child / 2**20:.0f} MiB: inherited the parent's peak"
     )
     del ballast
+
+
+def test_select_says_what_the_engine_bought_over_eager_transformers():
+    cands = [
+        Candidate("hf-fp32", "hf", "fp32", reference=True),
+        Candidate("hf-bf16", "hf", "bf16"),
+        Candidate("torch-bf16", "torch", "bf16"),
+    ]
+    verify = {c.id: _verify(c.id, 0.001) for c in cands}
+    bench = {
+        "hf-fp32": _bench("hf-fp32", [8, 8, 8]),
+        "hf-bf16": _bench("hf-bf16", [16, 16, 16]),
+        "torch-bf16": _bench("torch-bf16", [190, 194, 196]),
+    }
+    sel = select(cands, verify, bench, {}, 0.01)
+    assert sel.chosen == "torch-bf16"
+    assert "batch-1 decode 12.1x hf-bf16" in sel.reasons["torch-bf16"]
+    del bench["hf-bf16"]  # no eager twin measured: nothing claimed
+    assert "hf-bf16" not in select(cands, verify, bench, {}, 0.01).reasons["torch-bf16"]
