@@ -1,0 +1,224 @@
+"""Served throughput against the engine's own in-process rate (issue 6's H200 target).
+
+    python benchmarks/serve_load.py --shape llama-3.1-8b --device cuda --tokenizer smollm2-135m
+    python benchmarks/serve_load.py --model smollm2-135m --device cpu --concurrency 8 \
+        --input-len 128 --output-len 64 --requests 32          # a small run on the CPU
+
+Three steps, each its own process, on the same model folder and engine settings:
+
+1. **in-process**: the native generator alone (no HTTP, no scheduler), `concurrency` sequences of
+   `input-len`-token prompts decoded together for `output-len` tokens: its decode tokens/s is
+   the rate the engine can give at that batch.
+2. **server**: `llmopt serve` started with the same batch size, shapes and precision, warmed up
+   (every decode shape compiled before the first request).
+3. **load**: `llmopt bench serve` at `concurrency` streams (closed loop, `--ignore-eos`, prompts
+   of exactly `input-len` tokens from a JSONL file), `--repeats` runs. Output tokens/s over the
+   in-process rate is the share the serving layer keeps; TTFT p99 is read from the same runs.
+
+`--shape` writes a seeded random-weight folder first (benchmarks/random_model.py). Results go to
+`--out` (JSON) and a short table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def exact_prompts(folder: Path, n: int, tokens: int, seed: int = 0) -> list[str]:
+    """`n` different texts that the model's tokenizer encodes to exactly `tokens` tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(seed)
+    special = 1 if tok("a", add_special_tokens=True)["input_ids"][:1] != tok("a", add_special_tokens=False)["input_ids"][:1] else 0  # fmt: skip
+    out = []
+    while len(out) < n:
+        ids = [rng.randrange(1000, min(len(tok), 30000)) for _ in range(tokens + 16)]
+        text = tok.decode(ids[: tokens - special], skip_special_tokens=True)
+        for _ in range(8):  # re-tokenization can merge or split pieces: trim until it fits
+            got = len(tok(text, add_special_tokens=True)["input_ids"])
+            if got == tokens:
+                out.append(text)
+                break
+            text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][: tokens - special - max(0, got - tokens)], skip_special_tokens=True)  # fmt: skip
+    return out
+
+
+def in_process(args, folder: Path) -> dict:
+    """Decode tokens/s of the bare generator at batch `concurrency` (run in a child process)."""
+    import torch
+
+    from llmopt.engines.native import SamplingParams, load_generator
+
+    gen = load_generator(folder, recipe=args.recipe, device=args.device,
+                         max_batch=args.concurrency, max_seq_len=args.max_seq_len,
+                         batch_sizes=[args.concurrency])  # fmt: skip
+    tok = gen.tokenizer
+    prompts = [tok(p)["input_ids"] for p in exact_prompts(folder, args.concurrency, args.input_len)]
+    t0 = time.perf_counter()
+    warm = gen.warmup()
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        gen.add(i, p, params)
+    gen.step()  # prefills (and the first token)
+    sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
+    sync()
+    t1, steps, tokens = time.perf_counter(), 0, 0
+    while gen.running and not all(gen.finished(i) for i in gen.running):
+        tokens += len(gen.step())
+        steps += 1
+    sync()
+    secs = time.perf_counter() - t1
+    return {"decode_tokens_per_s": tokens / secs, "decode_steps": steps, "ms_per_step": 1000 * secs / steps,
+            "warmup_s": warm, "load_and_warmup_s": time.perf_counter() - t0 - secs}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not healthy after {timeout:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="folder or built-in name")
+    ap.add_argument(
+        "--shape", help="write a random-weight folder of this shape (benchmarks/shapes.py)"
+    )
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llmopt-serve-load"))
+    ap.add_argument(
+        "--tokenizer", default="smollm2-135m", help="--shape: tokenizer folder or built-in"
+    )
+    ap.add_argument("--recipe", default="bf16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--server-timeout", type=float, default=600)
+    ap.add_argument("--out", type=Path, default=Path("serve_load.json"))
+    ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+
+    # As the CLI does, before torch's thread pool starts (docs/verify.md: SmolLM2's fp32 forward
+    # on the CPU makes denormals, 10x slower without this).
+    torch.set_flush_denormal(True)
+    if args.shape:
+        from random_model import write_random_model
+
+        folder = write_random_model(args.shape, args.workdir / args.shape, args.tokenizer)
+    else:
+        from llmopt.assets.models import resolve_model
+
+        folder = Path(resolve_model(args.model)[0])
+    if args.in_process:
+        print("RESULT " + json.dumps(in_process(args, folder)), flush=True)
+        return
+
+    env = dict(os.environ)
+    argv = [a for a in sys.argv[1:] if a != "--in-process"]
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"in-process run failed ({p.returncode}); see stderr")
+    inproc = json.loads(line[7:])
+    print(f"in-process: {inproc['decode_tokens_per_s']:.1f} tokens/s at batch {args.concurrency} "
+          f"({inproc['ms_per_step']:.2f} ms/step; {time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    prompts = args.workdir / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for text in exact_prompts(folder, args.requests, args.input_len, seed=1):
+            f.write(json.dumps({"prompt": text, "max_tokens": args.output_len}) + "\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "llmopt.cli.main"]
+    server = subprocess.Popen(
+        [*cli, "serve", str(folder), "--recipe", args.recipe, "--device", args.device,
+         "--port", str(port), "--max-num-seqs", str(args.concurrency),
+         "--decode-batch-sizes", str(args.concurrency), "--max-seq-len", str(args.max_seq_len),
+         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+         "--max-queue", str(args.requests), "--log-level", "warning"],
+        env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        ready = wait_healthy(url, server, args.server_timeout)
+        print(f"server healthy after {ready:.0f} s (load + warm-up)", flush=True)
+        bench_dir = args.workdir / "bench"
+        subprocess.run(
+            [*cli, "bench", "serve", "--url", url, "--mode", "concurrency",
+             "--values", str(args.concurrency), "--num-requests", str(args.requests),
+             "--prompts", str(prompts), "--ignore-eos", "--repeats", str(args.repeats),
+             "--timeout", "600", "--label", f"llmopt serve {args.recipe}",
+             "--out", str(bench_dir)],
+            check=True, env=env,
+        )  # fmt: skip
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    bench = json.loads((bench_dir / "bench.json").read_text())
+    runs = bench["points"][0]["runs"]
+    rows = []
+    for i, r in enumerate(runs):
+        m = r["metrics"]
+        rows.append({"run": i + 1, "output_tokens_per_s": m["output_throughput"],
+                     "share_of_in_process": m["output_throughput"] / inproc["decode_tokens_per_s"],
+                     "ttft_p99_ms": m["ttft_ms"]["p99"], "ttft_median_ms": m["ttft_ms"]["median"],
+                     "tpot_median_ms": m["tpot_ms"]["median"], "completed": m["completed"],
+                     "failed": m.get("failed"), "mean_input_tokens": m["total_input_tokens"] / max(1, m["completed"])})  # fmt: skip
+    import torch
+
+    env_info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv,
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
+    args.out.write_text(json.dumps({"env": env_info, "in_process": inproc, "runs": rows, "bench": bench}, indent=1))  # fmt: skip
+    print(
+        f"\nin-process decode at batch {args.concurrency}: {inproc['decode_tokens_per_s']:.1f} tokens/s"
+    )
+    print(
+        "| run | served output tok/s | share of in-process | TTFT p99 ms | TTFT median ms | TPOT median ms | completed | mean prompt tokens |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['run']} | {r['output_tokens_per_s']:.1f} | {r['share_of_in_process']:.0%} | "
+              f"{r['ttft_p99_ms']:.0f} | {r['ttft_median_ms']:.0f} | {r['tpot_median_ms']:.1f} | "
+              f"{r['completed']} | {r['mean_input_tokens']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
