@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The issue-3/6/7 measurements on a lent H200, step by step, in one command per device call:
+#
+#   bash benchmarks/h200_runs.sh setup model serve        # then: setup model optimize; setup quantize
+#
+# Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
+# the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
+# .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
+# text, for verification). Results go to $OUT (default /tmp/h200-out).
+set -uo pipefail
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 LLMOPT_HOME=$PWD/.devdata/llmopt_home
+W=/tmp/llmopt-h200
+M=$W/llama-3.1-8b
+TOK=$PWD/.devdata/smollm2-tok
+llmopt() { python3 -m llmopt.cli.main "$@"; }
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case $step in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+      nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+      python3 -c "import torch, transformers, fastapi, compressed_tensors; print(torch.__version__, transformers.__version__)" ;;
+    model)
+      python3 benchmarks/random_model.py --shape llama-3.1-8b --out "$M" --tokenizer "$TOK" ;;
+    serve)  # issue 6: 64 streams of 512-token prompts against the in-process batch-64 rate
+      python3 benchmarks/serve_load.py --shape llama-3.1-8b --workdir "$W" --tokenizer "$TOK" \
+        --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
+        --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" ;;
+    quantize)  # issue 3: calibration wall time and peak GPU memory per recipe, 8B shape
+      python3 benchmarks/quantize.py --shape llama-3.1-8b --device cuda \
+        --recipes "${RECIPES:-fp8-dynamic,w4a16-gptq}" --samples "${SAMPLES:-128}" \
+        --seq-len 2048 --json "$OUT/quantize.json" 2>&1 | tee "$OUT/quantize.log" ;;
+    optimize)  # issue 7: torch-bf16 vs HF eager bf16 at batch-1 decode, in one optimize run
+      llmopt optimize "$M" --target cuda --candidates "${CANDIDATES:-hf-bf16,torch-bf16}" \
+        --out "$W/run-8b" 2>&1 | tee -a "$OUT/optimize.log"
+      for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
+      (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .) ;;
+    decode)  # issue 8 leftovers: the autotuned Triton GEMV (int8, FP8) at batch 1
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int8 fp8} --batches 1 \
+        2>&1 | tee "$OUT/decode.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"
