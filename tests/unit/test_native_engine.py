@@ -280,3 +280,38 @@ def test_quantized_decode_on_gpu_matches_dense(tiny_llama_dir):
         gen = load_generator(tiny_llama_dir, rec, device="cuda", compile=True)
         got, _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
         assert len(got) == 8 and got[:2] == want[:2]
+
+
+def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
+    gen.max_prefill_tokens = 16  # the 3 prompts take 2 forwards, two of them right-padded together
+    gen.prompt_logprob_chunk = 3 * gen.model.cfg.vocab_size  # the LM head 3 rows at a time
+    prompts = [[257, 72, 101, 108, 108, 111], [5, 9, 200, 31], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    asks = [None, 3, 0]  # off; top-3 (right-padded beside the first); the chosen token only
+    for i, (p, k) in enumerate(zip(prompts, asks, strict=True)):
+        gen.add(i, p, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k))
+    first = {ev.seq_id: ev for ev in gen.step()}
+    assert sorted(first) == [0, 1, 2]
+    later = [ev for _ in range(2) for ev in gen.step()]
+    assert len(later) == 6 and all(ev.prompt_logprobs is None for ev in later)  # sent once
+    assert first[0].prompt_logprobs is None
+    for i in (1, 2):
+        p, k, got = prompts[i], asks[i], first[i].prompt_logprobs
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+        assert len(got) == len(p) and got[0] is None
+        for t in range(1, len(p)):
+            lp, tops = got[t]
+            assert lp == pytest.approx(float(ref[t - 1, p[t]]), abs=1e-4)
+            assert len(tops) == k
+            if k:
+                vals, ids = torch.topk(ref[t - 1], k)
+                assert [x for x, _ in tops] == ids.tolist()
+                assert [v for _, v in tops] == pytest.approx(vals.tolist(), abs=1e-4)
+    # Generated tokens are unchanged by asking for prompt log-probabilities.
+    plain = load_generator(tiny_llama_dir, max_batch=1, max_seq_len=128, block_size=4)
+    want, _ = plain.generate(prompts[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [first[1].token_id] + [ev.token_id for ev in later if ev.seq_id == 1] == want

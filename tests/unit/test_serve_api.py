@@ -66,6 +66,82 @@ def test_settings_validate():
         ServeSettings(max_num_seqs=8, decode_batch_sizes=(16,))
 
 
+def _fake_run(root, tiny_llama_dir, run_target="cpu", deploy_kind="cpu"):
+    """A run folder as optimize writes it (JSON only: the settings are resolved from these)."""
+    from llmopt.modelinfo import inspect_model
+
+    best = root / "best"
+    (best / "deploy").mkdir(parents=True)
+    (root / "run.json").write_text(json.dumps({"target": run_target}))
+    (best / "candidate.json").write_text(json.dumps({"id": "torch-fp32", "engine": "torch",
+                                                     "recipe": "fp32", "settings": {}}))  # fmt: skip
+    (best / "model.json").write_text(json.dumps(inspect_model(tiny_llama_dir).to_dict()))
+    cmd = f"llmopt serve {best} --host 127.0.0.1 --port 8000 --max-num-seqs 3"
+    (best / "launch.json").write_text(json.dumps({"serve": {"command": cmd,
+                                      "scheduler": "--max-num-seqs 3: most decode throughput"}}))  # fmt: skip
+    plan = {"target": {"kind": deploy_kind, "name": "CPU"}, "max_num_seqs": 64,
+            "max_num_batched_tokens": 1024, "max_model_len": 96,
+            "memory": {"block_size": 8, "kv_tokens": 200, "kv_bytes_per_token_per_gpu": 2048}}  # fmt: skip
+    (best / "deploy" / "plan.json").write_text(json.dumps(plan))
+    return root
+
+
+def test_settings_come_from_the_plan_unless_given(tiny_llama_dir):
+    from llmopt.serve.defaults import plan_values, resolve_settings
+
+    # A folder: planned for this machine. 2 CPU threads: 4 sequences per thread, vLLM's
+    # 8192-token step capped to 2048; the tiny model's 128-token context; the KV cache (small:
+    # the budget is far larger) holds what 8 sequences of 128 tokens use, plus scratch.
+    r = plan_values(str(tiny_llama_dir), {}, threads=2)
+    assert set(r.sources.values()) == {"plan"}, r.sources
+    assert r.values == {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "block_size": 16,
+                        "max_seq_len": 128, "num_blocks": 8 * 8 + 1}  # fmt: skip
+    assert "capped to 2048 for 2 CPU threads" in r.notes["max_num_batched_tokens"]
+    # More threads, more sequences; flags win, and the cache follows the effective values.
+    assert plan_values(str(tiny_llama_dir), {}, threads=4).values["max_num_seqs"] == 16
+    r = plan_values(str(tiny_llama_dir), {"max_num_seqs": 3, "block_size": 4, "max_seq_len": 64},
+                    threads=2)  # fmt: skip
+    assert r.sources == {"max_num_seqs": "flag", "block_size": "flag", "max_seq_len": "flag",
+                         "max_num_batched_tokens": "plan", "num_blocks": "plan"}  # fmt: skip
+    assert r.values["num_blocks"] == 3 * 16 + 1
+    s = resolve_settings(str(tiny_llama_dir), {"num_blocks": 40}, threads=2)
+    assert (s.num_blocks, s.source("num_blocks"), s.source("max_num_seqs")) == (40, "flag", "plan")
+    # decode-batch-sizes are checked against the planned max-num-seqs, and the error says so.
+    with pytest.raises(ValueError, match=r"max-num-seqs \(8, from the plan\)"):
+        resolve_settings(str(tiny_llama_dir), {}, threads=2, decode_batch_sizes=(16,))
+    s = resolve_settings(str(tiny_llama_dir), {"max_num_seqs": 16}, threads=2,
+                         decode_batch_sizes=(16,))  # fmt: skip
+    assert s.batch_sizes() == [16]
+
+
+def test_settings_come_from_the_run_plan(tiny_llama_dir, tmp_path):
+    from llmopt.serve.defaults import plan_values
+
+    run = _fake_run(tmp_path / "run", tiny_llama_dir)
+    for arg in (run, run / "best"):
+        r = plan_values(str(arg), {}, threads=2)
+        assert set(r.sources.values()) == {"run plan"}, r.sources
+        # launch.json's measured max-num-seqs (3) over the bundle's 64; the bundle's budget,
+        # blocks and length; its 200 KV tokens = 25 blocks of 8 (3 x 96 tokens would use 36).
+        assert r.values == {"max_num_seqs": 3, "max_num_batched_tokens": 1024, "block_size": 8,
+                            "max_seq_len": 96, "num_blocks": 25 + 1}  # fmt: skip
+        assert "most decode throughput" in r.notes["max_num_seqs"]
+    r = plan_values(str(run), {"block_size": 4}, threads=2)
+    assert r.sources["block_size"] == "flag" and r.values["num_blocks"] == 200 // 4 + 1
+    # Measured on another device, planned for a GPU: not this server's numbers; planned here.
+    other = _fake_run(tmp_path / "gpu-run", tiny_llama_dir, run_target="cuda", deploy_kind="gpu")
+    r = plan_values(str(other), {}, threads=2)
+    assert set(r.sources.values()) == {"plan"} and r.values["max_num_seqs"] == 8
+
+
+def test_embedding_models_keep_the_defaults(tiny_bert_dir):
+    from llmopt.serve.defaults import DEFAULTS, plan_values
+
+    r = plan_values(str(tiny_bert_dir), {"max_num_seqs": 2})
+    assert r.sources["max_num_seqs"] == "flag" and r.sources["block_size"] == "default"
+    assert r.values["num_blocks"] is DEFAULTS["num_blocks"]
+
+
 @pytest.fixture
 def client(tiny_llama_dir):
     from starlette.testclient import TestClient
@@ -98,11 +174,12 @@ def test_completion_and_chat_shapes(client):
     lp = d["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 5 and all(len(t) >= 1 for t in lp["top_logprobs"])
     assert d["choices"][0]["finish_reason"] == "length"
-    # echo with logprobs: prompt tokens first, without log-probabilities
+    # echo with logprobs: prompt tokens first, the first without a log-probability
     r = client.post("/v1/completions", json={"model": name, "prompt": [97, 98, 99], "max_tokens": 2,
                                              "echo": True, "logprobs": 1, "temperature": 0})  # fmt: skip
     lp = r.json()["choices"][0]["logprobs"]
-    assert lp["token_logprobs"][:3] == [None] * 3 and len(lp["tokens"]) == 5
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:]) and len(lp["tokens"]) == 5
     assert r.json()["choices"][0]["text"].startswith(client.ctx.tokenizer.decode([97, 98, 99]))
     # n=2 and a token-id prompt
     r = client.post("/v1/completions", json={"model": name, "prompt": [97, 98], "max_tokens": 3,
@@ -114,6 +191,52 @@ def test_completion_and_chat_shapes(client):
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
     assert c["message"]["role"] == "assistant" and len(c["logprobs"]["content"]) >= 1
+
+
+def test_echo_prompt_logprobs_match_the_model(client, tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    name, tok = client.ctx.served_name, client.ctx.tokenizer
+    prompt = [257, *tok("Hello, world", add_special_tokens=False)["input_ids"]]
+    # Byte-level tokens that are not whole characters all read "\ufffd": not a dict key to test.
+    clear = {i for i in range(len(tok)) if client.ctx.token_text(i) not in ("\ufffd", "")}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    body = {"model": name, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2,
+            "temperature": 0, "ignore_eos": True, "n": 2}  # fmt: skip
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for ch in r.json()["choices"]:
+        lp = ch["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 3 and ch["text"].startswith(tok.decode(prompt))
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for t in range(1, len(prompt)):
+            want = float(ref[t - 1, prompt[t]])
+            assert lp["token_logprobs"][t] == pytest.approx(want, abs=1e-4)
+            top = lp["top_logprobs"][t]
+            best = torch.topk(ref[t - 1], 2)
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+                if i in clear:
+                    assert top[client.ctx.token_text(i)] == pytest.approx(v, abs=1e-4)
+            assert top[lp["tokens"][t]] == pytest.approx(want, abs=1e-4)  # the prompt's own token
+        assert lp["text_offset"][: len(prompt)] == [
+            sum(len(x) for x in lp["tokens"][:i]) for i in range(len(prompt))
+        ]
+    # Streamed: the prompt and its log-probabilities arrive once, with each choice's first token.
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as resp:
+        chunks = [json.loads(x[6:]) for x in resp.iter_lines()
+                  if x.startswith("data: ") and x != "data: [DONE]"]  # fmt: skip
+    streamed = {0: [], 1: []}
+    for c in chunks:
+        for ch in c["choices"]:
+            streamed[ch["index"]].extend(ch["logprobs"]["token_logprobs"])
+    full = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert streamed[0] == pytest.approx(full) and streamed[1] == pytest.approx(full)
+    # Without echo, no prompt log-probabilities (and the engine computes none).
+    r = client.post("/v1/completions", json=body | {"echo": False})
+    assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 3
 
 
 def test_stream_chunks_end_with_done_and_usage(client):
@@ -156,7 +279,11 @@ def test_guard(client):
     _err(client.post("/v1/completions", json={"model": name, "prompt": "x" * 5000}), 413)
     r = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
     assert _err(r, 401)["code"] == "invalid_api_key"
-    assert client.get("/health").status_code == 200  # health and metrics need no key
+    health = client.get("/health")  # health and metrics need no key
+    assert health.status_code == 200
+    # The effective scheduler/cache settings and where they came from (set in code: default).
+    assert health.json()["settings"]["num_blocks"] == {"value": 32, "source": "default"}
+    assert health.json()["settings"]["max_seq_len"] == {"value": 96, "source": "default"}
     _err(client.post("/v1/embeddings", json={"model": name, "input": "x"}), 400)
     m = client.get("/metrics").text
     assert "llmopt_kv_cache_usage_ratio" in m and "llmopt_requests_rejected_total" in m

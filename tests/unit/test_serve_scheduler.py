@@ -102,6 +102,41 @@ def test_preemption_by_recompute_keeps_greedy_output(tiny_llama_dir):
     assert out == alone  # recompute: same tokens, none lost, none doubled
 
 
+def test_prompt_logprobs_sent_once_across_preemptions(tiny_llama_dir):
+    def params() -> SamplingParams:
+        return SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+
+    alone = {}
+    for i, p in enumerate(PROMPTS):
+        gen = _gen(tiny_llama_dir)
+        gen.add(i, p, params())
+        alone[i] = gen.step()[0].prompt_logprobs
+    gen = _gen(tiny_llama_dir, num_blocks=12)  # preemptions re-add prompt + generated tokens
+    sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=256, watermark=0)
+    for i, p in enumerate(PROMPTS):
+        sched.submit(Sequence(i, p, params()))
+    got: dict[int, list] = {}
+    for _ in range(500):
+        if not sched.has_work():
+            break
+        for seq, ev in sched.step():
+            if ev.prompt_logprobs is not None:
+                got.setdefault(seq.seq_id, []).append(ev.prompt_logprobs)
+    assert sched.preemptions_total > 0 and not sched.has_work()
+    assert sorted(got) == [0, 1, 2, 3] and all(len(v) == 1 for v in got.values())  # once each
+    for i, p in enumerate(PROMPTS):
+        (plp,) = got[i]
+        assert len(plp) == len(p) and plp[0] is None  # the original prompt, not prompt + output
+        for a, b in zip(plp[1:], alone[i][1:], strict=True):
+            assert a[0] == pytest.approx(b[0], abs=1e-5) and [t for t, _ in a[1]] == [
+                t for t, _ in b[1]
+            ]
+    # A re-admitted sequence asks the engine for none.
+    seq = Sequence(9, [1, 2, 3], params())
+    seq.generated = 2
+    assert seq.engine_params().prompt_logprobs is None and seq.engine_params().max_tokens == 10
+
+
 def test_token_budget_limits_prefills_per_step(tiny_llama_dir):
     gen = _gen(tiny_llama_dir)
     sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=10)

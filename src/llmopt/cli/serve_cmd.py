@@ -47,23 +47,35 @@ def serve(
         ),  # fmt: skip
     ] = None,
     max_num_seqs: Annotated[
-        int, typer.Option("--max-num-seqs", help="Sequences batched together.")
-    ] = 8,
+        int | None,
+        typer.Option("--max-num-seqs", help="Sequences batched together (default: from the plan)."),
+    ] = None,
     max_num_batched_tokens: Annotated[
-        int,
-        typer.Option("--max-num-batched-tokens", help="Tokens per engine step (prefill + decode)."),
-    ] = 2048,
-    block_size: Annotated[int, typer.Option("--block-size", help="KV-cache block, tokens.")] = 16,
+        int | None,
+        typer.Option(
+            "--max-num-batched-tokens",
+            help="Tokens per engine step, prefill + decode (default: from the plan).",
+        ),
+    ] = None,
+    block_size: Annotated[
+        int | None,
+        typer.Option("--block-size", help="KV-cache block, tokens (default: from the plan)."),
+    ] = None,
     num_blocks: Annotated[
         int | None,
         typer.Option(
             "--num-blocks",
-            help="KV-cache blocks (default: enough for max-num-seqs full sequences).",
+            help="KV-cache blocks (default: the plan's KV budget, at most what max-num-seqs "
+            "full sequences use).",
         ),
     ] = None,
     max_seq_len: Annotated[
         int | None,
-        typer.Option("--max-seq-len", help="Longest prompt + output (default: model, up to 4096)."),
+        typer.Option(
+            "--max-seq-len",
+            help="Longest prompt + output (default: from the plan: the model's context as far "
+            "as the KV cache holds it).",
+        ),
     ] = None,
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests queued beyond the running ones; then 429.")
@@ -112,23 +124,33 @@ def serve(
     ] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
-    """Serve a model over the OpenAI API (completions, chat, embeddings) with continuous batching."""
+    """Serve a model over the OpenAI API (completions, chat, embeddings) with continuous batching.
+
+    Scheduler and KV-cache settings not given come from the plan (a run's recorded one, else
+    `llmopt plan`'s arithmetic for this machine); the log says where each came from.
+    """
     import logging
     from contextlib import nullcontext
 
     from llmopt.serve.settings import ServeSettings
 
-    settings = ServeSettings(
-        host=host, port=port, served_name=served_name, api_key=api_key,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
-        max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    common = dict(
+        host=host, port=port, served_name=served_name, api_key=api_key, max_queue=max_queue,
+        request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
         drain_timeout_s=drain_timeout, embed_batch_window_ms=embed_batch_window_ms,
-        embed_max_batch=embed_max_batch, recipe=recipe or "fp32", device=device, threads=threads,
+        embed_max_batch=embed_max_batch, device=device, threads=threads,
         decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"), warmup=warmup,
     )  # fmt: skip
-    if engine:
+    requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                 "block_size": block_size, "num_blocks": num_blocks,
+                 "max_seq_len": max_seq_len}  # fmt: skip
+    if engine:  # the engine's own server takes the plan's flags itself (llmopt.serve.external)
         from llmopt.serve.external import external_command, launch_external
+
+        given = {k: v for k, v in requested.items() if v is not None}
+        settings = ServeSettings(**common, **given, recipe=recipe or "fp32",  # type: ignore[arg-type]
+                                 sources=dict.fromkeys(given, "flag"))  # fmt: skip
 
         cfg = external_command(engine, model, settings, gguf)
         sys.stderr.write(f"launching: {cfg.command}\n")
@@ -137,14 +159,18 @@ def serve(
         raise typer.Exit(launch_external(cfg, dry_run=dry_run))
     if gguf:
         raise ValueError("--gguf is for --engine llamacpp")
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from llmopt.cli.render import console
+    from llmopt.serve.defaults import resolve_settings
     from llmopt.serve.server import load_context, run_server
 
+    settings = resolve_settings(model, requested, recipe, **common)
     with console.status(f"loading {model}") if sys.stderr.isatty() else nullcontext():
         ctx = load_context(model, settings, recipe)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         sys.stderr.write(f"warning: listening on {host} without --api-key\n")
+    if ctx.effective:
+        shown = ", ".join(f"{k} {v['value']} ({v['source']})" for k, v in ctx.effective.items())
+        sys.stderr.write(f"settings: {shown}\n")
     sys.stderr.write(f"serving {ctx.served_name} ({ctx.task}) on http://{host}:{port}/v1\n")
     run_server(ctx, log_level=log_level.lower())
 

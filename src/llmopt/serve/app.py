@@ -170,7 +170,7 @@ def create_app(ctx: ServerContext) -> Any:
     async def health() -> JSONResponse:
         status = "draining" if ctx.draining else "ok"
         body = {"status": status, "model": ctx.served_name, "task": ctx.task,
-                "in_flight": ctx.outstanding}  # fmt: skip
+                "in_flight": ctx.outstanding, "settings": ctx.effective}  # fmt: skip
         return JSONResponse(body, 503 if ctx.draining else 200)
 
     @app.get("/metrics")

@@ -31,7 +31,8 @@ def _registry(request: Request) -> list[Generation]:
 
 
 def _start(ctx: ServerContext, request: Request, req: Any, prompts: list[list[int]],
-           max_tokens: int, logprobs: int) -> list[Generation]:  # fmt: skip
+           max_tokens: int, logprobs: int,
+           prompt_logprobs: int | None = None) -> list[Generation]:  # fmt: skip
     ctx.admit(len(prompts) * req.n, request.url.path)
     stops = req.stop_list()
     deadline = time.monotonic() + ctx.settings.request_timeout_s
@@ -39,7 +40,7 @@ def _start(ctx: ServerContext, request: Request, req: Any, prompts: list[list[in
     for ids in prompts:
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
-            params = ctx.sampling_params(req, max_tokens, logprobs, seed)
+            params = ctx.sampling_params(req, max_tokens, logprobs, seed, prompt_logprobs)
             gens.append(Generation(ctx, ids, params, stops, req.priority, deadline,
                                    _registry(request)))  # fmt: skip
     return gens
@@ -135,14 +136,32 @@ def _completion_logprobs(ctx: ServerContext, deltas: list[Delta], offset: int) -
     return out
 
 
-def _echo_logprobs(ctx: ServerContext, ids: list[int]) -> dict[str, Any]:
-    # Prompt tokens are echoed without log-probabilities (None, as OpenAI gives for the first
-    # token): the engine computes none for the prompt. `llmopt verify --endpoint` reads the
-    # None values as "does not echo prompt log-probabilities" and says so.
+def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format): the first
+    token has none (`null`), every later one its log-probability given the tokens before it and
+    the top-N alternatives (`plp`: the engine's prompt log-probabilities, computed in prefill)."""
     toks = [ctx.token_text(t) for t in ids]
-    offsets = [sum(len(t) for t in toks[:i]) for i in range(len(toks))]
-    return {"tokens": toks, "token_logprobs": [None] * len(ids),
-            "top_logprobs": [None] * len(ids), "text_offset": offsets}  # fmt: skip
+    out: dict[str, Any] = {"tokens": toks, "token_logprobs": [], "top_logprobs": [],
+                           "text_offset": []}  # fmt: skip
+    offset = 0
+    for i, s in enumerate(toks):
+        entry = plp[i] if plp is not None and i < len(plp) else None
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            lp, alts = entry
+            top = {ctx.token_text(t): v for t, v in alts}
+            top.setdefault(s, lp)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def _join(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: v + b[k] for k, v in a.items()}
 
 
 def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> dict[str, Any]:
@@ -166,9 +185,12 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     max_tokens = req.max_tokens or 16  # OpenAI's default for completions
     for ids in prompts:
         ctx.check_length(len(ids), max_tokens)
-    gens = _start(ctx, request, req, prompts, max_tokens, req.logprobs or 0)
+    # echo + logprobs: the engine also scores the prompt (OpenAI's legacy prompt logprobs).
+    scored = req.logprobs if req.echo and req.logprobs is not None else None
+    gens = _start(ctx, request, req, prompts, max_tokens, req.logprobs or 0, scored)
     cid, created, n = new_id("cmpl"), now(), req.n
     echo = [ctx.tokenizer.decode(p) for p in prompts] if req.echo else None
+    echoed: set[int] = set()  # streamed choices whose prompt has been sent
 
     def choice(i: int, text: str, reason: str | None, lp: Any) -> dict[str, Any]:
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
@@ -176,18 +198,22 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     def chunk(i: int | None, d: Delta | None) -> dict[str, Any]:
         c = {"id": cid, "object": "text_completion", "created": created, "model": ctx.served_name}
         if d is not None:
-            lp = _completion_logprobs(ctx, [d], 0) if req.logprobs is not None else None
-            c["choices"] = [choice(i, d.text, d.finish_reason, lp)]  # type: ignore[arg-type]
+            assert i is not None
+            text, prefix = d.text, ""
+            if echo and i not in echoed:  # the prompt goes out with the choice's first token
+                echoed.add(i)
+                prefix = echo[i // n]
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(ctx, [d], len(prefix))
+                if prefix:
+                    lp = _join(_echo_logprobs(ctx, prompts[i // n], d.prompt_logprobs), lp)
+            c["choices"] = [choice(i, prefix + text, d.finish_reason, lp)]
         return c
 
-    def echo_lp(p: int) -> dict[str, Any] | None:
-        return _echo_logprobs(ctx, prompts[p]) if req.logprobs is not None else None
-
     if req.stream:
-        first = [chunk(None, None) | {"choices": [choice(i, echo[i // n], None, echo_lp(i // n))]}
-                 for i in range(len(gens))] if echo else []  # fmt: skip
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return _streaming(_stream(ctx, gens, prompts, include, first, chunk, "completions"))
+        return _streaming(_stream(ctx, gens, prompts, include, [], chunk, "completions"))
 
     result = await _until_done_or_gone(request, _collect(gens))
     if isinstance(result, Response):
@@ -199,7 +225,8 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
         text = prefix + "".join(d.text for d in deltas)
         lp = _completion_logprobs(ctx, deltas, len(prefix)) if req.logprobs is not None else None
         if lp is not None and echo:
-            lp = {k: v + lp[k] for k, v in echo_lp(i // n).items()}  # type: ignore[union-attr]
+            plp = deltas[0].prompt_logprobs if deltas else None
+            lp = _join(_echo_logprobs(ctx, prompts[i // n], plp), lp)
         choices.append(choice(i, text, deltas[-1].finish_reason if deltas else "stop", lp))
     ctx.metrics.requests.labels("completions", "ok").inc()
     return JSONResponse({"id": cid, "object": "text_completion", "created": created,

@@ -31,6 +31,8 @@ class ServerContext:
     embedder: Any = None  # EmbedBatcher (embedding)
     num_blocks: int = 0  # usable KV blocks (the engine keeps one as scratch)
     block_size: int = 16
+    # The scheduler/cache settings in effect: {name: {"value", "source"}} (shown by /health).
+    effective: dict[str, dict[str, Any]] = field(default_factory=dict)
     outstanding: int = 0  # sequences / embedding requests accepted and not finished
     draining: bool = False
     inflight_http: int = 0
@@ -110,10 +112,12 @@ class ServerContext:
                            param="prompt")  # fmt: skip
         return ids
 
-    def sampling_params(self, req: Any, max_tokens: int, logprobs: int, seed: int | None) -> Any:
+    def sampling_params(self, req: Any, max_tokens: int, logprobs: int, seed: int | None,
+                        prompt_logprobs: int | None = None) -> Any:  # fmt: skip
         from llmopt.engines.native import SamplingParams
 
         # The engine stops at the model's EOS ids itself unless ignore_eos.
         return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature),
                               top_p=float(req.top_p), top_k=int(req.top_k), seed=seed,
-                              ignore_eos=bool(req.ignore_eos), logprobs=int(logprobs))  # fmt: skip
+                              ignore_eos=bool(req.ignore_eos), logprobs=int(logprobs),
+                              prompt_logprobs=prompt_logprobs)  # fmt: skip

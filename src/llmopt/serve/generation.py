@@ -33,6 +33,9 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    # With the first delta only, when the request asked for them (echo + logprobs): per prompt
+    # token None (the first) or (logprob, top-N [(token id, logprob)]).
+    prompt_logprobs: list[Any] | None = None
 
 
 class Generation:
@@ -107,7 +110,7 @@ class Generation:
             out += self._stop.flush()
         self.finish_reason = reason
         lp = [(ev.token_id, float(ev.logprob), list(ev.top_logprobs or []))]
-        return Delta(out, [ev.token_id], lp, reason)
+        return Delta(out, [ev.token_id], lp, reason, getattr(ev, "prompt_logprobs", None))
 
     def close(self) -> None:
         """Give the sequence back (idempotent): abort it in the engine unless it finished."""

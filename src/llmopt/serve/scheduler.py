@@ -63,10 +63,15 @@ class Sequence:
         return (self.priority, self.order)
 
     def engine_params(self) -> Any:
-        """The sampling params for (re)admission: what is left of max_tokens."""
+        """The sampling params for (re)admission: what is left of max_tokens.
+
+        After a preemption the prompt is prompt + generated tokens; its prompt log-probabilities
+        were already delivered with the first token, so they are not asked for again.
+        """
         if self.generated == 0:
             return self.params
-        return replace(self.params, max_tokens=self.params.max_tokens - self.generated)
+        extra = {"prompt_logprobs": None} if hasattr(self.params, "prompt_logprobs") else {}
+        return replace(self.params, max_tokens=self.params.max_tokens - self.generated, **extra)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from llmopt.serve.context import ServerContext
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 
-__all__ = ["ServeSourceError", "load_context", "run_server", "find_best"]
+__all__ = ["ServeSourceError", "load_context", "run_server", "find_best", "describe_source"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,26 @@ def find_best(model: str) -> Path | None:
     return None
 
 
+def describe_source(model: str, recipe: str | None,
+                    default: str = "fp32") -> tuple[Path | None, Any, str]:  # fmt: skip
+    """(the run's best/ folder or None, its ModelInfo, the recipe to serve it with).
+
+    A run's best brings its verified recipe (`recipe` must agree); a folder or built-in takes
+    `recipe`, else `default`.
+    """
+    from llmopt.atomic import read_json
+    from llmopt.modelinfo import ModelInfo, inspect_model
+
+    best = find_best(model)
+    if best is None:
+        return None, inspect_model(model), recipe or default
+    cand = read_json(best / "candidate.json")
+    if recipe and recipe != cand["recipe"]:
+        raise ServeSourceError(f"{best} was verified with recipe {cand['recipe']!r}, not {recipe!r}",
+                               "drop --recipe, or serve the model folder with that recipe")  # fmt: skip
+    return best, ModelInfo.from_dict(read_json(best / "model.json")), cand["recipe"]
+
+
 def load_context(model: str, settings: ServeSettings, recipe: str | None = None) -> ServerContext:
     """Load the model and everything a request needs.
 
@@ -58,24 +78,12 @@ def load_context(model: str, settings: ServeSettings, recipe: str | None = None)
     Example:
         >>> ctx = load_context("smollm2-135m", ServeSettings(max_num_seqs=4))  # doctest: +SKIP
     """
-    from llmopt.atomic import read_json
-    from llmopt.modelinfo import ModelInfo, inspect_model
-
     if settings.threads:
         import torch
 
         torch.set_num_threads(settings.threads)
-    best = find_best(model)
-    if best is not None:
-        cand = read_json(best / "candidate.json")
-        info = ModelInfo.from_dict(read_json(best / "model.json"))
-        if recipe and recipe != cand["recipe"]:
-            raise ServeSourceError(f"{best} was verified with recipe {cand['recipe']!r}, not {recipe!r}",
-                                   "drop --recipe, or serve the model folder with that recipe")  # fmt: skip
-        folder, recipe = best / "artifact", cand["recipe"]
-    else:
-        info = inspect_model(model)
-        folder, recipe = Path(info.path), recipe or settings.recipe
+    best, info, recipe = describe_source(model, recipe, settings.recipe)
+    folder = best / "artifact" if best is not None else Path(info.path)
     name = settings.served_name or info.name
     metrics = ServeMetrics()
     if info.task == "embedding":
@@ -92,7 +100,11 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
                          max_batch=settings.max_num_seqs, block_size=settings.block_size,
                          num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len,
                          batch_sizes=settings.batch_sizes())  # fmt: skip
-    if settings.warmup:
+    if settings.warmup and settings.device == "cpu":
+        # The CPU decode step is eager (load_generator compiles on CUDA only): nothing to
+        # compile, and running every shape up to a long context takes minutes on a few cores.
+        log.info("decode warm-up skipped: the CPU decode step is not compiled")
+    elif settings.warmup:
         widths = sorted({gen.table_width(w) for w in range(1, gen.max_blocks_per_seq + 1)})
         log.info("warming up the decode step: batch sizes %s x %d length buckets (on CUDA each "
                  "is compiled once: about a minute for an 8B model)", gen.batch_sizes,
@@ -102,9 +114,20 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
     engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
+    effective = {"max_num_seqs": engine.sched.max_num_seqs,
+                 "max_num_batched_tokens": settings.max_num_batched_tokens,
+                 "block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
+                 "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
+    view = {}
+    for key, value in effective.items():
+        src, note = settings.source(key), settings.source_notes.get(key, "")
+        if src == "default" and getattr(settings, key) is None:
+            note = note or "the engine's default"
+        log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
+        view[key] = {"value": value, "source": src}
     return ServerContext(settings, name, "causal-lm", gen.tokenizer, metrics, int(gen.max_seq_len),
                          engine=engine, num_blocks=engine.sched.capacity_blocks,
-                         block_size=int(gen.block_size))  # fmt: skip
+                         block_size=int(gen.block_size), effective=view)  # fmt: skip
 
 
 def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, name: str,

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["ServeSettings"]
@@ -25,8 +25,9 @@ class ServeSettings:
         max_num_batched_tokens: tokens computed per engine step (prefill + one per decode);
             one prompt longer than this is still prefilled, alone.
         block_size: KV-cache page size in tokens.
-        num_blocks: KV-cache pages (None: the engine sizes the cache from free memory).
-        max_seq_len: longest prompt + output accepted (None: the model's context).
+        num_blocks: KV-cache pages, one of them scratch (None: enough for max_num_seqs
+            sequences of max_seq_len tokens).
+        max_seq_len: longest prompt + output accepted (None: the model's context, up to 4096).
         max_queue: requests accepted beyond the running ones; past that, 429 with Retry-After.
         request_timeout_s: wall-clock bound per request (queueing included); 504 when hit.
         max_body_bytes: largest request body accepted (413 beyond).
@@ -41,6 +42,9 @@ class ServeSettings:
         recipe: numeric recipe of the engine (fp32, bf16, ...).
         device: "cpu" or "cuda".
         threads: torch CPU threads (None: torch's default).
+        sources, source_notes: where each of the five scheduler/cache settings above came from
+            and why; `llmopt.serve.defaults.resolve_settings` fills them (`llmopt serve` plans
+            every one the user did not pass).
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +67,10 @@ class ServeSettings:
     recipe: str = "fp32"
     device: str = "cpu"
     threads: int | None = None
+    # Where each scheduler/cache setting came from ("flag", "run plan", "plan", "default") and
+    # why (`llmopt.serve.defaults`); a setting missing here was set in code.
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+    source_notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,8 +81,10 @@ class ServeSettings:
             raise ValueError("max-num-batched-tokens must be >= 1")
         if self.block_size < 1:
             raise ValueError("block-size must be >= 1 token")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError("num-blocks must be >= 1 (or unset to size the cache from memory)")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num-blocks must be >= 2 (one is scratch), or unset to plan it")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError("max-seq-len must be >= 2 tokens (a prompt and one generated)")
         if self.max_queue < 0:
             raise ValueError("max-queue must be >= 0")
         if self.request_timeout_s <= 0 or self.drain_timeout_s < 0:
@@ -88,10 +98,19 @@ class ServeSettings:
         ):
             raise ValueError(
                 f"decode-batch-sizes {list(self.decode_batch_sizes)} must lie in 1..max-num-seqs "
-                f"({self.max_num_seqs})"
+                f"({self.max_num_seqs}{self._from('max_num_seqs')}); pass --max-num-seqs to "
+                "batch more sequences"
             )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: use cpu or cuda")
+
+    def _from(self, name: str) -> str:
+        src = self.sources.get(name)
+        return f", from the {src}" if src in ("plan", "run plan") else ""
+
+    def source(self, name: str) -> str:
+        """Where setting `name` came from: "flag", "run plan", "plan" or "default"."""
+        return self.sources.get(name, "default")
 
     def batch_sizes(self) -> list[int]:
         """The decode batch sizes the engine is built with (see `decode_batch_sizes`)."""

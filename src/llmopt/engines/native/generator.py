@@ -19,6 +19,11 @@ bucket. Each new bucket costs a compile (about a minute for an 8B model on an H2
 generator never cuts the tables below `min_bucket_tokens` (the gather of a few hundred tokens costs
 microseconds, a compile a minute), and `warmup()` compiles the buckets up front: a server calls it
 before it accepts requests, so no request waits for a compile.
+
+`SamplingParams(prompt_logprobs=N)` asks for the log-probability of every prompt token given the
+ones before it (and the top N): the prefill keeps the final hidden states of that sequence's
+positions and runs the LM head and an fp32 log-softmax over them in chunks; the result comes
+once, with the sequence's first `TokenEvent`.
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # number of top alternatives to return per token (the chosen one always)
+    # Log-probabilities of the prompt's own tokens, computed in prefill and sent once with the
+    # first TokenEvent: None = off; 0 = each prompt token's only; N = also its top-N.
+    prompt_logprobs: int | None = None
+
+
+# One prompt token's (logprob given the tokens before it, top-N [(token id, logprob)]).
+PromptLogprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -63,6 +75,9 @@ class TokenEvent:
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | None
+    # First event only, when SamplingParams.prompt_logprobs is set: one entry per prompt token,
+    # None for the first (nothing precedes it), else (logprob, top-N [(token id, logprob)]).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass
@@ -86,6 +101,10 @@ def _powers_of_two(cap: int) -> list[int]:
 
 class Generator:
     """Runs many sequences of different lengths through one native model."""
+
+    # Prompt log-probabilities: fp32 logits computed per chunk of positions, at most this many
+    # elements (64 MiB) at a time, so a long prompt never holds (T, vocab) logits at once.
+    prompt_logprob_chunk = 1 << 24
 
     def __init__(
         self,
@@ -230,12 +249,48 @@ class Generator:
         )
         pos = torch.arange(t, device=self.device).expand(len(seqs), t)
         last = torch.tensor([len(s.ids) - 1 for s in seqs], device=self.device)
-        logits = self.model(tokens, pos, tables, prefill=True, last_index=last)
+        want = [s.params.prompt_logprobs is not None for s in seqs]
+        hidden: list[torch.Tensor] = []
+        hook = None
+        if any(want):  # keep the final-norm output of every position (B, T, D), not logits
+            hook = self.model.model.norm.register_forward_hook(lambda _m, _i, o: hidden.append(o))
+        try:
+            logits = self.model(tokens, pos, tables, prefill=True, last_index=last)
+        finally:
+            if hook is not None:
+                hook.remove()
         for s in seqs:
             s.prefilled = True
-        return [
-            self._emit(k, s, logits[i]) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))
-        ]
+        events = []
+        for i, (k, s) in enumerate(zip(keys, seqs, strict=True)):
+            plp = self._prompt_logprobs(hidden[0][i], s) if want[i] else None
+            ev = self._emit(k, s, logits[i])
+            ev.prompt_logprobs = plp
+            events.append(ev)
+        return events
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, s: _Seq) -> list[PromptLogprob | None]:
+        """Log-probability of each prompt token given those before it (and the top-N), from
+        one sequence's final hidden states (T, D): the LM head and an fp32 log-softmax run over
+        a few hundred positions at a time, so memory stays bounded for long prompts."""
+        ids = s.ids[: s.prompt_len]
+        k = int(s.params.prompt_logprobs or 0)
+        vocab = int(self.model.cfg.vocab_size)
+        chunk = max(1, self.prompt_logprob_chunk // vocab)
+        target = torch.tensor(ids[1:], device=hidden.device)
+        out: list[PromptLogprob | None] = [None]
+        for a in range(0, len(ids) - 1, chunk):
+            b = min(a + chunk, len(ids) - 1)
+            logp = torch.log_softmax(self.model.lm_head(hidden[a:b]).float(), -1)
+            chosen = logp.gather(1, target[a:b, None])[:, 0].tolist()
+            if k:
+                vals, top = torch.topk(logp, min(k, vocab), -1)
+                tops = [list(zip(r, v, strict=True)) for r, v in zip(top.tolist(), vals.tolist(),
+                                                                     strict=True)]  # fmt: skip
+            else:
+                tops = [[] for _ in chosen]
+            out.extend(zip(chosen, tops, strict=True))
+        return out
 
     def padded_batch(self, b: int) -> int:
         """The decode batch size `b` sequences run at (the smallest of `batch_sizes` >= b)."""
