@@ -134,6 +134,26 @@ def test_settings_come_from_the_run_plan(tiny_llama_dir, tmp_path):
     assert set(r.sources.values()) == {"plan"} and r.values["max_num_seqs"] == 8
 
 
+def test_settings_planned_for_a_cuda_gpu(tiny_llama_dir, monkeypatch):
+    import types
+
+    import torch
+
+    from llmopt.serve.defaults import plan_values
+
+    # An H100 with 60 GiB free, as torch reports it (no GPU needed for the arithmetic).
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    r = plan_values(str(tiny_llama_dir), {}, device="cuda", recipe="bf16")
+    assert set(r.sources.values()) == {"plan"}, r.sources
+    # No CPU caps: vLLM's 256 sequences and 8192-token step; the cache what 256 x 128 use.
+    assert r.values == {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16,
+                        "max_seq_len": 128, "num_blocks": 256 * 8 + 1}  # fmt: skip
+    assert "NVIDIA H100 80GB HBM3, 60.0 of 80.0 GiB free, bfloat16 weights" in r.notes["block_size"]
+
+
 def test_embedding_models_keep_the_defaults(tiny_bert_dir):
     from llmopt.serve.defaults import DEFAULTS, plan_values
 

@@ -8,8 +8,8 @@ Five settings size the server: `max_num_seqs`, `max_num_batched_tokens`, `block_
               (the max-num-seqs that measured the most decode throughput), then the deploy
               bundle's serving plan (`best/deploy/plan.json`) when it was planned for this kind
               of device
-    plan      `plan_serving` computed now for this device (free RAM on the CPU, free GPU memory
-              on CUDA) and the recipe's precision: sequences the KV cache holds at the workload's
+    plan      `plan_serving` computed now for this device (80% of the free RAM on the CPU; 90%
+              of the GPU, never more than is free, on CUDA) and the recipe's precision: sequences the KV cache holds at the workload's
               length, the model's context as far as the cache holds it, vLLM's step budget
     default   the fixed fallbacks (8 sequences, 2048 tokens, 16-token blocks, a cache for
               max-num-seqs full sequences, the model's context up to 4096) when nothing plans:
@@ -225,6 +225,7 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
         # How many requests a CPU batches usefully: the plan's concurrency, so its reserve
         # (logits of max-num-seqs sequences) is sized for what will really run.
         workload = Workload(concurrency=max(CPU_MIN_SEQS, CPU_SEQS_PER_THREAD * threads))
+        utilization = None  # the plan's 0.80 of the available RAM
         where = f"{avail / GiB:.1f} GiB RAM available, {threads} threads"
     else:
         import torch
@@ -233,14 +234,17 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
 
         if not torch.cuda.is_available():
             raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
-        free, _total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info()
         p = torch.cuda.get_device_properties(0)
         spec = match_gpu(p.name)
-        target = ServingTarget("gpu", p.name, 1, int(free), spec.bandwidth_gbs if spec else None,
-                               f"{p.major}.{p.minor}", "torch.cuda: free memory now")  # fmt: skip
-        workload = None
-        where = f"{p.name}, {free / GiB:.1f} GiB free"
-    plan = plan_serving(info, target, workload, precision=precision, dtype=dtype, kv_dtype=dtype)
+        # The GPU as it is (its size picks vLLM's step budget); what others already hold lowers
+        # the share the engine may take: at most vLLM's 0.90 of it, never more than is free.
+        target = ServingTarget("gpu", p.name, 1, int(total), spec.bandwidth_gbs if spec else None,
+                               f"{p.major}.{p.minor}", "torch.cuda")  # fmt: skip
+        workload, utilization = None, min(0.90, free / total)
+        where = f"{p.name}, {free / GiB:.1f} of {total / GiB:.1f} GiB free"
+    plan = plan_serving(info, target, workload, precision=precision, dtype=dtype, kv_dtype=dtype,
+                        utilization=utilization)  # fmt: skip
     return plan, f"{where}, {precision} weights, {dtype} KV"
 
 
