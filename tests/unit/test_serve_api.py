@@ -257,6 +257,23 @@ def test_echo_prompt_logprobs_match_the_model(client, tiny_llama_dir):
     # Without echo, no prompt log-probabilities (and the engine computes none).
     r = client.post("/v1/completions", json=body | {"echo": False})
     assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 3
+    # max_tokens 0 with echo: the prompt scored, nothing generated (lm-eval's loglikelihood).
+    score = body | {"max_tokens": 0, "n": 1}
+    r = client.post("/v1/completions", json=score)
+    assert r.status_code == 200, r.text
+    ch, usage = r.json()["choices"][0], r.json()["usage"]
+    assert ch["text"] == tok.decode(prompt) and ch["finish_reason"] == "length"
+    assert ch["logprobs"]["token_logprobs"] == pytest.approx(full[: len(prompt)])
+    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 0,
+                     "total_tokens": len(prompt)}  # fmt: skip
+    stream = score | {"stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=stream) as resp:
+        chunks = [json.loads(x[6:]) for x in resp.iter_lines()
+                  if x.startswith("data: ") and x != "data: [DONE]"]  # fmt: skip
+    assert "".join(c["text"] for x in chunks for c in x["choices"]) == tok.decode(prompt)
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    e = _err(client.post("/v1/completions", json=score | {"echo": False}), 400)
+    assert e["param"] == "max_tokens"
 
 
 def test_stream_chunks_end_with_done_and_usage(client):

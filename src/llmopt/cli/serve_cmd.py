@@ -111,7 +111,8 @@ def serve(
         bool,
         typer.Option(
             "--warmup/--no-warmup",
-            help="Compile every decode shape before accepting requests (else on first use).",
+            help="Compile every decode shape before accepting requests (else on first use). "
+            "CUDA only: the CPU decode step is not compiled.",
         ),
     ] = True,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",

@@ -1,15 +1,18 @@
 """`llmopt serve`: an OpenAI-compatible server with continuous batching (see docs/serving.md).
 
-Modules, in reading order: `settings` (the typed limits), `protocol` (OpenAI request models and
-error bodies), `scheduler` (waiting / running / preempted queues over the native engine's paged
-KV cache), `engine_loop` (the engine thread and its bridge to asyncio), `detok` (incremental
-detokenization, stop strings), `generation` (one choice as an async stream of text deltas),
-`completions` and `embeddings` (the endpoints), `metrics` (Prometheus), `app` (FastAPI app and
-the guard middleware), `server` (what to load, uvicorn with draining shutdown), `external`
-(`--engine vllm|llamacpp`).
+Modules, in reading order: `settings` (the typed limits), `defaults` (the scheduler and
+KV-cache settings not given, from the run's plan or planned for this machine), `protocol` (OpenAI
+request models and error bodies), `scheduler` (waiting / running / preempted queues over the
+native engine's paged KV cache), `engine_loop` (the engine thread and its bridge to asyncio),
+`detok` (incremental detokenization, stop strings), `generation` (one choice as an async stream
+of text deltas), `completions` and `embeddings` (the endpoints), `metrics` (Prometheus), `app`
+(FastAPI app and the guard middleware), `server` (what to load, uvicorn with draining shutdown),
+`external` (`--engine vllm|llamacpp`).
 
 >>> from llmopt.serve import ServeSettings, load_context, run_server      # doctest: +SKIP
 >>> run_server(load_context("smollm2-135m", ServeSettings(port=8000)))    # doctest: +SKIP
+>>> from llmopt.serve.defaults import resolve_settings                    # doctest: +SKIP
+>>> planned = resolve_settings("smollm2-135m", {}, port=8000)  # as `llmopt serve` # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -66,9 +67,10 @@ async def _until_done_or_gone(request: Request, coro: Any) -> Any:
     return Response(status_code=499)  # nobody is listening; the status is for the access log
 
 
-def _usage(prompts: list[list[int]], gens: list[Generation]) -> dict[str, int]:
+def _usage(prompts: list[list[int]], gens: list[Generation],
+           generated: bool = True) -> dict[str, int]:  # fmt: skip
     p = sum(len(x) for x in prompts)
-    c = sum(g.n_tokens for g in gens)
+    c = sum(g.n_tokens for g in gens) if generated else 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -78,7 +80,7 @@ def _sse(obj: Any) -> str:
 
 async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list[int]],
                   include_usage: bool, first: list[dict[str, Any]], chunk: Any,
-                  endpoint: str) -> AsyncIterator[str]:  # fmt: skip
+                  endpoint: str, generated: bool = True) -> AsyncIterator[str]:  # fmt: skip
     outcome = "ok"
     try:
         for c in first:
@@ -89,7 +91,8 @@ async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list
                 c["usage"] = None
             yield _sse(c)
         if include_usage:
-            yield _sse(chunk(None, None) | {"choices": [], "usage": _usage(prompts, gens)})
+            usage = _usage(prompts, gens, generated)
+            yield _sse(chunk(None, None) | {"choices": [], "usage": usage})
     except APIError as e:  # headers are sent: report in-band, as vLLM does
         outcome = "error"
         yield _sse(e.body())
@@ -182,7 +185,11 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     ctx.require("causal-lm", "/v1/completions")
     req.check_unsupported()
     prompts = [ctx.check_ids(p) if isinstance(p, list) else ctx.encode(p) for p in req.prompts()]
-    max_tokens = req.max_tokens or 16  # OpenAI's default for completions
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default: 16
+    # max_tokens 0 (with echo): score the prompt only. The engine's prefill always yields one
+    # token; it is generated and dropped, as vLLM does.
+    score_only = max_tokens == 0
+    max_tokens = max(1, max_tokens)
     for ids in prompts:
         ctx.check_length(len(ids), max_tokens)
     # echo + logprobs: the engine also scores the prompt (OpenAI's legacy prompt logprobs).
@@ -195,10 +202,16 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     def choice(i: int, text: str, reason: str | None, lp: Any) -> dict[str, Any]:
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
+    def shown(d: Delta) -> Delta:
+        if not score_only:
+            return d
+        return replace(d, text="", token_ids=[], logprobs=[], finish_reason="length")
+
     def chunk(i: int | None, d: Delta | None) -> dict[str, Any]:
         c = {"id": cid, "object": "text_completion", "created": created, "model": ctx.served_name}
         if d is not None:
             assert i is not None
+            d = shown(d)
             text, prefix = d.text, ""
             if echo and i not in echoed:  # the prompt goes out with the choice's first token
                 echoed.add(i)
@@ -213,7 +226,8 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
 
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return _streaming(_stream(ctx, gens, prompts, include, [], chunk, "completions"))
+        body = _stream(ctx, gens, prompts, include, [], chunk, "completions", not score_only)
+        return _streaming(body)
 
     result = await _until_done_or_gone(request, _collect(gens))
     if isinstance(result, Response):
@@ -221,6 +235,7 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
         return result
     choices = []
     for i, deltas in enumerate(result):
+        deltas = [shown(d) for d in deltas]
         prefix = echo[i // n] if echo else ""
         text = prefix + "".join(d.text for d in deltas)
         lp = _completion_logprobs(ctx, deltas, len(prefix)) if req.logprobs is not None else None
@@ -231,7 +246,7 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     ctx.metrics.requests.labels("completions", "ok").inc()
     return JSONResponse({"id": cid, "object": "text_completion", "created": created,
                          "model": ctx.served_name, "choices": choices,
-                         "usage": _usage(prompts, gens)})  # fmt: skip
+                         "usage": _usage(prompts, gens, not score_only)})  # fmt: skip
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------

@@ -9,17 +9,18 @@ Five settings size the server: `max_num_seqs`, `max_num_batched_tokens`, `block_
               bundle's serving plan (`best/deploy/plan.json`) when it was planned for this kind
               of device
     plan      `plan_serving` computed now for this device (80% of the free RAM on the CPU; 90%
-              of the GPU, never more than is free, on CUDA) and the recipe's precision: sequences the KV cache holds at the workload's
-              length, the model's context as far as the cache holds it, vLLM's step budget
+              of the GPU, never more than is free, on CUDA) and the recipe's precision:
+              sequences the KV cache holds at the workload's length, the model's context as far
+              as the cache holds it, vLLM's step budget
     default   the fixed fallbacks (8 sequences, 2048 tokens, 16-token blocks, a cache for
               max-num-seqs full sequences, the model's context up to 4096) when nothing plans:
               an embedding model, a plan that finds no room for a KV cache
 
 Whatever the source, the KV cache never gets more blocks than `max_num_seqs` sequences of
-`max_seq_len` tokens can use (the rest would be allocated and never touched). On the CPU the plan's
-numbers are for vLLM on a big server; a 2-core machine gets at most 4 sequences per thread (at
-least 4), a step budget of max(2048, 512 per thread) tokens and a KV cache of at most 4 GiB
-(vLLM CPU's default `VLLM_CPU_KVCACHE_SPACE`).
+`max_seq_len` tokens can use (the rest would be allocated and never touched). On the CPU the
+plan's numbers are for vLLM on a big server; a CPU gets at most 4 sequences per thread (at least
+4), a step budget of max(2048, 512 per thread) tokens and a KV cache of at most 4 GiB (vLLM CPU's
+default `VLLM_CPU_KVCACHE_SPACE`).
 
 >>> s = resolve_settings("smollm2-135m", {"max_num_seqs": 4})   # doctest: +SKIP
 >>> s.max_num_seqs, s.sources["max_num_seqs"], s.sources["num_blocks"]   # doctest: +SKIP

@@ -100,6 +100,7 @@ class _Sampling(_Req):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt (echo) only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -114,6 +115,9 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is for scoring the prompt "
+                           "with echo=true (and logprobs)", param="max_tokens")  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""

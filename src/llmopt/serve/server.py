@@ -62,8 +62,9 @@ def describe_source(model: str, recipe: str | None,
         return None, inspect_model(model), recipe or default
     cand = read_json(best / "candidate.json")
     if recipe and recipe != cand["recipe"]:
-        raise ServeSourceError(f"{best} was verified with recipe {cand['recipe']!r}, not {recipe!r}",
-                               "drop --recipe, or serve the model folder with that recipe")  # fmt: skip
+        raise ServeSourceError(f"{best} was verified with recipe {cand['recipe']!r}, not "
+                               f"{recipe!r}", "drop --recipe, or serve the model folder with that "
+                               "recipe")  # fmt: skip
     return best, ModelInfo.from_dict(read_json(best / "model.json")), cand["recipe"]
 
 
