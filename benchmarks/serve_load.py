@@ -37,22 +37,33 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def exact_prompts(folder: Path, n: int, tokens: int, seed: int = 0) -> list[str]:
-    """`n` different texts that the model's tokenizer encodes to exactly `tokens` tokens."""
+    """`n` different Wikipedia passages that the model's tokenizer encodes to exactly `tokens`.
+
+    Natural text survives a decode/encode round trip almost unchanged (random token ids do not),
+    so a window of the built-in held-out text is cut and trimmed until it encodes to `tokens`.
+    """
     from transformers import AutoTokenizer
 
+    from llmopt.assets.text import evaluation_text
+
     tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok(evaluation_text(), add_special_tokens=False)["input_ids"]
     rng = random.Random(seed)
-    special = 1 if tok("a", add_special_tokens=True)["input_ids"][:1] != tok("a", add_special_tokens=False)["input_ids"][:1] else 0  # fmt: skip
-    out = []
-    while len(out) < n:
-        ids = [rng.randrange(1000, min(len(tok), 30000)) for _ in range(tokens + 16)]
-        text = tok.decode(ids[: tokens - special], skip_special_tokens=True)
-        for _ in range(8):  # re-tokenization can merge or split pieces: trim until it fits
+    out: list[str] = []
+    for _ in range(50 * n):
+        if len(out) == n:
+            break
+        start = rng.randrange(0, len(ids) - 2 * tokens)
+        k = tokens
+        for _ in range(6):  # specials and merges across the cut move the count by a few tokens
+            text = tok.decode(ids[start : start + k], skip_special_tokens=True)
             got = len(tok(text, add_special_tokens=True)["input_ids"])
             if got == tokens:
                 out.append(text)
                 break
-            text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][: tokens - special - max(0, got - tokens)], skip_special_tokens=True)  # fmt: skip
+            k += tokens - got
+    if len(out) < n:
+        raise RuntimeError(f"could not cut {n} prompts of exactly {tokens} tokens")
     return out
 
 
