@@ -181,7 +181,8 @@ def main() -> None:
          "--port", str(port), "--max-num-seqs", str(args.concurrency),
          "--decode-batch-sizes", str(args.concurrency), "--max-seq-len", str(args.max_seq_len),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-         "--max-queue", str(args.requests), "--log-level", "warning"],
+         "--max-queue", str(args.requests), "--block-size", "16",
+         "--num-blocks", str(args.concurrency * -(-args.max_seq_len // 16) + 1), "--log-level", "warning"],
         env=env, start_new_session=True,
     )  # fmt: skip
     try:
