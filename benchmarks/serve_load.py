@@ -79,7 +79,9 @@ def in_process(args, folder: Path) -> dict:
     tok = gen.tokenizer
     prompts = [tok(p)["input_ids"] for p in exact_prompts(folder, args.concurrency, args.input_len)]
     t0 = time.perf_counter()
+    print(f"in-process: loaded; warming up {gen.batch_sizes}", file=sys.stderr, flush=True)
     warm = gen.warmup()
+    print(f"in-process: warm-up {warm:.0f} s", file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         gen.add(i, p, params)
