@@ -6,11 +6,11 @@
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
-# text, for verification). Results go to $OUT (default /tmp/h200-out).
+# text, for verification; .devdata/site/gensim holds the data file it is parsed from). Results go to $OUT (default /tmp/h200-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 LLMOPT_HOME=$PWD/.devdata/llmopt_home
+export PYTHONPATH=$PWD/src:/tmp/site:$PWD/.devdata/site PYTHONUNBUFFERED=1 LLMOPT_HOME=$PWD/.devdata/llmopt_home
 W=/tmp/llmopt-h200
 M=$W/llama-3.1-8b
 TOK=$PWD/.devdata/smollm2-tok
