@@ -77,6 +77,10 @@ class Recipe:
         kv_cache_dtype: None (KV cache in `dtype`) or "fp8" (E4M3 with calibrated per-layer
             k/v scales).
         overrides: per-layer changes (`LayerOverride`), first match wins.
+        weight_observer: how weight scales are chosen: "absmax" (max|w| / qmax) or "mse" (per
+            channel/group, the scale in absmax x [0.80, 1.00] with the smallest squared rounding
+            error, as llm-compressor's `mse` observer). The scale is stored, so kernels compute
+            the same numbers either way.
     """
 
     name: str
@@ -93,6 +97,7 @@ class Recipe:
     smoothing_alpha: float = 0.5
     kv_cache_dtype: Literal["fp8"] | None = None
     overrides: tuple[LayerOverride, ...] = ()
+    weight_observer: Literal["absmax", "mse"] = "absmax"
 
     def __post_init__(self) -> None:
         n = self.name
@@ -136,6 +141,8 @@ class Recipe:
             raise ValueError(f"recipe {n!r}: {self.algorithm} needs quantized weights")
         if not 0.0 <= self.smoothing_alpha <= 1.0:
             raise ValueError(f"recipe {n!r}: smoothing_alpha must be in [0, 1]")
+        if self.weight_observer not in ("absmax", "mse"):
+            raise ValueError(f"recipe {n!r}: weight_observer must be 'absmax' or 'mse'")
         if self.kv_cache_dtype not in (None, "fp8"):
             raise ValueError(f"recipe {n!r}: kv_cache_dtype must be None or 'fp8'")
         if not isinstance(self.ignore, tuple):
@@ -251,7 +258,8 @@ register_recipe(
         weight_bits=8,
         weight_type="float",
         activations="dynamic-fp8",
-        description="FP8 E4M3 weights per channel, FP8 activations per token (dynamic)",
+        weight_observer="mse",
+        description="FP8 E4M3 weights per channel (mse scales), FP8 activations per token (dynamic)",
     )
 )
 register_recipe(
@@ -261,7 +269,9 @@ register_recipe(
         weight_bits=8,
         weight_type="float",
         activations="static-fp8",
-        description="FP8 E4M3 weights per channel, FP8 activations with calibrated per-layer scales",
+        weight_observer="mse",
+        description="FP8 E4M3 weights per channel (mse scales), FP8 activations with calibrated "
+        "per-layer scales",
     )
 )
 register_recipe(

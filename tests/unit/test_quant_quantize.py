@@ -58,6 +58,7 @@ def _ids(n=48):
         ("w4a16-awq-g32", "pack-quantized"),
         ("w8a8-int8", "int-quantized"),
         ("fp8-static", "float-quantized"),
+        ("fp8-dynamic", "float-quantized"),  # mse weight scales: stored, so loads the same
     ],
 )
 def test_folder_loads_in_transformers_and_matches_fake_quant(

@@ -15,18 +15,18 @@ import torch
 
 from llmopt.quant.primitives import (
     WeightSpec,
+    choose_weight_scale,
     dequantize_weight,
     fake_quant_weight,
     quantize_weight,
-    weight_scale,
 )
 
 __all__ = ["rtn", "gptq", "awq_search", "smoothquant_scales"]
 
 
 def rtn(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest. Returns (codes, scale)."""
-    s = weight_scale(w, spec)
+    """Round to nearest with the scale of `spec.observer` (absmax or mse). Returns (codes, scale)."""
+    s = choose_weight_scale(w, spec)
     return quantize_weight(w, s, spec), s
 
 
@@ -67,8 +67,8 @@ def gptq(
     if spec.granularity == "group":
         scale = torch.empty(out_f, in_f // g, dtype=spec.scale_dtype, device=W.device)
     else:
-        scale = weight_scale(W, spec)  # channel/tensor: fixed up front
-    col_spec = WeightSpec(spec.bits, "int", "channel", None, spec.scale_dtype)
+        scale = choose_weight_scale(W, spec)  # channel/tensor: fixed up front
+    col_spec = WeightSpec(spec.bits, "int", "channel", None, spec.scale_dtype, spec.observer)
     Q = torch.zeros_like(W, dtype=torch.int8)
     cur = None  # (out, 1) scale of the current group/column set
     if spec.granularity != "group":
@@ -81,7 +81,7 @@ def gptq(
         for i in range(i2 - i1):
             col = i1 + i
             if spec.granularity == "group" and col % g == 0:
-                gs = weight_scale(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g], col_spec)
+                gs = choose_weight_scale(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g], col_spec)
                 scale[:, col // g] = gs.flatten().to(spec.scale_dtype)
                 cur = gs.float()
             wcol = W1[:, i : i + 1]

@@ -71,7 +71,9 @@ def plan_specs(model: nn.Module, recipe: Recipe) -> Preflight:
                 group = o.group_size or group
                 break
         gran = "group" if group is not None else recipe.weight_granularity
-        pf.specs[name] = WeightSpec(bits, recipe.weight_type, gran, group, scale_dtype)
+        pf.specs[name] = WeightSpec(
+            bits, recipe.weight_type, gran, group, scale_dtype, recipe.weight_observer
+        )
     return pf
 
 

@@ -40,6 +40,8 @@ def _weight_args(spec: WeightSpec):
         strategy=spec.granularity,
         group_size=spec.group_size,
         dynamic=False,
+        # Informational (the scales are stored): how they were chosen, when not plain absmax.
+        **({"observer": "mse"} if spec.observer == "mse" else {}),
     )
 
 

@@ -7,6 +7,11 @@ compressed-tensors are.
 
 Shapes: a Linear weight is (out, in). Scales: "channel" (out, 1); "group" (out, in // g);
 "tensor" (1,).
+
+Scale observers (`WeightSpec.observer`): "absmax" (scale = max|w| / qmax) or "mse" (the scale,
+among absmax x {1.00, 0.99, ..., 0.80}, that gives each channel/group the smallest squared
+rounding error; the grid of llm-compressor's `mse` observer). Either way the chosen scale is the
+stored one and the codes are `x / scale` rounded, so the deployed kernels compute the same thing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ __all__ = [
     "WeightSpec",
     "FP8_MAX",
     "weight_scale",
+    "mse_weight_scale",
+    "choose_weight_scale",
     "quantize_weight",
     "dequantize_weight",
     "fake_quant_weight",
@@ -39,6 +46,7 @@ class WeightSpec:
     granularity: str = "channel"  # "channel" | "group" | "tensor"
     group_size: int | None = None
     scale_dtype: torch.dtype = torch.float32
+    observer: str = "absmax"  # "absmax" | "mse" (see the module docstring)
 
     @property
     def qmax(self) -> float:
@@ -74,6 +82,48 @@ def weight_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     return scale  # channel: (out, 1); group: (out, G)
 
 
+MSE_SHRINK = 0.20  # largest fraction of absmax the mse observer clips (llm-compressor: maxshrink)
+MSE_GRID = 100  # candidates are absmax * (1 - i / MSE_GRID), i = 0 .. MSE_SHRINK * MSE_GRID
+
+
+def mse_weight_scale(
+    w: torch.Tensor, spec: WeightSpec, *, shrink: float = MSE_SHRINK, grid: int = MSE_GRID
+) -> torch.Tensor:
+    """Per channel/group scale minimizing the squared rounding error of `w` (out, in).
+
+    Candidates are absmax/qmax times 1, 1 - 1/grid, ..., 1 - shrink (absmax itself first, kept on
+    ties), each rounded to `spec.scale_dtype` before its error is measured, so the result never
+    has a larger error than `weight_scale` and is exactly what is stored. Same layout as
+    `weight_scale`.
+    """
+    wf = w.detach().float()
+    g = _grouped(wf, spec)  # (O, G, g)
+    amax = g.abs().amax(dim=-1)  # (O, G)
+    best_err, best = None, None
+    for i in range(int(round(shrink * grid)) + 1):
+        s = (amax * (1.0 - i / grid) / spec.qmax).clamp(min=_EPS).to(spec.scale_dtype)
+        sf = s.float().unsqueeze(-1)  # (O, G, 1)
+        x = (g / sf).clamp(spec.qmin, spec.qmax)
+        q = x.to(torch.float8_e4m3fn).float() if spec.type == "float" else torch.round(x)
+        err = (q * sf - g).pow(2).sum(dim=-1)  # (O, G)
+        if best is None:
+            best_err, best = err, s
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, s, best)
+    if spec.granularity == "tensor":
+        return best.reshape(1)
+    return best  # channel: (out, 1); group: (out, G)
+
+
+def choose_weight_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """The scale `spec.observer` picks for `w` (what RTN stores)."""
+    if spec.observer == "mse":
+        return mse_weight_scale(w, spec)
+    return weight_scale(w, spec)
+
+
 def _expand(scale: torch.Tensor, w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     # scale broadcast to w's (out, in) layout
     if spec.granularity == "group":
@@ -94,8 +144,8 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, spec: WeightSpec) ->
 
 
 def fake_quant_weight(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Quantize then dequantize `w` with RTN (same dtype as `w`)."""
-    s = weight_scale(w, spec)
+    """Quantize then dequantize `w` with RTN and `spec.observer`'s scale (same dtype as `w`)."""
+    s = choose_weight_scale(w, spec)
     return dequantize_weight(quantize_weight(w, s, spec), s, spec).to(w.dtype)
 
 
