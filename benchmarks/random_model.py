@@ -74,6 +74,8 @@ def write_random_model(shape: str, out: Path, tokenizer: str, dtype: str = "bflo
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
     )
     config.dtype = tdtype
+    # inspect/serve read the architecture from config.json, as transformers writes it for models.
+    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
     config.save_pretrained(tmp)
     tok_dir, _ = resolve_model(tokenizer)
     for f in Path(tok_dir).iterdir():

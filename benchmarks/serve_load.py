@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--server-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, default=Path("serve_load.json"))
     ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--in-process-rate", type=float, help="skip step 1: use this tokens/s")
     args = ap.parse_args()
     import torch
 
@@ -162,11 +163,20 @@ def main() -> None:
     env = dict(os.environ)
     argv = [a for a in sys.argv[1:] if a != "--in-process"]
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"in-process run failed ({p.returncode}); see stderr")
-    inproc = json.loads(line[7:])
+    if args.in_process_rate:
+        inproc = {
+            "decode_tokens_per_s": args.in_process_rate,
+            "ms_per_step": float("nan"),
+            "given": True,
+        }
+    else:
+        inproc = None
+    p = None if inproc else subprocess.run([sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    if p is not None:
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"in-process run failed ({p.returncode}); see stderr")
+        inproc = json.loads(line[7:])
     print(f"in-process: {inproc['decode_tokens_per_s']:.1f} tokens/s at batch {args.concurrency} "
           f"({inproc['ms_per_step']:.2f} ms/step; {time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
 
