@@ -125,6 +125,7 @@ def optimize(
     price_per_hour: float | None = None,
     deploy: bool = True,
     budget_started_at: float | None = None,
+    gates: str = "default",
 ) -> OptimizeResult:
     """Find the best deployment of `model` on `target` for `objective` within the quality budget.
 
@@ -148,6 +149,9 @@ def optimize(
         deploy: write the deploy bundle into best/deploy (causal LMs).
         budget_started_at: epoch seconds the time budget counts from (default: now; the CLI
             passes its process's start).
+        gates: the verification gates besides the budget (`llmopt.verify.gates` presets:
+            default, strict, loose), as `llmopt verify --gates`; `max_quality_drop` overrides
+            the preset's budget.
 
     Example:
         >>> r = optimize("minilm-l6", "runs/minilm", time_budget="10m")   # doctest: +SKIP
@@ -162,6 +166,10 @@ def optimize(
 
     if not 0 <= max_quality_drop < 1:
         raise ValueError(f"--max-quality-drop must be a fraction in [0, 1), got {max_quality_drop}")
+    from llmopt.verify.gates import GATE_PRESETS
+
+    if gates not in GATE_PRESETS:
+        raise ValueError(f"unknown gate preset {gates!r}; choose one of {', '.join(GATE_PRESETS)}")
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     if search not in MODES:
@@ -178,6 +186,7 @@ def optimize(
         **PROFILES[profile],
         "profile": profile,
         "max_quality_drop": max_quality_drop,
+        "gates": gates,
         "threads": tgt.threads,
         "fidelities": {"screen": SCREEN[profile]},
     }  # part of the run's identity: a resume must not mix them

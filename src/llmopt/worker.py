@@ -91,7 +91,8 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     s = stage_settings(meta, fidelity)
     # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
     raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
-    gates = Gates(max_quality_drop=s["max_quality_drop"])
+    # Runs written before `--gates` existed used the default preset.
+    gates = Gates.preset(s.get("gates", "default"), max_quality_drop=s["max_quality_drop"])
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
         return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()

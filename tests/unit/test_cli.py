@@ -72,13 +72,17 @@ def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
     )
     assert proc.returncode == 2 and "max-quality-drop" in proc.stdout
     assert not (tmp_path / "r").exists(), "a refused run writes nothing"
+    proc = _run("optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--gates", "lax")
+    assert proc.returncode == 2 and "gate preset" in proc.stdout + proc.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     proc = _run(
         "optimize", str(tiny_llama_dir), "--out", str(out), "--quick", "--json",
-        "--candidates", "hf-bf16,hf-w8a16", "--search", "exhaustive", timeout=600,
+        "--candidates", "hf-bf16,hf-w8a16", "--search", "exhaustive", "--gates", "loose",
+        timeout=600,
     )  # fmt: skip
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     res = json.loads(proc.stdout)
@@ -90,6 +94,11 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     ref = json.loads((out / "candidates" / "hf-fp32" / "verify.json").read_text())
     assert ref["passed"] and ref["quality_drop"] == 0.0
     assert (out / "report.html").is_file()
+    # --gates loose: the run records it and the gates use its thresholds (budget stays 1%).
+    assert json.loads((out / "run.json").read_text())["settings"]["gates"] == "loose"
+    bf16 = json.loads((out / "candidates" / "hf-bf16" / "verify.json").read_text())
+    limits = {m["name"]: m["threshold"] for m in bf16["metrics"]}
+    assert limits["top1_agreement"] == 0.80 and limits["kl_divergence_mean"] == 0.30
 
 
 def test_optimize_on_a_broken_folder_writes_nothing(tiny_llama_dir, tmp_path):

@@ -79,6 +79,13 @@ def optimize(
             help="Quality budget as a fraction: relative perplexity increase (LMs) or 1 - mean cosine (embeddings)."
         ),
     ] = 0.01,
+    gates: Annotated[
+        str,
+        typer.Option(
+            help="Verification gate preset besides the budget: default, strict or loose "
+            "(top-1 agreement, KL, cosine; see docs/verify.md)."
+        ),
+    ] = "default",
     candidates: Annotated[
         str | None,
         typer.Option(
@@ -163,6 +170,7 @@ def optimize(
             out,
             target=target,
             max_quality_drop=max_quality_drop,
+            gates=gates,
             candidates=only,
             threads=threads,
             profile="quick" if quick else "full",
