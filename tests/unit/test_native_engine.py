@@ -315,3 +315,132 @@ def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(tiny_llama_dir
     plain = load_generator(tiny_llama_dir, max_batch=1, max_seq_len=128, block_size=4)
     want, _ = plain.generate(prompts[1], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [first[1].token_id] + [ev.token_id for ev in later if ev.seq_id == 1] == want
+
+
+def _count_prefill_tokens(gen: Generator) -> list[int]:
+    """Record the tokens (padding included) of every model forward outside the decode step."""
+    counted: list[int] = []
+    decode, in_decode = gen._decode, [False]
+
+    def wrapped(packed):
+        in_decode[0] = True
+        try:
+            return decode(packed)
+        finally:
+            in_decode[0] = False
+
+    gen._decode = wrapped
+    gen.model.register_forward_pre_hook(
+        lambda _m, args, _kw: None if in_decode[0] else counted.append(args[0].numel()),
+        with_kwargs=True,
+    )
+    return counted
+
+
+def _run_alone(gen: Generator, prompt: list[int], params: SamplingParams):
+    gen.add("ref", prompt, params)
+    evs = gen.step()
+    while evs[-1].finish_reason is None:
+        evs.extend(gen.step())
+    gen.remove("ref")
+    return [e.token_id for e in evs], evs[0].prompt_logprobs
+
+
+@pytest.mark.parametrize("budget", [5, 7, 12])
+def test_chunked_prefill_equals_unchunked(tiny_llama_dir, budget):
+    # Block size 4: chunks of 5 or 7 tokens (less the running decodes) end mid-block; the
+    # 25- and 18-token prompts take several chunks while other sequences decode.
+    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
+    prompts = [[5, 6, 7], list(range(20, 45)), [9] * 11, list(range(60, 78))]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=k)
+              for k in (2, 0, None, 3)]  # fmt: skip
+    ref = [_run_alone(gen, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    counted = _count_prefill_tokens(gen)
+    out: dict[int, list[int]] = {}
+    plp: dict[int, list] = {}
+    partial, step = set(), 0
+    while len(out) < 4 or any(len(v) < 10 for v in out.values()):
+        if step in (0, 2, 3):  # 0 and 1 together; 2 and 3 join while others decode
+            for i in {0: (0, 1), 2: (2,), 3: (3,)}[step]:
+                gen.add(i, prompts[i], params[i])
+        decodes = sum(gen.prefill_pending(k) == 0 for k in gen.running)
+        counted.clear()
+        for ev in gen.step(prefill_budget=budget - decodes):
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+            if ev.prompt_logprobs is not None:
+                plp.setdefault(ev.seq_id, []).append(ev.prompt_logprobs)
+            if ev.finish_reason:
+                gen.remove(ev.seq_id)
+        assert sum(counted) <= budget - decodes  # padding included
+        partial |= {k for k in gen.running if 0 < gen.prefill_pending(k) < len(prompts[k])}
+        step += 1
+        assert step < 100
+    assert {1, 3} <= partial  # the long prompts were prefilled over several steps
+    assert [out[i] for i in range(4)] == [r[0] for r in ref]
+    assert sorted(plp) == [0, 1, 3] and all(len(v) == 1 for v in plp.values())  # sent once
+    for i in (0, 1, 3):
+        (got,), want = plp[i], ref[i][1]
+        assert len(got) == len(want) == len(prompts[i]) and got[0] is None and want[0] is None
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert a[0] == pytest.approx(b[0], abs=1e-5)
+            assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
+            assert [v for _, v in a[1]] == pytest.approx([v for _, v in b[1]], abs=1e-5)
+    assert gen.free_blocks == gen.num_blocks - 1 and not gen.running
+
+
+def test_chunked_prefill_batches_chunks_within_the_budget(tiny_llama_dir):
+    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [list(range(30, 39)), list(range(40, 47)), list(range(50, 60)), [1, 2, 3, 4, 5],
+               [7, 8, 9]]  # fmt: skip
+    want = [_run_alone(gen, p, params)[0] for p in prompts]
+    counted = _count_prefill_tokens(gen)
+    out: dict[int, list[int]] = {}
+
+    def step(budget: int) -> list[int]:
+        counted.clear()
+        evs = gen.step(prefill_budget=budget)
+        for ev in evs:
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+            if ev.finish_reason:
+                gen.remove(ev.seq_id)
+        return [ev.seq_id for ev in evs]
+
+    for i in range(3):
+        gen.add(i, prompts[i], params)
+    assert step(0) == [] and gen.prefill_pending(0) == 9  # no budget: nothing is prefilled
+    assert step(6) == [] and counted == [6]  # 6 of the first prompt's 9
+    # 3 (paged, after the 6) + 7 + 3 (first chunks): 7 and 3 padded together would be 14 > 13.
+    assert step(13) == [0, 1] and counted == [3, 7, 3]
+    assert [gen.prefill_pending(k) for k in range(3)] == [0, 0, 7]
+    assert step(20) == [2, 0, 1] and counted == [7]  # the rest of prompt 2; two decodes
+    while gen.running:
+        step(8)
+    # 5 + 3 real tokens and 2 of padding fit a budget of 10: one right-padded forward.
+    gen.add(3, prompts[3], params)
+    gen.add(4, prompts[4], params)
+    assert step(10) == [3, 4] and counted == [10]
+    while gen.running:
+        step(10)
+    assert [out[i] for i in range(5)] == want
+
+
+def test_paged_path_runs_right_padded_chunks_at_any_start(tiny_llama_dir):
+    # Two sequences whose first 5 and 3 tokens are in the cache continue with chunks of 4 and 6
+    # tokens (one forward, right-padded, ending mid-block): the logits at every real position
+    # equal those of one causal prefill over the whole prompt.
+    native = load_model(tiny_llama_dir, "cpu", torch.float32)
+    Generator(native, max_batch=2, max_seq_len=32, block_size=4)  # sets up the cache
+    ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(3))
+    tables = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.inference_mode():
+        full = native(ids, torch.arange(9).expand(2, 9), tables, prefill=True, last_only=False)
+        native.setup_cache(8, 4, torch.float32, "cpu")  # a fresh (zeroed) cache
+        for row, n in ((0, 5), (1, 3)):
+            native(ids[row : row + 1, :n], torch.arange(n)[None], tables[row : row + 1],
+                   prefill=True)  # fmt: skip
+        chunk = torch.stack([torch.cat([ids[0, 5:9], ids[0, :2] * 0]), ids[1, 3:9]])
+        pos = torch.tensor([[5], [3]]) + torch.arange(6)
+        got = native(chunk, pos, tables, prefill=False, last_only=False)
+    torch.testing.assert_close(got[0, :4], full[0, 5:9], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], full[1, 3:9], atol=1e-4, rtol=1e-4)

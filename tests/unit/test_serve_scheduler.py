@@ -139,7 +139,7 @@ def test_prompt_logprobs_sent_once_across_preemptions(tiny_llama_dir):
 
 def test_token_budget_limits_prefills_per_step(tiny_llama_dir):
     gen = _gen(tiny_llama_dir)
-    sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=10)
+    sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=10, chunked_prefill=False)
     for i in range(3):
         sched.submit(Sequence(i, PROMPTS[0], _greedy(3)))  # 7 tokens each
     assert len(sched.step()) == 1  # 7 fit, 7 more would exceed 10
@@ -147,6 +147,79 @@ def test_token_budget_limits_prefills_per_step(tiny_llama_dir):
     sched.step()
     assert len(sched.running) == 2
     _run(sched)
+
+
+def _count_tokens(gen) -> list[int]:
+    """Record the tokens (padding included) of every model forward: prefills and decodes."""
+    counted: list[int] = []
+    decode = gen._decode
+
+    def wrapped(packed):
+        counted.append(-1)  # a decode step: the scheduler's count of running decodes applies
+        return decode(packed)
+
+    gen._decode = wrapped
+    gen.model.register_forward_pre_hook(
+        lambda _m, args, _kw: None if counted[-1:] == [-1] else counted.append(args[0].numel()),
+        with_kwargs=True,
+    )
+    return counted
+
+
+def test_chunked_prefill_splits_the_budget(tiny_llama_dir):
+    alone = {}
+    for i in range(3):
+        alone[i], _ = _gen(tiny_llama_dir).generate(PROMPTS[2], _greedy(3 + i))
+    gen = _gen(tiny_llama_dir)
+    sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=10)
+    assert sched.chunked_prefill  # the default
+    counted = _count_tokens(gen)
+    for i in range(3):
+        sched.submit(Sequence(i, PROMPTS[2], _greedy(3 + i)))  # 9 tokens each
+    out: dict[int, list[int]] = {}
+    steps = []
+    while sched.has_work():
+        decodes = sum(gen.prefill_pending(s) == 0 for s in sched.running)  # before admission
+        counted.clear()
+        for seq, ev in sched.step():
+            out.setdefault(seq.seq_id, []).append(ev.token_id)
+        prefill = [c for c in counted if c != -1]
+        assert sum(prefill) + decodes <= 10  # one token per decode, the rest for chunks
+        assert counted.count(-1) == (decodes > 0)  # decodes ran every step they could
+        steps.append((decodes, prefill))
+        assert len(steps) < 50
+    # 9 + 1 of the second prompt; 1 decode + 8 + 1 of the third; 2 decodes + 8; ...
+    assert steps[:3] == [(0, [9, 1]), (1, [8, 1]), (2, [8])]
+    assert out == alone
+
+
+def test_chunked_sequence_preempted_mid_prefill(tiny_llama_dir):
+    prompts = {0: list(range(40, 44)), 1: list(range(50, 86))}  # 1 block; 9 blocks
+    lengths = {0: 12, 1: 4}
+    alone = {
+        i: _gen(tiny_llama_dir).generate(p, _greedy(lengths[i]))[0] for i, p in prompts.items()
+    }
+    # 11 usable blocks of 4 tokens. Sequence 1 is prefilled 4 tokens a step (a budget of 5 less
+    # sequence 0's decode); sequence 0 grows into the last free block, then needs one more while
+    # 1 is half prefilled: 1, the latest to arrive, is evicted and recomputed later.
+    gen = _gen(tiny_llama_dir, num_blocks=12)
+    sched = Scheduler(gen, max_num_seqs=2, max_num_batched_tokens=5, watermark=0)
+    removed = []
+    remove = gen.remove
+
+    def spy(sid):
+        removed.append((sid, gen.prefill_pending(sid), len(gen.seqs[sid].ids)))
+        return remove(sid)
+
+    gen.remove = spy
+    for i, p in prompts.items():
+        sched.submit(Sequence(i, p, _greedy(lengths[i])))
+    out = _run(sched)
+    assert sched.preemptions_total == 1
+    sid, pending, n = removed[0]
+    assert sid == 1 and 0 < pending < n == 36  # evicted with part of its prompt prefilled
+    assert out == alone  # recomputed: same tokens, none lost, none doubled
+    assert gen.free_blocks == sched.capacity_blocks
 
 
 def test_abort_frees_blocks_everywhere(tiny_llama_dir):

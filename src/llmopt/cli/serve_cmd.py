@@ -57,6 +57,14 @@ def serve(
             help="Tokens per engine step, prefill + decode (default: from the plan).",
         ),
     ] = None,
+    enable_chunked_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--enable-chunked-prefill/--no-enable-chunked-prefill",
+            help="Prefill long prompts in chunks that fit each step's token budget, beside the "
+            "running decodes (as vLLM); off: each admitted prompt is prefilled whole in one step.",
+        ),
+    ] = True,
     block_size: Annotated[
         int | None,
         typer.Option("--block-size", help="KV-cache block, tokens (default: from the plan)."),
@@ -142,6 +150,7 @@ def serve(
         drain_timeout_s=drain_timeout, embed_batch_window_ms=embed_batch_window_ms,
         embed_max_batch=embed_max_batch, device=device, threads=threads,
         decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"), warmup=warmup,
+        enable_chunked_prefill=enable_chunked_prefill,
     )  # fmt: skip
     requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "block_size": block_size, "num_blocks": num_blocks,

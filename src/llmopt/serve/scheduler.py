@@ -8,11 +8,23 @@ to make room; re-admitted before any waiting request). Each `step()`:
    (`max_num_batched_tokens`: prompt tokens to prefill plus one per running decode) allows, and
    the engine has the KV blocks for the whole prompt while keeping one block per running
    sequence plus a small watermark free (so admitting does not force a preemption next step);
-2. runs one engine step (prefills of the admitted, one decode for every running sequence);
+2. runs one engine step (prefills, or prefill chunks, of the admitted; one decode for every
+   running sequence);
 3. when the engine reports that running sequences need a new block and none is free
    (`OutOfBlocks`), preempts by recompute: the latest-arrived, lowest-priority running sequences
    are removed (their blocks freed) and queued again with prompt + generated tokens as their new
    prompt, so no generated token is lost and none is produced twice.
+
+With chunked prefill (`chunked_prefill=True`, the default) the budget is split as vLLM splits
+it: one token per running decode first; what is left goes to prefill chunks, first to the
+sequences already being prefilled (oldest first), then to new ones. A new sequence is admitted
+while any budget is left (its first chunk runs in the same step); a prompt longer than what is
+left is prefilled over several steps (`Generator.step(prefill_budget=...)`), so no step computes
+more than `max_num_batched_tokens` tokens (unless the running decodes alone do) and running
+decodes never wait for a long prefill. A sequence being prefilled holds its batch slot and its
+whole prompt's KV blocks, and is preempted like any other (its prompt is prefilled again from
+the start). Without chunking, a step prefills the admitted prompts whole (a lone prompt longer
+than the budget too).
 
 It is single-threaded by design: only the engine thread (`engine_loop.py`) calls it.
 
@@ -105,11 +117,13 @@ class Scheduler:
         out_of_blocks: the engine's OutOfBlocks exception class.
         watermark: blocks kept free at admission while other sequences run (default: 1% of the
             cache, at least 1).
+        chunked_prefill: split prompts into chunks that fit the step's budget (see above); an
+            attribute, so a server may switch it before the first step.
     """
 
     def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
                  out_of_blocks: type[BaseException] | None = None,
-                 watermark: int | None = None):  # fmt: skip
+                 watermark: int | None = None, chunked_prefill: bool = True):  # fmt: skip
         if out_of_blocks is None:
             from llmopt.engines.native import OutOfBlocks as out_of_blocks
         self.gen = gen
@@ -123,6 +137,7 @@ class Scheduler:
         self._preempted: list[tuple[int, int, Sequence]] = []  # heap by (priority, order)
         self._order = itertools.count()
         self.preemptions_total = 0
+        self.chunked_prefill = chunked_prefill
         self.capacity_blocks = int(gen.free_blocks)  # usable blocks (the engine may keep scratch)
 
     # -- requests in and out ------------------------------------------------------------------
@@ -164,7 +179,10 @@ class Scheduler:
         if not self.running:
             return out
         try:
-            events = self.gen.step()
+            if self.chunked_prefill:
+                events = self.gen.step(prefill_budget=self._prefill_budget())
+            else:
+                events = self.gen.step()
         except self.OutOfBlocks as e:
             self._preempt(_out_of_blocks_ids(e))
             return out
@@ -206,9 +224,18 @@ class Scheduler:
                 return heap, heap[0][2]
         return None
 
+    def _prefill_budget(self) -> int:
+        """This step's tokens for prefill chunks: the budget less one per running decode."""
+        decodes = sum(self.gen.prefill_pending(sid) == 0 for sid in self.running)
+        return max(0, self.max_num_batched_tokens - decodes)
+
     def _admit(self) -> list[tuple[Sequence, Any]]:
         failed: list[tuple[Sequence, Any]] = []
-        budget = self.max_num_batched_tokens - len(self.running)  # decode tokens of this step
+        if self.chunked_prefill:  # chunks of the prompts already being prefilled come first
+            budget = self._prefill_budget()
+            budget -= sum(self.gen.prefill_pending(sid) for sid in self.running)
+        else:
+            budget = self.max_num_batched_tokens - len(self.running)  # decode tokens this step
         prefilled = False
         while len(self.running) < self.max_num_seqs:
             head = self._peek()
@@ -216,7 +243,9 @@ class Scheduler:
                 break
             heap, seq = head
             n = len(seq.tokens)
-            if prefilled and n > budget:
+            if self.chunked_prefill and budget <= 0:
+                break  # no room for a first chunk this step
+            if not self.chunked_prefill and prefilled and n > budget:
                 break  # the next step has room; a lone long prompt is still admitted
             # Keep one block per running sequence (its next decode may need one) plus the
             # watermark: admitting into that room would only force a preemption next step, and

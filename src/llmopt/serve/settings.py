@@ -22,8 +22,12 @@ class ServeSettings:
         served_name: the model id clients send (default: the model's name).
         api_key: when set, `/v1/*` requires `Authorization: Bearer <api_key>` (else 401).
         max_num_seqs: sequences decoded together (the engine's batch).
-        max_num_batched_tokens: tokens computed per engine step (prefill + one per decode);
-            one prompt longer than this is still prefilled, alone.
+        max_num_batched_tokens: tokens computed per engine step (prefill + one per decode).
+            With chunked prefill, a prompt longer than what a step has left is prefilled in
+            chunks over several steps; without it, one such prompt is still prefilled, alone.
+        enable_chunked_prefill: split prompt prefills into chunks that fit each step's token
+            budget (after one token per running decode), as vLLM does, so a burst of long
+            prompts never stalls the running streams for a whole prefill.
         block_size: KV-cache page size in tokens.
         num_blocks: KV-cache pages, one of them scratch (None: enough for max_num_seqs
             sequences of max_seq_len tokens).
@@ -53,6 +57,7 @@ class ServeSettings:
     api_key: str | None = None
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     block_size: int = 16
     num_blocks: int | None = None
     max_seq_len: int | None = None

@@ -11,19 +11,29 @@ sequences. A scheduler (`llmopt.serve`) decides *who* runs; the generator only s
             print(ev.seq_id, tok.decode([ev.token_id]))
 
 Each `step()` first prefills the sequences added since the last step (batched, right-padded, up
-to `max_prefill_tokens` per forward; SDPA causal attention), then runs one decode step for every sequence that was already running, as a
-single batch padded to a bucket size (`batch_sizes`: 1, 2, 4, 8, ... by default), with the block
-tables cut to a bucket of the longest sequence. With `compile=True` the decode step is
-`torch.compile`d (`mode="reduce-overhead"`: CUDA graphs on GPU), one graph per (batch, length)
-bucket. Each new bucket costs a compile (about a minute for an 8B model on an H200), so a compiled
+to `max_prefill_tokens` per forward; SDPA causal attention), then runs one decode step for every
+sequence that was already running, as a single batch padded to a bucket size (`batch_sizes`: 1,
+2, 4, 8, ... by default), with the block tables cut to a bucket of the longest sequence. With
+`compile=True` the decode step is `torch.compile`d (`mode="reduce-overhead"`: CUDA graphs on
+GPU), one graph per (batch, length) bucket. Each new bucket costs a compile (about a minute for an 8B model on an H200), so a compiled
 generator never cuts the tables below `min_bucket_tokens` (the gather of a few hundred tokens costs
 microseconds, a compile a minute), and `warmup()` compiles the buckets up front: a server calls it
 before it accepts requests, so no request waits for a compile.
 
+Chunked prefill: `step(prefill_budget=N)` computes at most N prompt tokens in this step (the
+scheduler passes its token budget less one token per running decode). The sequences waiting for
+prefill get chunks in the order they were added; a prompt longer than what is left is prefilled
+over several steps, its KV cache written chunk by chunk, and its first token is sampled when its
+last chunk is done. A first chunk (position 0) runs through the SDPA prefill path; later chunks
+through the model's paged path (queries at positions start..start+n-1 attend to the keys the
+earlier chunks wrote). Chunks are right-padded together only while the padding fits in what the
+budget leaves, so the tokens a step computes (padding included) never exceed N. The decode step
+and its compiled shapes are the same with or without chunking.
+
 `SamplingParams(prompt_logprobs=N)` asks for the log-probability of every prompt token given the
 ones before it (and the top N): the prefill keeps the final hidden states of that sequence's
 positions and runs the LM head and an fp32 log-softmax over them in chunks; the result comes
-once, with the sequence's first `TokenEvent`.
+once, with the sequence's first `TokenEvent` (with chunked prefill, gathered chunk by chunk).
 """
 
 from __future__ import annotations
@@ -89,6 +99,8 @@ class _Seq:
     rng: torch.Generator | None
     prefilled: bool = False
     finish: str | None = None
+    done: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
+    plp: list | None = None  # prompt log-probabilities gathered so far, chunk by chunk
 
 
 def bucket(n: int, cap: int) -> int:
@@ -177,6 +189,11 @@ class Generator:
     def finished(self, seq_id: Hashable) -> bool:
         return self.seqs[seq_id].finish is not None
 
+    def prefill_pending(self, seq_id: Hashable) -> int:
+        """Prompt tokens of `seq_id` still to prefill (0 once its first token is sampled)."""
+        s = self.seqs[seq_id]
+        return 0 if s.prefilled else len(s.ids) - s.done
+
     # --- lifecycle ------------------------------------------------------------------------
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
         """Admit a sequence: allocate blocks for its prompt; it is prefilled in the next step()."""
@@ -209,8 +226,12 @@ class Generator:
         return s.ids
 
     # --- stepping -------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
-        """Prefill new sequences, then decode one token for each sequence already running."""
+    def step(self, prefill_budget: int | None = None) -> list[TokenEvent]:
+        """Prefill new sequences, then decode one token for each sequence already running.
+
+        `prefill_budget`: prompt tokens to compute in this step at most (chunked prefill; see
+        the module docstring). None: prefill every new sequence whole.
+        """
         decoding = [k for k, s in self.seqs.items() if s.prefilled and s.finish is None]
         # Make room for the token each decoding sequence writes now, before any work is done.
         short = [k for k in decoding if self._needs_block(self.seqs[k])]
@@ -221,66 +242,131 @@ class Generator:
         for k in short:
             self.seqs[k].blocks.append(self._free.pop())
         events = []
-        group: list[Hashable] = []
-        for k in [k for k, s in self.seqs.items() if not s.prefilled]:
-            longest = max([len(self.seqs[g].ids) for g in group] + [len(self.seqs[k].ids)])
-            if group and longest * (len(group) + 1) > self.max_prefill_tokens:
+        pending = [k for k, s in self.seqs.items() if not s.prefilled]
+        if prefill_budget is None:
+            group: list[tuple[Hashable, int]] = []
+            for k in pending:
+                n = len(self.seqs[k].ids)
+                longest = max([c for _, c in group] + [n])
+                if group and longest * (len(group) + 1) > self.max_prefill_tokens:
+                    events.extend(self._prefill(group))
+                    group = []
+                group.append((k, n))
+            if group:
                 events.extend(self._prefill(group))
-                group = []
-            group.append(k)
-        if group:
-            events.extend(self._prefill(group))
+        else:
+            events.extend(self._prefill_chunks(pending, int(prefill_budget)))
         if decoding:
             events.extend(self._decode_batch(decoding))
+        return events
+
+    def _prefill_chunks(self, pending: list[Hashable], budget: int) -> list[TokenEvent]:
+        """Prefill at most `budget` tokens (padding included) of the pending sequences, in order."""
+        chunks: list[tuple[Hashable, int]] = []
+        left = budget
+        for k in pending:
+            if left <= 0:
+                break
+            s = self.seqs[k]
+            n = min(len(s.ids) - s.done, left)
+            chunks.append((k, n))
+            left -= n
+        # Later chunks (paged path) and first chunks (SDPA path) run in separate forwards. Chunks
+        # of one kind share a forward, right-padded, while the padding fits in the budget's slack
+        # and the forward stays within max_prefill_tokens.
+        events = []
+        kinds = [self.seqs[k].done == 0 for k, _ in chunks]  # before any chunk runs
+        for fresh in (False, True):  # the older sequences' later chunks first
+            group: list[tuple[Hashable, int]] = []
+            for (k, n), first in zip(chunks, kinds, strict=True):
+                if first != fresh:
+                    continue
+                if group:
+                    longest, real = max(c for _, c in group), sum(c for _, c in group)
+                    wider = max(longest, n) * (len(group) + 1)
+                    extra = (wider - real - n) - (longest * len(group) - real)  # more padding
+                    if wider > self.max_prefill_tokens or extra > left:
+                        events.extend(self._prefill(group))
+                        group = []
+                    else:
+                        left -= extra
+                group.append((k, n))
+            if group:
+                events.extend(self._prefill(group))
         return events
 
     def _needs_block(self, s: _Seq) -> bool:
         return (len(s.ids) - 1) // self.block_size >= len(s.blocks)
 
     @torch.inference_mode()
-    def _prefill(self, keys: list[Hashable]) -> list[TokenEvent]:
-        """One forward for several new prompts, right-padded to the longest."""
+    def _prefill(self, chunks: list[tuple[Hashable, int]]) -> list[TokenEvent]:
+        """One forward over the next `n` prompt tokens of each (key, n), right-padded to the
+        longest. All chunks start at position 0 (SDPA prefill) or all after earlier chunks
+        (paged attention). A sequence whose prompt is complete samples its first token."""
+        keys = [k for k, _ in chunks]
         seqs = [self.seqs[k] for k in keys]
-        t = max(len(s.ids) for s in seqs)
-        nb = self.blocks_needed(t)
-        tokens = torch.tensor([s.ids + [0] * (t - len(s.ids)) for s in seqs], device=self.device)
+        starts = [s.done for s in seqs]
+        fresh = not any(starts)
+        assert fresh or all(starts), "first and later chunks run in separate forwards"
+        t = max(n for _, n in chunks)
+        nb = self.blocks_needed(max(starts) + t)  # every key position a query can see
+        tokens = torch.tensor(
+            [s.ids[a : a + n] + [0] * (t - n) for s, a, (_, n) in zip(seqs, starts, chunks,
+                                                                     strict=True)],
+            device=self.device,
+        )  # fmt: skip
+        # Padding positions past a sequence's own blocks land in scratch block 0; those within
+        # them are its own later positions, overwritten before any query can see them.
         tables = torch.tensor(
-            [s.blocks + [0] * (nb - len(s.blocks)) for s in seqs], device=self.device
+            [s.blocks[:nb] + [0] * (nb - min(nb, len(s.blocks))) for s in seqs], device=self.device
         )
-        pos = torch.arange(t, device=self.device).expand(len(seqs), t)
-        last = torch.tensor([len(s.ids) - 1 for s in seqs], device=self.device)
+        pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(
+            t, device=self.device
+        )
+        last = torch.tensor([n - 1 for _, n in chunks], device=self.device)
         want = [s.params.prompt_logprobs is not None for s in seqs]
         hidden: list[torch.Tensor] = []
         hook = None
         if any(want):  # keep the final-norm output of every position (B, T, D), not logits
             hook = self.model.model.norm.register_forward_hook(lambda _m, _i, o: hidden.append(o))
         try:
-            logits = self.model(tokens, pos, tables, prefill=True, last_index=last)
+            logits = self.model(tokens, pos, tables, prefill=fresh, last_index=last)
         finally:
             if hook is not None:
                 hook.remove()
-        for s in seqs:
-            s.prefilled = True
         events = []
         for i, (k, s) in enumerate(zip(keys, seqs, strict=True)):
-            plp = self._prompt_logprobs(hidden[0][i], s) if want[i] else None
+            n = chunks[i][1]
+            if want[i]:
+                if s.plp is None:
+                    s.plp = []
+                s.plp.extend(self._prompt_logprobs(hidden[0][i, :n], s, starts[i]))
+            s.done += n
+            if s.done < len(s.ids):
+                continue  # more chunks to come
+            s.prefilled = True
             ev = self._emit(k, s, logits[i])
-            ev.prompt_logprobs = plp
+            ev.prompt_logprobs, s.plp = s.plp, None
             events.append(ev)
         return events
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, s: _Seq) -> list[PromptLogprob | None]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, s: _Seq, start: int = 0
+    ) -> list[PromptLogprob | None]:
         """Log-probability of each prompt token given those before it (and the top-N), from
-        one sequence's final hidden states (T, D): the LM head and an fp32 log-softmax run over
-        a few hundred positions at a time, so memory stays bounded for long prompts."""
+        one sequence's final hidden states (T, D) at positions start..start+T-1: position p
+        scores prompt token p+1 (and position 0 adds None for the first token). The LM head and
+        an fp32 log-softmax run over a few hundred positions at a time, so memory stays bounded
+        for long prompts."""
         ids = s.ids[: s.prompt_len]
         k = int(s.params.prompt_logprobs or 0)
         vocab = int(self.model.cfg.vocab_size)
         chunk = max(1, self.prompt_logprob_chunk // vocab)
-        target = torch.tensor(ids[1:], device=hidden.device)
-        out: list[PromptLogprob | None] = [None]
-        for a in range(0, len(ids) - 1, chunk):
-            b = min(a + chunk, len(ids) - 1)
+        targets = ids[start + 1 : start + hidden.shape[0] + 1]
+        target = torch.tensor(targets, device=hidden.device, dtype=torch.long)
+        out: list[PromptLogprob | None] = [None] if start == 0 else []
+        for a in range(0, len(targets), chunk):
+            b = min(a + chunk, len(targets))
             logp = torch.log_softmax(self.model.lm_head(hidden[a:b]).float(), -1)
             chosen = logp.gather(1, target[a:b, None])[:, 0].tolist()
             if k:
