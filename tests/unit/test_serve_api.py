@@ -324,3 +324,28 @@ def test_guard(client):
     _err(client.post("/v1/embeddings", json={"model": name, "input": "x"}), 400)
     m = client.get("/metrics").text
     assert "llmopt_kv_cache_usage_ratio" in m and "llmopt_requests_rejected_total" in m
+
+
+def test_request_timeout_gives_504_and_frees_the_sequence(tiny_llama_dir):
+    import time
+
+    from starlette.testclient import TestClient
+
+    from llmopt.serve.app import create_app
+    from llmopt.serve.server import load_context
+
+    s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
+                      request_timeout_s=1e-4)  # fmt: skip
+    ctx = load_context(str(tiny_llama_dir), s)
+    with TestClient(create_app(ctx)) as c:
+        body = {"model": ctx.served_name, "prompt": "hello there", "max_tokens": 40}
+        e = _err(c.post("/v1/completions", json=body), 504)
+        assert e["code"] == "timeout" and "--request-timeout" in e["message"]
+        r = c.post("/v1/completions", json=body | {"stream": True})  # headers sent: in-band
+        assert r.status_code == 200 and '"code": "timeout"' in r.text
+        assert r.text.rstrip().endswith("data: [DONE]")
+        for _ in range(100):  # the engine thread processes the aborts
+            if ctx.outstanding == 0 and not ctx.engine.sched.has_work():
+                break
+            time.sleep(0.05)
+        assert ctx.outstanding == 0 and not ctx.engine.sched.has_work()

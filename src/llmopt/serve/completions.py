@@ -85,11 +85,19 @@ async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list
     try:
         for c in first:
             yield _sse(c)
+        # Events that are already waiting go out in one write: when the event loop falls
+        # behind the engine (many streams), a socket send per token is what it spends most on.
+        pending: list[str] = []
         async for i, d in merge(gens):
             c = chunk(i, d)
             if include_usage:
                 c["usage"] = None
-            yield _sse(c)
+            pending.append(_sse(c))
+            if not any(g.ready() for g in gens):
+                yield "".join(pending)
+                pending = []
+        if pending:
+            yield "".join(pending)
         if include_usage:
             usage = _usage(prompts, gens, generated)
             yield _sse(chunk(None, None) | {"choices": [], "usage": usage})

@@ -54,6 +54,11 @@ class Generation:
         if registry is not None:
             registry.append(self)
         self._open, self._engine_done = True, False
+        # One timer per request puts a sentinel in the queue at the deadline: cheaper than a
+        # timeout around every token's wait (asyncio.wait_for costs a timer and a future per call).
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._q.put_nowait, _DEADLINE
+        )
         self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt_ids)
         self._stop = StopChecker(stops)
         self.t0 = time.monotonic()
@@ -82,14 +87,15 @@ class Generation:
         finally:
             self.close()
 
+    def ready(self) -> bool:
+        """Whether an event is waiting (the stream can take it without waiting)."""
+        return not self._q.empty()
+
     async def _next(self) -> Any:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
+        item = self._q.get_nowait() if not self._q.empty() else await self._q.get()
+        if item is _DEADLINE or time.monotonic() >= self.deadline:
             raise _timeout(self.ctx)
-        try:
-            return await asyncio.wait_for(self._q.get(), remaining)
-        except TimeoutError:
-            raise _timeout(self.ctx) from None
+        return item
 
     def _on_event(self, ev: Any) -> Delta:
         now = time.monotonic()
@@ -117,6 +123,7 @@ class Generation:
         if not self._open:
             return
         self._open = False
+        self._timer.cancel()
         ctx = self.ctx
         if not self._engine_done:
             ctx.engine.abort(self.seq_id)
@@ -128,6 +135,9 @@ class Generation:
             ctx.note_latency(end - self.t0)
             if self.n_tokens > 1 and self.first is not None and self.last is not None:
                 ctx.metrics.tpot.observe((self.last - self.first) / (self.n_tokens - 1))
+
+
+_DEADLINE = object()  # queued by a request's timer when its deadline passes
 
 
 def _timeout(ctx: ServerContext) -> APIError:
