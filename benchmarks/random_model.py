@@ -28,7 +28,7 @@ SHARD_BYTES = 4 * 2**30
 
 
 def write_random_model(shape: str, out: Path, tokenizer: str, dtype: str = "bfloat16",
-                       seed: int = 0, layers: int = 0) -> Path:  # fmt: skip
+                       seed: int = 0, layers: int = 0, vocab: int = 0) -> Path:  # fmt: skip
     """Write the folder (unless `out` already holds one of this shape) and return it."""
     import torch
     from safetensors.torch import save_file
@@ -37,6 +37,7 @@ def write_random_model(shape: str, out: Path, tokenizer: str, dtype: str = "bflo
     from llmopt.assets.models import resolve_model
 
     cfg = dict(SHAPES[shape]) | ({"num_hidden_layers": layers} if layers else {})
+    cfg |= {"vocab_size": vocab} if vocab else {}
     marker = out / "llmopt-random.json"
     want = {"shape": shape, "config": cfg, "dtype": dtype, "seed": seed}
     if marker.is_file() and json.loads(marker.read_text()) == want:
@@ -94,11 +95,14 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="smollm2-135m", help="folder or built-in name")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, default=0, help="fewer decoder layers (smoke runs)")
+    ap.add_argument(
+        "--vocab", type=int, default=0, help="another vocabulary size (the tokenizer's)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t0 = time.perf_counter()
     out = write_random_model(args.shape, args.out, args.tokenizer, args.dtype, args.seed,
-                             args.layers)  # fmt: skip
+                             args.layers, args.vocab)  # fmt: skip
     print(f"{out} ready in {time.perf_counter() - t0:.1f} s")
 
 

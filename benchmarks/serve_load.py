@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument(
         "--tokenizer", default="smollm2-135m", help="--shape: tokenizer folder or built-in"
     )
+    ap.add_argument("--vocab", type=int, default=0, help="--shape: vocabulary size override")
     ap.add_argument("--recipe", default="bf16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -151,7 +152,8 @@ def main() -> None:
     if args.shape:
         from random_model import write_random_model
 
-        folder = write_random_model(args.shape, args.workdir / args.shape, args.tokenizer)
+        folder = write_random_model(args.shape, args.workdir / args.shape, args.tokenizer,
+                                    vocab=args.vocab)  # fmt: skip
     else:
         from llmopt.assets.models import resolve_model
 
