@@ -224,3 +224,17 @@ def test_stage_past_the_deadline_is_killed_and_recorded_as_cut(tiny_bert_dir, tm
     cdir = run.candidate("hf-bf16")
     assert not cdir.done("build") and not cdir.stage_file("error").exists()
     assert "killed: time budget exhausted" in cdir.log.read_text()
+
+
+def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
+    from llmopt.plan import Target
+
+    info = inspect_model(tiny_llama_dir)
+    cands, _ = candidate_space(info, CPU)
+    ids = {c.id for c in cands}
+    assert {"torch-fp32-compile", "torch-bf16-compile", "torch-w8a16-compile"} <= ids
+    comp = next(c for c in cands if c.id == "torch-fp32-compile")
+    assert comp.settings["compile"] is True and "compile" in comp.description
+    assert not any(i.endswith("-compile") and not i.startswith("torch-") for i in ids)
+    gpu, _ = candidate_space(info, Target("cuda", 8, "test GPU", 80 * 2**30))
+    assert not any(c.id.endswith("-compile") for c in gpu)  # compiled there by default
