@@ -33,9 +33,12 @@ for step in "$@"; do
       python3 benchmarks/quantize.py --shape llama-3.1-8b --device cuda \
         --recipes "${RECIPES:-fp8-dynamic,w4a16-gptq}" --samples "${SAMPLES:-128}" \
         --seq-len 2048 --json "$OUT/quantize.json" 2>&1 | tee "$OUT/quantize.log" ;;
-    optimize)  # issue 7: torch-bf16 vs HF eager bf16 at batch-1 decode, in one optimize run
-      llmopt optimize "$M" --target cuda --candidates "${CANDIDATES:-hf-bf16,torch-bf16}" \
-        --out "$W/run-8b" 2>&1 | tee -a "$OUT/optimize.log"
+    optimize)  # issue 7: torch-bf16 vs HF eager bf16 at batch-1 decode, in one optimize run.
+      # Random weights give near-flat next-token distributions: bf16 alone flips the argmax at
+      # ~15% of positions (KL 0.003), so the default top-1 gate (0.9) fails every bf16 candidate;
+      # `loose` (0.8) judges them as it would an aggressive recipe (docs/benchmarks.md, issue 7).
+      llmopt optimize "$M" --target cuda --quick --gates "${GATES:-loose}" --no-deploy \
+        --candidates "${CANDIDATES:-hf-bf16,torch-bf16}" --out "$W/run-8b" 2>&1 | tee -a "$OUT/optimize.log"
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .) ;;
     decode)  # issue 8 leftovers: the autotuned Triton GEMV (int8, FP8) at batch 1
