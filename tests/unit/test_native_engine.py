@@ -425,10 +425,16 @@ def test_chunked_prefill_batches_chunks_within_the_budget(tiny_llama_dir):
     assert [out[i] for i in range(5)] == want
 
 
-def test_paged_path_runs_right_padded_chunks_at_any_start(tiny_llama_dir):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_paged_path_runs_right_padded_chunks_at_any_start(tiny_llama_dir, monkeypatch, sliced):
     # Two sequences whose first 5 and 3 tokens are in the cache continue with chunks of 4 and 6
     # tokens (one forward, right-padded, ending mid-block): the logits at every real position
-    # equal those of one causal prefill over the whole prompt.
+    # equal those of one causal prefill over the whole prompt. Sliced: the queries run 2 at a
+    # time (scores of 2 sequences x 4 heads x 2 queries x 12 keys), as a long chunk's would.
+    from llmopt.engines.native.model import Attention
+
+    if sliced:
+        monkeypatch.setattr(Attention, "max_score_elems", 2 * 4 * 2 * 12)
     native = load_model(tiny_llama_dir, "cpu", torch.float32)
     Generator(native, max_batch=2, max_seq_len=32, block_size=4)  # sets up the cache
     ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(3))

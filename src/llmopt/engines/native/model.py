@@ -15,7 +15,9 @@ Two attention paths:
 - `prefill` (every sequence starts at position 0): SDPA with `is_causal` on the fresh keys/values
   (flash attention on GPU); the keys/values are also written to the cache.
 - `paged` (decode, or a chunk after earlier tokens): gather each sequence's blocks, mask key
-  positions past the query's, grouped-query attention without repeating K/V.
+  positions past the query's, grouped-query attention without repeating K/V. A chunk of T > 1
+  queries may start at any position (right-padded rows too); a long one runs its queries in
+  slices so the fp32 scores stay under `Attention.max_score_elems`.
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
+    # The paged path's fp32 scores (B, heads, T, S) at most this many elements at once (512 MiB):
+    # a prefill chunk of T > 1 tokens over a long context runs its queries in slices.
+    max_score_elems = 1 << 27
+
     def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
         B, T, _ = x.shape
         if self.qkv_proj is not None:
@@ -122,13 +128,24 @@ class Attention(nn.Module):
 
     def _paged(self, q, pos, block_tables, block_size):
         B, T, _, hd = q.shape
-        g = self.n_heads // self.n_kv
         S = block_tables.shape[1] * block_size
         # Gather the sequences' blocks: (B, S, n_kv, hd) -> (B, n_kv, S, hd).
         kc = self.k_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
         vc = self.v_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
         kc = kc.reshape(B, S, self.n_kv, hd).transpose(1, 2)
         vc = vc.reshape(B, S, self.n_kv, hd).transpose(1, 2)
+        if T > 1 and B * self.n_heads * T * S > self.max_score_elems:
+            # A long prefill chunk: queries a slice at a time, so the fp32 scores stay bounded
+            # (each query row's attention is independent of the others').
+            rows = max(1, self.max_score_elems // (B * self.n_heads * S))
+            return torch.cat([self._attend(q[:, a : a + rows], pos[:, a : a + rows], kc, vc)
+                              for a in range(0, T, rows)], dim=1)  # fmt: skip
+        return self._attend(q, pos, kc, vc)
+
+    def _attend(self, q, pos, kc, vc):
+        B, T, _, hd = q.shape
+        g = self.n_heads // self.n_kv
+        S = kc.shape[2]
         # Grouped-query attention as plain batched matmuls over (B, n_kv): the g query heads of a
         # KV head become g * T rows, so K/V are neither repeated nor broadcast-expanded.
         qg = q.view(B, T, self.n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, hd)
