@@ -450,3 +450,21 @@ def test_paged_path_runs_right_padded_chunks_at_any_start(tiny_llama_dir, monkey
         got = native(chunk, pos, tables, prefill=False, last_only=False)
     torch.testing.assert_close(got[0, :4], full[0, 5:9], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], full[1, 3:9], atol=1e-4, rtol=1e-4)
+
+
+def test_step_without_budget_finishes_a_chunked_prompt(tiny_llama_dir):
+    gen = load_generator(tiny_llama_dir, max_batch=2, max_seq_len=64, block_size=4)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    want, want_plp = _run_alone(gen, list(range(30, 45)), params)
+    gen.add(0, list(range(30, 45)), params)
+    gen.add(1, [5, 6, 7], params)
+    assert gen.step(prefill_budget=6) == [] and gen.prefill_pending(0) == 9
+    evs = gen.step()  # no budget: the rest of 0 (paged) and all of 1 (SDPA) at once
+    assert sorted(ev.seq_id for ev in evs) == [0, 1] and not gen.prefill_pending(1)
+    got = [ev for ev in evs if ev.seq_id == 0]
+    while not gen.finished(0):
+        got += [ev for ev in gen.step() if ev.seq_id == 0]
+    assert [ev.token_id for ev in got] == want
+    assert [x[0] for x in got[0].prompt_logprobs[1:]] == pytest.approx(
+        [x[0] for x in want_plp[1:]], abs=1e-5
+    )

@@ -243,32 +243,22 @@ class Generator:
             self.seqs[k].blocks.append(self._free.pop())
         events = []
         pending = [k for k, s in self.seqs.items() if not s.prefilled]
-        if prefill_budget is None:
-            group: list[tuple[Hashable, int]] = []
-            for k in pending:
-                n = len(self.seqs[k].ids)
-                longest = max([c for _, c in group] + [n])
-                if group and longest * (len(group) + 1) > self.max_prefill_tokens:
-                    events.extend(self._prefill(group))
-                    group = []
-                group.append((k, n))
-            if group:
-                events.extend(self._prefill(group))
-        else:
-            events.extend(self._prefill_chunks(pending, int(prefill_budget)))
+        if pending:
+            events.extend(self._prefill_chunks(pending, prefill_budget))
         if decoding:
             events.extend(self._decode_batch(decoding))
         return events
 
-    def _prefill_chunks(self, pending: list[Hashable], budget: int) -> list[TokenEvent]:
-        """Prefill at most `budget` tokens (padding included) of the pending sequences, in order."""
+    def _prefill_chunks(self, pending: list[Hashable], budget: int | None) -> list[TokenEvent]:
+        """Prefill at most `budget` tokens (padding included) of the pending sequences, in order
+        (None: all of every pending prompt, forwards of at most max_prefill_tokens padded)."""
         chunks: list[tuple[Hashable, int]] = []
-        left = budget
+        left = math.inf if budget is None else int(budget)
         for k in pending:
             if left <= 0:
                 break
             s = self.seqs[k]
-            n = min(len(s.ids) - s.done, left)
+            n = int(min(len(s.ids) - s.done, left))
             chunks.append((k, n))
             left -= n
         # Later chunks (paged path) and first chunks (SDPA path) run in separate forwards. Chunks
