@@ -16,19 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_text", "write_json", "read_json", "atomic_dir", "TMP_PREFIX"]
+__all__ = ["atomic_file", "write_text", "write_json", "read_json", "atomic_dir", "TMP_PREFIX"]
 
 TMP_PREFIX = ".tmp-"
 
 
-def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` atomically (temp file in the same folder, fsync, rename)."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+    """An open file that becomes `path` when the block ends without error (fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -36,7 +37,13 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` atomically (temp file in the same folder, fsync, rename)."""
+    with atomic_file(path, "w") as f:
+        f.write(text)
+    return Path(path)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

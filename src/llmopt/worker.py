@@ -97,14 +97,24 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     if info.task == "embedding":
         return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
     from llmopt.assets.text import evaluation_text
-    from llmopt.verify.lm import token_windows, verify_causal_lm
+    from llmopt.verify.lm import ReferenceOutputs, token_windows, verify_causal_lm
 
     window = min(s["window"], info.max_context or s["window"])  # never past the model's context
     windows = token_windows(runner.tokenizer, evaluation_text(), window, s["eval_windows"])
+    prompts, new = s.get("generation_prompts", 2), 32  # the screen skips generation
+    # The reference's outputs on these windows are computed once per fidelity and kept beside it:
+    # later candidates compare against the file instead of loading and running the reference.
+    ref_id = _reference_id(run)
+    cache = run.candidate(ref_id).root / f"reference-outputs.{fidelity}.npz"
     reference = None
     if not cand.reference:
-        _, _, rc, re, rr = _context(run, _reference_id(run))
-        reference = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
+        reference = ReferenceOutputs.load(cache, windows, prompts, new)
+        if reference is None:
+            _, _, rc, re, rr = _context(run, ref_id)
+            ref_runner = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
+            reference = ReferenceOutputs.from_runner(ref_runner, windows, prompts, new)
+            reference.save(cache)
+            del ref_runner
     return verify_causal_lm(
         cid,
         runner,
@@ -112,7 +122,9 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
         reference,
         s["max_quality_drop"],
         gates=gates,
-        generation_prompts=s.get("generation_prompts", 2),  # the screen skips generation
+        generation_prompts=prompts,
+        generation_tokens=new,
+        keep_reference=cache if cand.reference else None,
     ).to_dict()
 
 

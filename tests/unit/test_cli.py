@@ -99,6 +99,8 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     bf16 = json.loads((out / "candidates" / "hf-bf16" / "verify.json").read_text())
     limits = {m["name"]: m["threshold"] for m in bf16["metrics"]}
     assert limits["top1_agreement"] == 0.80 and limits["kl_divergence_mean"] == 0.30
+    # The reference's outputs were saved once and the candidates compared against them.
+    assert (out / "candidates" / "hf-fp32" / "reference-outputs.full.npz").is_file()
 
 
 def test_optimize_on_a_broken_folder_writes_nothing(tiny_llama_dir, tmp_path):

@@ -103,3 +103,51 @@ def test_gate_presets_and_validation():
     with pytest.raises(ValueError, match="fraction"):
         Gates(max_quality_drop=5)
     assert json.dumps(Gates().to_dict())
+
+
+def test_saved_reference_outputs_give_the_same_verdict(tiny_llama_dir, tmp_path):
+    from llmopt.verify.lm import ReferenceOutputs
+
+    ref = _runner(tiny_llama_dir)
+    cand = _runner(tiny_llama_dir, "bf16")
+    w = _windows(ref, n=4)
+    live = verify_causal_lm("bf16", cand, w, ref, 0.01, gates=Gates(), generation_prompts=2)
+    path = tmp_path / "ref.npz"
+    # The reference verified as itself saves what the comparison needs...
+    verify_causal_lm("ref", ref, w, None, 0.01, gates=Gates(), generation_prompts=2,
+                     keep_reference=path)  # fmt: skip
+    saved = ReferenceOutputs.load(path, w, 2, 32)
+    assert saved is not None
+    cached = verify_causal_lm("bf16", cand, w, saved, 0.01, gates=Gates(), generation_prompts=2)
+    for a, b in zip(live.metrics, cached.metrics, strict=True):
+        assert (a.name, a.reference, a.candidate, a.passed) == (
+            b.name,
+            b.reference,
+            b.candidate,
+            b.passed,
+        )
+    # ...and only for the windows and settings it was made for.
+    assert ReferenceOutputs.load(path, w[:3], 2, 32) is None
+    assert ReferenceOutputs.load(path, w, 1, 32) is None
+    assert ReferenceOutputs.load(tmp_path / "absent.npz", w, 2, 32) is None
+
+
+def test_top_k_kl_is_exact_for_small_vocabularies_and_a_lower_bound_otherwise():
+    import numpy as np
+
+    from llmopt.verify import lm
+
+    g = torch.Generator().manual_seed(0)
+    V, T = 2000, 7
+    lr = torch.log_softmax(torch.randn(T, V, generator=g) * 3, -1)
+    lc = torch.log_softmax(lr + 0.3 * torch.randn(T, V, generator=g), -1)
+    full = float((lr.exp() * (lr - lc)).sum(-1).mean())
+    for k, exact in ((V, True), (64, False)):
+        vals, idx = torch.topk(lr, k, -1)
+        ref = lm.ReferenceOutputs(np.zeros(1), lr.argmax(-1).numpy()[None], idx.numpy()[None],
+                                  vals.numpy()[None], [], "x")  # fmt: skip
+        got = lm._kl_top(ref, 0, lc)
+        if exact:
+            assert got == pytest.approx(full, rel=1e-4)  # float32 sum vs float64
+        else:
+            assert 0 < got <= full + 1e-9

@@ -54,6 +54,8 @@ def reverify(run_dir: str | Path, progress: Any = None,
     for cid in ids:  # a re-check is always measured afresh
         for stage in ("verify", "bench"):
             run.candidate(cid).stage_file(stage, "reverify").unlink(missing_ok=True)
+    # The reference's saved outputs are recomputed too: its libraries may have changed.
+    (run.candidate(ref.id).root / "reference-outputs.reverify.npz").unlink(missing_ok=True)
     steps = [("verify", "reverify"), ("bench", "reverify")]
     tasks = [Task(cid, steps, "reverify", None if cid == ref.id else ref.id) for cid in ids]
     executor = make_executor(ray_address, int(meta["settings"].get("threads") or 1), progress)

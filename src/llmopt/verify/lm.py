@@ -6,6 +6,11 @@ candidate, so the numbers compare like with like. Perplexity is the primary gate
 within the quality budget); agreement and KL say *how* the distributions moved, which perplexity
 alone can hide (a candidate can keep perplexity and still change its greedy picks). Every delta
 carries a paired-bootstrap interval over windows (`llmopt.verify.stats`).
+
+What the comparison needs from the reference (per-window NLL, its greedy picks, its `TOP_K` most
+likely tokens per position, its greedy generations) is a `ReferenceOutputs`: computed once from the
+reference runner and saved (`optimize` keeps one per fidelity in the reference's candidate folder),
+so the candidates of a search never load or run the reference model again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
     from llmopt.engines.base import CausalLMRunner
 
 __all__ = [
+    "ReferenceOutputs",
     "token_windows",
     "verify_causal_lm",
     "greedy_tokens",
@@ -99,6 +106,122 @@ def greedy_tokens(runner: CausalLMRunner, prompt: torch.Tensor, new_tokens: int)
     return out
 
 
+# Reference tokens kept per position for the KL divergence: the rest of the vocabulary is one
+# bucket. Grouping both distributions the same way can only lower the KL (data processing), so this
+# is a lower bound that differs from the full sum only inside the reference's tail (a fraction of a
+# percent of its mass for a trained LM); vocabularies up to TOP_K tokens are exact.
+TOP_K = 512
+_CACHE_FORMAT = 1
+
+
+def _digest(windows: torch.Tensor, prompts: int, new: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256(windows.long().numpy().tobytes())
+    h.update(f"{tuple(windows.shape)}|{prompts}|{new}|{TOP_K}|{_CACHE_FORMAT}".encode())
+    return h.hexdigest()
+
+
+class ReferenceOutputs:
+    """The reference's side of a comparison on fixed windows, computed once and reusable.
+
+    Arrays (N windows, T-1 scored positions): `nll` (N,) summed negative log-likelihood,
+    `argmax` (N, T-1) greedy picks, `top_ids` / `top_logp` (N, T-1, K) its K most likely tokens
+    and their log-probabilities; `greedy` (P, new) tokens generated greedily after the first 32
+    tokens of the first P windows. `digest` names the windows and settings they belong to.
+    """
+
+    def __init__(self, nll, argmax, top_ids, top_logp, greedy, digest: str):
+        self.nll, self.argmax, self.top_ids, self.top_logp = nll, argmax, top_ids, top_logp
+        self.greedy, self.digest = greedy, digest
+
+    @classmethod
+    def collect(cls, windows: torch.Tensor, prompts: int, new: int) -> _Collector:
+        """A collector to fill window by window (see `from_runner`)."""
+        return _Collector(windows, prompts, new)
+
+    @classmethod
+    def from_runner(cls, runner: CausalLMRunner, windows: torch.Tensor, prompts: int = 2,
+                    new: int = 32) -> ReferenceOutputs:  # fmt: skip
+        """Run the reference over `windows` (and its greedy generations) once."""
+        import torch.nn.functional as F
+
+        col = cls.collect(windows, prompts, new)
+        with flush_denormals():
+            for i, w in enumerate(windows):
+                ids = w.unsqueeze(0)
+                col.add(i, F.log_softmax(runner.logits(ids)[:, :-1].float(), dim=-1)[0], w[1:])
+            col.greedy = [greedy_tokens(runner, w[:32], new) for w in windows[:prompts]]
+        return col.done()
+
+    def save(self, path: Path) -> None:
+        """Write atomically (a `.npz` of plain arrays; loaded without pickle)."""
+        from llmopt.atomic import atomic_file
+
+        with atomic_file(path) as f:
+            np.savez(f, nll=self.nll, argmax=self.argmax, top_ids=self.top_ids,
+                     top_logp=self.top_logp, greedy=np.asarray(self.greedy, dtype=np.int64),
+                     digest=np.array(self.digest))  # fmt: skip
+
+    @classmethod
+    def load(
+        cls, path: Path, windows: torch.Tensor, prompts: int, new: int
+    ) -> ReferenceOutputs | None:
+        """The saved outputs if they were made for these windows and settings, else None."""
+        want = _digest(windows, prompts, new)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if str(z["digest"]) != want:
+                    return None
+                greedy = [list(map(int, row)) for row in z["greedy"]]
+                return cls(z["nll"], z["argmax"], z["top_ids"], z["top_logp"], greedy, want)
+        except (OSError, KeyError, ValueError):
+            return None  # absent or damaged: the caller runs the reference
+
+
+class _Collector:
+    def __init__(self, windows: torch.Tensor, prompts: int, new: int):
+        n, t = windows.shape
+        self.digest = _digest(windows, prompts, new)
+        self.nll = np.zeros(n)
+        self.argmax = np.zeros((n, t - 1), dtype=np.int64)
+        self.top_ids: np.ndarray | None = None
+        self.top_logp: np.ndarray | None = None
+        self.greedy: list[list[int]] = []
+
+    def add(self, i: int, logp: torch.Tensor, target: torch.Tensor) -> None:
+        """Window i's log-probabilities (T-1, V) and the tokens that followed (T-1,)."""
+        import torch
+
+        k = min(TOP_K, logp.shape[-1])
+        if self.top_ids is None:
+            shape = (*self.argmax.shape, k)
+            self.top_ids, self.top_logp = np.zeros(shape, np.int64), np.zeros(shape, np.float32)
+        self.nll[i] = -logp.gather(-1, target.unsqueeze(-1)).sum().item()
+        self.argmax[i] = logp.argmax(-1).numpy()
+        vals, idx = torch.topk(logp, k, dim=-1)
+        self.top_ids[i], self.top_logp[i] = idx.numpy(), vals.numpy()
+
+    def done(self) -> ReferenceOutputs:
+        return ReferenceOutputs(self.nll, self.argmax, self.top_ids, self.top_logp, self.greedy,
+                                self.digest)  # fmt: skip
+
+
+def _kl_top(ref: ReferenceOutputs, i: int, logp_c: torch.Tensor) -> float:
+    """Mean KL(reference || candidate) of window i over the reference's top-K tokens + the rest."""
+    import torch
+
+    ids = torch.from_numpy(ref.top_ids[i])
+    lr = torch.from_numpy(ref.top_logp[i]).double()
+    lc = logp_c.gather(-1, ids).double()
+    pr = lr.exp()
+    kl = (pr * (lr - lc)).sum(-1)
+    r_tail = (1.0 - pr.sum(-1)).clamp(min=0.0)
+    c_tail = (1.0 - lc.exp().sum(-1)).clamp(min=1e-30)
+    tail = torch.where(r_tail > 1e-12, r_tail * (r_tail.clamp(min=1e-30).log() - c_tail.log()), 0.0)
+    return float((kl + tail).mean())
+
+
 def perplexity_metric(
     nll_c: np.ndarray,
     nll_r: np.ndarray | None,
@@ -156,7 +279,7 @@ def verify_causal_lm(
     candidate_id: str,
     runner: CausalLMRunner,
     windows: torch.Tensor,
-    reference: CausalLMRunner | None = None,
+    reference: CausalLMRunner | ReferenceOutputs | None = None,
     max_quality_drop: float = 0.01,
     progress=None,
     *,
@@ -165,6 +288,7 @@ def verify_causal_lm(
     generation_tokens: int = 32,
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = DEFAULT_SEED,
+    keep_reference: Path | None = None,
 ) -> VerifyResult:
     """Score `runner` on `windows` and compare it with `reference` token by token.
 
@@ -172,7 +296,8 @@ def verify_causal_lm(
         candidate_id: for the result.
         runner: the candidate.
         windows: (N, T) token ids from `token_windows`.
-        reference: the reference runner; None when the candidate *is* the reference.
+        reference: the reference runner, or its `ReferenceOutputs` for these windows (computed
+            once, e.g. loaded from disk); None when the candidate *is* the reference.
         max_quality_drop: allowed relative perplexity increase (0.01 = +1%); overrides
             `gates.max_quality_drop`.
         progress: optional callable(done, total) after each window.
@@ -181,6 +306,8 @@ def verify_causal_lm(
         generation_prompts: windows whose first 32 tokens prompt a greedy generation (0: skip).
         generation_tokens: tokens generated per prompt for the greedy match length.
         resamples, seed: bootstrap settings (over windows).
+        keep_reference: when the candidate is the reference, also save its `ReferenceOutputs`
+            here, for the candidates compared with it later.
 
     Returns:
         VerifyResult with `perplexity` (gated), `top1_agreement`, `kl_divergence_mean` (gated
@@ -190,6 +317,7 @@ def verify_causal_lm(
     >>> verify_causal_lm("w8a16", cand, windows, ref).passed  # doctest: +SKIP
     True
     """
+    import torch
     import torch.nn.functional as F
 
     from llmopt.verify.integrity import degenerate
@@ -200,20 +328,24 @@ def verify_causal_lm(
     gates = gates or Gates(min_top1_agreement=None, max_kl=None)
     t0 = time.perf_counter()
     n, T = windows.shape
-    nll_c, nll_r, agree, kl = (np.zeros(n) for _ in range(4))
+    prompts = generation_prompts if generation_tokens else 0
+    if reference is not None and not isinstance(reference, ReferenceOutputs):
+        reference = ReferenceOutputs.from_runner(reference, windows, prompts, generation_tokens)
+    own = ReferenceOutputs.collect(windows, prompts, generation_tokens) if keep_reference else None
+    nll_c, agree, kl = (np.zeros(n) for _ in range(3))
+    nll_r = reference.nll if reference is not None else np.zeros(n)
     nonfinite = False
     for i, w in enumerate(windows):
-        ids = w.unsqueeze(0)  # (1, T)
-        target = ids[:, 1:].unsqueeze(-1)  # (1, T-1, 1)
-        logp_c = F.log_softmax(runner.logits(ids)[:, :-1].float(), dim=-1)  # (1, T-1, V)
+        logp_c = F.log_softmax(runner.logits(w.unsqueeze(0))[0, :-1].float(), dim=-1)  # (T-1, V)
         nonfinite |= not bool(logp_c.isfinite().all())
-        nll_c[i] = -logp_c.gather(-1, target).sum().item()
+        nll_c[i] = -logp_c.gather(-1, w[1:].unsqueeze(-1)).sum().item()
         if reference is not None:
-            logp_r = F.log_softmax(reference.logits(ids)[:, :-1].float(), dim=-1)
-            nll_r[i] = -logp_r.gather(-1, target).sum().item()
-            agree[i] = (logp_r.argmax(-1) == logp_c.argmax(-1)).float().mean().item()
-            # KL(reference || candidate), summed over the vocabulary, mean over positions.
-            kl[i] = (logp_r.exp() * (logp_r - logp_c)).sum(-1).mean().item()
+            agree[i] = float(
+                (torch.from_numpy(reference.argmax[i]) == logp_c.argmax(-1)).float().mean()
+            )
+            kl[i] = _kl_top(reference, i, logp_c)
+        if own is not None:
+            own.add(i, logp_c, w[1:])
         if progress:
             progress(i + 1, n)
     if nonfinite:
@@ -256,15 +388,18 @@ def verify_causal_lm(
             resamples,
             seed,
             "nats",
-            "KL(reference || candidate) per position",
+            f"KL(reference || candidate) per position, over the reference's top {TOP_K} tokens "
+            "and one bucket for the rest",
             reference is None,
         )
     )
-    if generation_prompts and generation_tokens:
-        metric, sample, ref_sample = _greedy_metric(
-            runner, reference, windows, generation_prompts, generation_tokens
+    if prompts:
+        metric, sample, ref_sample, own_greedy = _greedy_metric(
+            runner, reference, windows, prompts, generation_tokens
         )
         metrics.append(metric)
+        if own is not None:
+            own.greedy = own_greedy
         # Degenerate output (one token repeated, immediate end of text) fails even when
         # perplexity looks fine: it is what a user sees first. A reference that is itself
         # degenerate (a random test model) makes it a property of the model, not a defect.
@@ -279,6 +414,8 @@ def verify_causal_lm(
     else:
         bad = None
     passed = all(m.passed for m in metrics if m.passed is not None) and not bad
+    if own is not None and reference is None and not nonfinite:
+        own.done().save(keep_reference)
     return VerifyResult(
         candidate_id,
         "causal-lm",
@@ -330,15 +467,16 @@ def _mean_metric(
 
 
 def _greedy_metric(
-    runner, reference, windows, prompts: int, new: int
-) -> tuple[Metric, list[int], list[int]]:
+    runner, reference: ReferenceOutputs | None, windows, prompts: int, new: int
+) -> tuple[Metric, list[int], list[int], list[list[int]]]:
     # Greedy match length: tokens generated identically before the first divergence. It is the
     # user-visible symptom (same answer?) that perplexity and top-1 averages only hint at.
-    lengths, first, ref_first = [], None, None
-    for w in windows[:prompts]:
+    lengths, first, ref_first, all_cand = [], None, None, []
+    for j, w in enumerate(windows[:prompts]):
         prompt = w[:32]
         cand = greedy_tokens(runner, prompt, new)
-        ref = greedy_tokens(reference, prompt, new) if reference is not None else cand
+        all_cand.append(cand)
+        ref = reference.greedy[j] if reference is not None else cand
         same = next(
             (k for k, (a, b) in enumerate(zip(cand, ref, strict=False)) if a != b), len(cand)
         )
@@ -355,4 +493,4 @@ def _greedy_metric(
         note=f"mean tokens identical to the reference's greedy output ({len(lengths)} prompts "
         f"of 32 tokens, {new} new tokens each)",
     )
-    return metric, first or [], ref_first or []
+    return metric, first or [], ref_first or [], all_cand
