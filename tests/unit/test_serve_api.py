@@ -349,3 +349,14 @@ def test_request_timeout_gives_504_and_frees_the_sequence(tiny_llama_dir):
                 break
             time.sleep(0.05)
         assert ctx.outstanding == 0 and not ctx.engine.sched.has_work()
+
+
+def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
+    from llmopt.serve.server import load_context
+
+    for on in (True, False):
+        s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
+                          enable_chunked_prefill=on)  # fmt: skip
+        ctx = load_context(str(tiny_llama_dir), s)
+        assert ctx.engine.sched.chunked_prefill is on
+        assert ctx.effective["enable_chunked_prefill"]["value"] is on

@@ -30,6 +30,11 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
         argv[argv.index("--port") + 1] == "9123" and argv[argv.index("--host") + 1] == "127.0.0.1"
     )
     assert "--max-model-len" in argv and "--max-num-seqs" in argv  # the plan's numbers
+    off = ServeSettings(port=9123, enable_chunked_prefill=False)
+    assert (
+        "--no-enable-chunked-prefill"
+        in external.external_command("vllm", str(tiny_llama_dir), off).argv
+    )
     with pytest.raises(ValueError, match="GGUF"):
         external.external_command("llamacpp", str(tiny_llama_dir), s)
     gguf = tmp_path / "m.gguf"

@@ -73,6 +73,10 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         if engine == "vllm"
         else argv
     )
+    if engine == "vllm" and not settings.enable_chunked_prefill:
+        argv = [a for a in argv if a != "--enable-chunked-prefill"] + [
+            "--no-enable-chunked-prefill"
+        ]
     if engine == "llamacpp":
         path = gguf or _builtin_gguf(model) or argv[argv.index("-m") + 1]
         if not Path(path).is_file():

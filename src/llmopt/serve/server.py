@@ -115,7 +115,9 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
     engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
+    engine.sched.chunked_prefill = settings.enable_chunked_prefill
     effective = {"max_num_seqs": engine.sched.max_num_seqs,
+                 "enable_chunked_prefill": settings.enable_chunked_prefill,
                  "max_num_batched_tokens": settings.max_num_batched_tokens,
                  "block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
                  "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
