@@ -193,7 +193,7 @@ def main() -> None:
     server = subprocess.Popen(
         [*cli, "serve", str(folder), "--recipe", args.recipe, "--device", args.device,
          "--port", str(port), "--max-num-seqs", str(args.concurrency),
-         "--decode-batch-sizes", str(args.concurrency), "--max-seq-len", str(args.max_seq_len),
+         "--decode-batch-sizes", str(args.concurrency), "--warmup-tokens", str(args.max_seq_len), "--max-seq-len", str(args.max_seq_len),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
          "--max-queue", str(args.requests), "--block-size", "16",
          "--num-blocks", str(args.concurrency * -(-args.max_seq_len // 16) + 1), "--log-level", "warning"],

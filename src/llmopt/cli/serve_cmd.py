@@ -115,14 +115,15 @@ def serve(
             "compiled graph each). Default: 1,4,16,... on CUDA, 1,2,4,... on the CPU.",
         ),
     ] = None,
-    warmup: Annotated[
-        bool,
+    warmup_tokens: Annotated[
+        int,
         typer.Option(
-            "--warmup/--no-warmup",
-            help="Compile every decode shape before accepting requests (else on first use). "
+            "--warmup-tokens",
+            help="Before accepting requests, compile the decode step of every batch size for "
+            "contexts up to this many tokens (longer ones compile on first use; 0: none). "
             "CUDA only: the CPU decode step is not compiled.",
         ),
-    ] = True,
+    ] = 1024,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
     gguf: Annotated[
@@ -149,7 +150,8 @@ def serve(
         request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
         drain_timeout_s=drain_timeout, embed_batch_window_ms=embed_batch_window_ms,
         embed_max_batch=embed_max_batch, device=device, threads=threads,
-        decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"), warmup=warmup,
+        decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"),
+        warmup_tokens=warmup_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
     )  # fmt: skip
     requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,

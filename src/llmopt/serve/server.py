@@ -101,16 +101,19 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
                          max_batch=settings.max_num_seqs, block_size=settings.block_size,
                          num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len,
                          batch_sizes=settings.batch_sizes())  # fmt: skip
-    if settings.warmup and settings.device == "cpu":
+    if settings.warmup_tokens and settings.device == "cpu":
         # The CPU decode step is eager (load_generator compiles on CUDA only): nothing to
         # compile, and running every shape up to a long context takes minutes on a few cores.
         log.info("decode warm-up skipped: the CPU decode step is not compiled")
-    elif settings.warmup:
-        widths = sorted({gen.table_width(w) for w in range(1, gen.max_blocks_per_seq + 1)})
-        log.info("warming up the decode step: batch sizes %s x %d length buckets (on CUDA each "
-                 "is compiled once: about a minute for an 8B model)", gen.batch_sizes,
+    elif settings.warmup_tokens:
+        upto = min(settings.warmup_tokens, int(gen.max_seq_len))
+        top = gen.table_width(gen.blocks_needed(upto))
+        widths = sorted({gen.table_width(w) for w in range(1, top + 1)})
+        log.info("warming up the decode step for contexts up to %d tokens: batch sizes %s x %d "
+                 "length buckets (on CUDA each is compiled once: about a minute for an 8B model; "
+                 "longer contexts compile on first use)", upto, gen.batch_sizes,
                  len(widths))  # fmt: skip
-        log.info("decode warm-up took %.1f s", gen.warmup())
+        log.info("decode warm-up took %.1f s", gen.warmup(upto))
     t0 = time.perf_counter()
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)

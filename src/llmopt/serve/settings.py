@@ -41,8 +41,9 @@ class ServeSettings:
         decode_batch_sizes: batch sizes the decode step runs at (a batch is padded up to the next
             one); on CUDA each is a compiled graph. None: 1, 4, 16, ... up to max_num_seqs on
             CUDA (fewer compiles), 1, 2, 4, ... on the CPU.
-        warmup: run (on CUDA: compile) the decode step for every batch size and length bucket
-            before accepting requests, so no request waits for a compile.
+        warmup_tokens: before accepting requests, run (on CUDA: compile) the decode step of
+            every batch size for every length bucket up to this many tokens of context; longer
+            contexts compile on first use. 0: none. Ignored on the CPU (nothing is compiled).
         recipe: numeric recipe of the engine (fp32, bf16, ...).
         device: "cpu" or "cuda".
         threads: torch CPU threads (None: torch's default).
@@ -68,7 +69,7 @@ class ServeSettings:
     embed_batch_window_ms: float = 5.0
     embed_max_batch: int = 64
     decode_batch_sizes: tuple[int, ...] | None = None
-    warmup: bool = True
+    warmup_tokens: int = 1024
     recipe: str = "fp32"
     device: str = "cpu"
     threads: int | None = None
@@ -98,6 +99,8 @@ class ServeSettings:
             raise ValueError("max-body-bytes must be at least 1024")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty; pass a real key or leave it out")
+        if self.warmup_tokens < 0:
+            raise ValueError("warmup-tokens must be >= 0 (0: no warm-up)")
         if self.decode_batch_sizes is not None and not all(
             1 <= b <= self.max_num_seqs for b in self.decode_batch_sizes
         ):
