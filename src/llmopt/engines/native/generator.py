@@ -324,6 +324,7 @@ class Generator:
         finally:
             if hook is not None:
                 hook.remove()
+        self._wait()
         events = []
         for i, (k, s) in enumerate(zip(keys, seqs, strict=True)):
             n = chunks[i][1]
@@ -411,6 +412,7 @@ class Generator:
             rows[i][2 : 2 + len(s.blocks)] = s.blocks
         packed = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         logits, best, best_lp = self._decode(packed)
+        self._wait()
         plain = [
             not self.seqs[k].params.logprobs and self.seqs[k].params.temperature <= 0 for k in keys
         ]
@@ -423,6 +425,18 @@ class Generator:
             self._append(k, self.seqs[k], t, lp, [])
             for k, t, lp in zip(keys, toks, lps, strict=True)
         ]
+
+    def _wait(self) -> None:
+        """Wait for the GPU with the GIL released (CUDA event), before reading results.
+
+        Reading a CUDA tensor (`.tolist()`, `int(...)`) also waits, but need not release the GIL;
+        a server's event loop (detokenizing, streaming) then stalls for the whole step instead of
+        running while the GPU computes.
+        """
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            ev.synchronize()
 
     def _decode_eager(self, packed: torch.Tensor):
         logits = self.model(packed[:, :1], packed[:, 1:2], packed[:, 2:])
