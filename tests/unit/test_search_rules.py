@@ -230,11 +230,17 @@ def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
     from llmopt.plan import Target
 
     info = inspect_model(tiny_llama_dir)
-    cands, _ = candidate_space(info, CPU)
+    cands, skipped = candidate_space(info, CPU)  # opt-in: listed with the reason, not searched
+    reasons = {s["id"]: s["reason"] for s in skipped}
+    for cid in ("torch-fp32-compile", "torch-bf16-compile", "torch-w8a16-compile"):
+        assert cid not in {c.id for c in cands} and "--candidates" in reasons[cid]
+    cands, _ = candidate_space(info, CPU, only=["torch-fp32-compile"])
     ids = {c.id for c in cands}
-    assert {"torch-fp32-compile", "torch-bf16-compile", "torch-w8a16-compile"} <= ids
+    assert ids == {"hf-fp32", "torch-fp32-compile"}
     comp = next(c for c in cands if c.id == "torch-fp32-compile")
-    assert comp.settings["compile"] is True and "compile" in comp.description
+    assert comp.settings["compile"] is True and "opt_in" not in comp.settings
+    assert "compile" in comp.description
+    cands, _ = candidate_space(info, CPU)
     assert not any(i.endswith("-compile") and not i.startswith("torch-") for i in ids)
     gpu, _ = candidate_space(info, Target("cuda", 8, "test GPU", 80 * 2**30))
     assert not any(c.id.endswith("-compile") for c in gpu)  # compiled there by default

@@ -14,7 +14,8 @@ not divide them is never built; `--candidates` still selects the others explicit
 
 Engine settings: an engine may offer variations worth measuring with an optional method
 `settings_space(info, recipe, device) -> list[dict]` (the first entry is its default). Engines
-without it get one candidate per recipe; on CPU that keeps the candidate count small.
+without it get one candidate per recipe; on CPU that keeps the candidate count small. A variation
+with an `opt_in` entry (its reason) is listed as skipped unless named in `--candidates`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["REFERENCE", "candidate_space", "task_rule", "settings_suffix"]
 
 REFERENCE = ("hf", "fp32")  # (engine, recipe) every other candidate is compared against
+# A settings variation holding this key is searched only when named in --candidates; the value
+# says why (listed as the skip reason otherwise).
+OPT_IN = "opt_in"
 
 
 def task_rule(task: str, recipe: Recipe) -> str | None:
@@ -171,8 +175,14 @@ def candidate_space(
                                 "reason": reason})  # fmt: skip
                 continue
             for i, var in enumerate(_variations(engine, info, recipe, target.device)):
+                var = dict(var)
+                opt_in = var.pop(OPT_IN, None)
                 vid = cid + ("" if i == 0 else settings_suffix(var))
                 ref = is_ref and i == 0
+                if opt_in and vid not in (only or ()):
+                    skipped.append({"id": vid, "engine": engine.name, "recipe": recipe.name,
+                                    "reason": f"{opt_in}; name it in --candidates to search it"})  # fmt: skip
+                    continue
                 if only and vid not in only and cid not in only and not ref:
                     skipped.append({"id": vid, "engine": engine.name, "recipe": recipe.name,
                                     "reason": "not selected (--candidates)"})  # fmt: skip
