@@ -244,3 +244,12 @@ def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
     assert not any(i.endswith("-compile") and not i.startswith("torch-") for i in ids)
     gpu, _ = candidate_space(info, Target("cuda", 8, "test GPU", 80 * 2**30))
     assert not any(c.id.endswith("-compile") for c in gpu)  # compiled there by default
+
+
+def test_screen_order_puts_calibrated_builds_last():
+    from llmopt.search.loop import _calibrated
+
+    assert not any(_calibrated(r) for r in ("fp32", "bf16", "w8a16"))
+    assert all(
+        _calibrated(r) for r in ("w4a16-rtn-g64", "w4a16-gptq-g64", "w8a8-int8", "fp8-dynamic")
+    )

@@ -130,28 +130,38 @@ def run_search(
     ref_verify_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/verify", 0.0)
     # Before any candidate has screened: the reference's build and screen bench, plus a screen
     # verify of two models on an eighth of the tokens, no generation (~a quarter of its full verify).
-    est = ref_build_s + ref_screen_s + (0.25 * ref_verify_s if task != "embedding" else 0.0)
-    observed: list[float] = []  # then: what candidate screens actually took (mean)
-    # Screening stops while there is still time to fully verify one survivor.
-    one_full = _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
-    queue = list(others)
+    first_est = ref_build_s + ref_screen_s + (0.25 * ref_verify_s if task != "embedding" else 0.0)
+    # What candidate screens actually took, by cost class (calibrated builds take minutes where
+    # the others take seconds); the longest one so far is the estimate (a mean under-estimates
+    # the next expensive build, and a screen cut off by the deadline is time lost).
+    observed: dict[bool, list[float]] = {False: [], True: []}
+    # Screening stops while there is still time to fully verify the survivors (halving keeps 2).
+    keep = min(2, len(others))
+    reserve = keep * _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
+    # Cheap candidates first: their screens decide what is worth the expensive ones' time.
+    queue = sorted(others, key=lambda c: _calibrated(c.recipe))
+    recipe_of = {c.id: c.recipe for c in others}
     while queue:
-        if observed:
-            est = sum(observed) / len(observed)
         wave = []
         while queue and len(wave) < executor.parallel:
             c = queue.pop(0)
+            cls = _calibrated(c.recipe)
+            seen = observed[cls] or observed[not cls]
+            est = max(seen) if seen else first_est
             cd = run.candidate(c.id)
             if all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN]) or budget.fits(
-                est + one_full, executor.parallel
+                est + reserve, executor.parallel
             ):
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
             else:
                 st.cut[c.id] = _exhausted(
-                    "the build and screen (keeping time for one full verification)",
-                    est + one_full, budget,
+                    f"the build and screen (keeping time for {keep} full verification"
+                    f"{'s' if keep > 1 else ''})",
+                    est + reserve, budget,
                 )  # fmt: skip
-        observed += [r["seconds"] for r in run_tasks(wave) if r.get("ran") and r.get("seconds")]
+        for r in run_tasks(wave):
+            if r.get("ran") and r.get("seconds"):
+                observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
     built = [c for c in others if run.candidate(c.id).done("build")]
 
     entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]
@@ -176,6 +186,20 @@ def run_search(
     _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
                max_quality_drop, early_stop=True)  # fmt: skip
     return st
+
+
+def _calibrated(recipe_name: str) -> bool:
+    """Whether the recipe's build runs the calibration pipeline (minutes per build, not seconds):
+    4-bit weights, AWQ/GPTQ/SmoothQuant, FP8."""
+    from llmopt.recipes import get_recipe
+
+    r = get_recipe(recipe_name)
+    bits = getattr(r, "weight_bits", None)
+    return (
+        bits == 4
+        or getattr(r, "algorithm", "rtn") != "rtn"
+        or (bits is not None and getattr(r, "weight_type", "int") == "float")
+    )
 
 
 def _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
