@@ -162,7 +162,6 @@ def main() -> None:
         print("RESULT " + json.dumps(in_process(args, folder)), flush=True)
         return
 
-    env = dict(os.environ)
     argv = [a for a in sys.argv[1:] if a != "--in-process"]
     t0 = time.perf_counter()
     if args.in_process_rate:
@@ -173,7 +172,7 @@ def main() -> None:
         }
     else:
         inproc = None
-    p = None if inproc else subprocess.run([sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    p = None if inproc else subprocess.run([sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     if p is not None:
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
@@ -197,7 +196,7 @@ def main() -> None:
          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
          "--max-queue", str(args.requests), "--block-size", "16",
          "--num-blocks", str(args.concurrency * -(-args.max_seq_len // 16) + 1), "--log-level", "warning"],
-        env=env, start_new_session=True,
+        start_new_session=True,
     )  # fmt: skip
     try:
         ready = wait_healthy(url, server, args.server_timeout)
@@ -209,7 +208,7 @@ def main() -> None:
              "--prompts", str(prompts), "--ignore-eos", "--repeats", str(args.repeats),
              "--timeout", "600", "--label", f"llmopt serve {args.recipe}",
              "--out", str(bench_dir)],
-            check=True, env=env,
+            check=True,
         )  # fmt: skip
     finally:
         server.send_signal(signal.SIGTERM)

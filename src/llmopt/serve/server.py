@@ -107,8 +107,7 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
         log.info("decode warm-up skipped: the CPU decode step is not compiled")
     elif settings.warmup_tokens:
         upto = min(settings.warmup_tokens, int(gen.max_seq_len))
-        top = gen.table_width(gen.blocks_needed(upto))
-        widths = sorted({gen.table_width(w) for w in range(1, top + 1)})
+        widths = gen.warmup_widths(upto)
         log.info("warming up the decode step for contexts up to %d tokens: batch sizes %s x %d "
                  "length buckets (on CUDA each is compiled once: about a minute for an 8B model; "
                  "longer contexts compile on first use)", upto, gen.batch_sizes,

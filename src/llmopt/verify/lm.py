@@ -136,17 +136,12 @@ class ReferenceOutputs:
         self.greedy, self.digest = greedy, digest
 
     @classmethod
-    def collect(cls, windows: torch.Tensor, prompts: int, new: int) -> _Collector:
-        """A collector to fill window by window (see `from_runner`)."""
-        return _Collector(windows, prompts, new)
-
-    @classmethod
     def from_runner(cls, runner: CausalLMRunner, windows: torch.Tensor, prompts: int = 2,
                     new: int = 32) -> ReferenceOutputs:  # fmt: skip
         """Run the reference over `windows` (and its greedy generations) once."""
         import torch.nn.functional as F
 
-        col = cls.collect(windows, prompts, new)
+        col = _Collector(windows, prompts, new)
         with flush_denormals():
             for i, w in enumerate(windows):
                 ids = w.unsqueeze(0)
@@ -180,6 +175,8 @@ class ReferenceOutputs:
 
 
 class _Collector:
+    """Fills a `ReferenceOutputs` window by window, from log-probabilities already computed."""
+
     def __init__(self, windows: torch.Tensor, prompts: int, new: int):
         n, t = windows.shape
         self.digest = _digest(windows, prompts, new)
@@ -331,7 +328,7 @@ def verify_causal_lm(
     prompts = generation_prompts if generation_tokens else 0
     if reference is not None and not isinstance(reference, ReferenceOutputs):
         reference = ReferenceOutputs.from_runner(reference, windows, prompts, generation_tokens)
-    own = ReferenceOutputs.collect(windows, prompts, generation_tokens) if keep_reference else None
+    own = _Collector(windows, prompts, generation_tokens) if keep_reference else None
     nll_c, agree, kl = (np.zeros(n) for _ in range(3))
     nll_r = reference.nll if reference is not None else np.zeros(n)
     nonfinite = False

@@ -15,10 +15,11 @@ to `max_prefill_tokens` per forward; SDPA causal attention), then runs one decod
 sequence that was already running, as a single batch padded to a bucket size (`batch_sizes`: 1,
 2, 4, 8, ... by default), with the block tables cut to a bucket of the longest sequence. With
 `compile=True` the decode step is `torch.compile`d (`mode="reduce-overhead"`: CUDA graphs on
-GPU), one graph per (batch, length) bucket. Each new bucket costs a compile (about a minute for an 8B model on an H200), so a compiled
-generator never cuts the tables below `min_bucket_tokens` (the gather of a few hundred tokens costs
-microseconds, a compile a minute), and `warmup()` compiles the buckets up front: a server calls it
-before it accepts requests, so no request waits for a compile.
+GPU), one graph per (batch, length) bucket. Each new bucket costs a compile (about a minute for an
+8B model on an H200), so a compiled generator never cuts the tables below `min_bucket_tokens` (the
+gather of a few hundred tokens costs microseconds, a compile a minute), and `warmup()` compiles
+the buckets up front: a server calls it before it accepts requests, so no request waits for a
+compile.
 
 Chunked prefill: `step(prefill_budget=N)` computes at most N prompt tokens in this step (the
 scheduler passes its token budget less one token per running decode). The sequences waiting for
@@ -379,6 +380,11 @@ class Generator:
             return self.max_blocks_per_seq
         return max(self.min_bucket_blocks, bucket(blocks, self.max_blocks_per_seq))
 
+    def warmup_widths(self, max_tokens: int | None = None) -> list[int]:
+        """The length buckets (table widths) of contexts up to `max_tokens` (default: all)."""
+        top = self.table_width(self.blocks_needed(max_tokens or self.max_seq_len))
+        return sorted({self.table_width(w) for w in range(1, top + 1)})
+
     @torch.inference_mode()
     def warmup(self, max_tokens: int | None = None) -> float:
         """Run (and so compile) the decode step for every batch size and length bucket up to
@@ -387,15 +393,12 @@ class Generator:
         Only scratch block 0 is touched: the running sequences' KV cache is left alone.
         """
         t0 = time.perf_counter()
-        top = self.table_width(self.blocks_needed(max_tokens or self.max_seq_len))
-        widths = sorted({self.table_width(w) for w in range(1, top + 1)})
         for bp in self.batch_sizes:
-            for nb in widths:
+            for nb in self.warmup_widths(max_tokens):
                 packed = torch.zeros(bp, 2 + nb, dtype=torch.long, device=self.device)
                 for _ in range(3):  # compile, then the CUDA-graph warm-up and recording runs
                     self._decode(packed)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self._wait()
         return time.perf_counter() - t0
 
     @torch.inference_mode()
