@@ -28,7 +28,16 @@ for step in "$@"; do
     serve)  # issue 6: 64 streams of 512-token prompts against the in-process batch-64 rate
       python3 benchmarks/serve_load.py --shape llama-3.1-8b --workdir "$W" --tokenizer "$TOK" \
         --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
-        --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" ;;
+        --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
+      # Extra points at smaller token budgets per step (chunked prefill: bounds ITL p99), reusing
+      # the in-process rate measured above rather than measuring it again.
+      rate=$(python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])")
+      for b in ${EXTRA_MNBT:-2048}; do
+        python3 benchmarks/serve_load.py --shape llama-3.1-8b --workdir "$W" --tokenizer "$TOK" \
+          --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
+          --repeats 1 --in-process-rate "$rate" --max-num-batched-tokens "$b" \
+          --out "$OUT/serve_load_mnbt$b.json" 2>&1 | tee "$OUT/serve_mnbt$b.log" | grep -v "^INFO"
+      done ;;
     quantize)  # issue 3: calibration wall time and peak GPU memory per recipe, 8B shape
       python3 benchmarks/quantize.py --shape llama-3.1-8b --device cuda \
         --recipes "${RECIPES:-fp8-dynamic,w4a16-gptq}" --samples "${SAMPLES:-128}" \
