@@ -321,7 +321,9 @@ def _select(run: RunDir, cands: list[Candidate], max_quality_drop: float, object
     from llmopt.select import select
 
     verify, bench, errors = _results(run, cands)
-    sel = select(cands, verify, bench, errors, max_quality_drop, objective, ctx, cut)
+    screen = {c.id: BenchResult.from_dict(b) for c in cands
+              if (b := run.candidate(c.id).read("bench", "screen")) is not None}  # fmt: skip
+    sel = select(cands, verify, bench, errors, max_quality_drop, objective, ctx, cut, screen)
     write_json(run.selection_json, sel.to_dict())
     return sel
 

@@ -55,6 +55,7 @@ def select(
     objective: str = "throughput",
     context: dict[str, Any] | None = None,
     cut: dict[str, str] | None = None,
+    screen_bench: dict[str, BenchResult] | None = None,
 ) -> Selection:
     """Choose the best candidate for `objective` among those that pass verification.
 
@@ -66,6 +67,9 @@ def select(
         objective: latency | throughput | memory | cost (llmopt.search.objective).
         context: objective context (price_per_hour for cost).
         cut: candidate id -> why the search stopped it before full fidelity.
+        screen_bench: screen-fidelity bench results by id; they never rank anything, but when the
+            chosen candidate's eager `hf` twin was cut at the screen, the reason compares the
+            two there (both measured alike, in this run).
 
     Example:
         >>> sel = select(cands, verify, bench, {}, 0.01, "latency")   # doctest: +SKIP
@@ -112,7 +116,7 @@ def select(
         reasons[chosen] = (
             f"chosen: best {obj.name} within the quality budget ({_fmt(values[chosen], unit)}"
             f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
-            + _vs_eager(chosen, candidates, bench)
+            + _vs_eager(chosen, candidates, bench, screen_bench or {})
         )
         best_noise = _noise(bench[chosen], obj.name)
         for i in ranking[1:]:
@@ -142,21 +146,33 @@ def select(
     )
 
 
-def _vs_eager(chosen: str, candidates: list[Candidate], bench: dict[str, BenchResult]) -> str:
+def _vs_eager(chosen: str, candidates: list[Candidate], bench: dict[str, BenchResult],
+              screen: dict[str, BenchResult]) -> str:
     """The chosen candidate's batch-1 decode against the same recipe run eagerly by transformers
-    (the `hf` engine), when both were benchmarked in this run: what the engine itself bought."""
-    by_id = {c.id: c for c in candidates}
-    c = by_id[chosen]
+    (the `hf` engine), when both were benchmarked in this run: what the engine itself bought.
+
+    Full-fidelity numbers when the twin has them; otherwise both at the screen (the search may
+    cut a slow eager twin there), said so in the text.
+    """
+    c = next(o for o in candidates if o.id == chosen)
     if c.engine == "hf":
         return ""
-    twin = next((o.id for o in candidates if o.engine == "hf" and o.recipe == c.recipe
-                 and not o.settings and o.id in bench), None)  # fmt: skip
+    # A plain twin: same recipe and device, no engine settings beyond where it runs.
+    twins = [o.id for o in candidates if o.engine == "hf" and o.recipe == c.recipe
+             and set(o.settings) <= {"threads", "device"}
+             and o.settings.get("device") == c.settings.get("device")]  # fmt: skip
     key = "decode_tokens_per_s"
-    mine, theirs = bench[chosen].metrics.get(key), twin and bench[twin].metrics.get(key)
-    if not mine or not theirs or not theirs.median:
-        return ""
-    return (f"; batch-1 decode {mine.median / theirs.median:.1f}x {twin} (the same recipe in "
-            f"eager transformers, measured in this run)")  # fmt: skip
+    for results, where in ((bench, "measured in this run"),
+                           (screen, "both at the screen fidelity, in this run")):  # fmt: skip
+        twin = next((t for t in twins if t in results), None)
+        if twin is None or chosen not in results:
+            continue
+        mine, theirs = results[chosen].metrics.get(key), results[twin].metrics.get(key)
+        if mine and theirs and theirs.median:
+            return (f"; batch-1 decode {mine.median / theirs.median:.1f}x {twin} "
+                    f"({mine.median:.4g} vs {theirs.median:.4g} tokens/s; the same recipe in "
+                    f"eager transformers, {where})")  # fmt: skip
+    return ""
 
 
 def _noise(b: BenchResult, objective: str) -> float:

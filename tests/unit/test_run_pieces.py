@@ -174,8 +174,8 @@ def test_peak_rss_is_the_process_own_not_inherited():
 def test_select_says_what_the_engine_bought_over_eager_transformers():
     cands = [
         Candidate("hf-fp32", "hf", "fp32", reference=True),
-        Candidate("hf-bf16", "hf", "bf16"),
-        Candidate("torch-bf16", "torch", "bf16"),
+        Candidate("hf-bf16", "hf", "bf16", {"threads": 16, "device": "cuda"}),
+        Candidate("torch-bf16", "torch", "bf16", {"threads": 16, "device": "cuda"}),
     ]
     verify = {c.id: _verify(c.id, 0.001) for c in cands}
     bench = {
@@ -186,5 +186,13 @@ def test_select_says_what_the_engine_bought_over_eager_transformers():
     sel = select(cands, verify, bench, {}, 0.01)
     assert sel.chosen == "torch-bf16"
     assert "batch-1 decode 12.1x hf-bf16" in sel.reasons["torch-bf16"]
+    assert "measured in this run" in sel.reasons["torch-bf16"]
+    screen = {"hf-bf16": _bench("hf-bf16", [30, 31, 30]), "torch-bf16": _bench("torch-bf16", [149] * 3)}
     del bench["hf-bf16"]  # no eager twin measured: nothing claimed
     assert "hf-bf16" not in select(cands, verify, bench, {}, 0.01).reasons["torch-bf16"]
+    # The twin cut at the screen: both compared there, and the reason says so.
+    reason = select(cands, verify, bench, {}, 0.01, screen_bench=screen).reasons["torch-bf16"]
+    assert "batch-1 decode 5.0x hf-bf16 (149 vs 30 tokens/s" in reason
+    assert "at the screen fidelity" in reason
+    del screen["torch-bf16"]  # the chosen one has no screen numbers: no mixed-fidelity ratio
+    assert "hf-bf16" not in select(cands, verify, bench, {}, 0.01, screen_bench=screen).reasons["torch-bf16"]
