@@ -26,22 +26,30 @@ for step in "$@"; do
     model)
       python3 benchmarks/random_model.py --shape llama-3.1-8b --out "$M" --tokenizer "$TOK" ;;
     serve)  # issue 6: 64 streams of 512-token prompts against the in-process batch-64 rate
-      python3 benchmarks/serve_load.py --shape llama-3.1-8b --workdir "$W" --tokenizer "$TOK" \
+      python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
         --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
         --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
       # Extra points at smaller token budgets per step (chunked prefill: bounds ITL p99), reusing
       # the in-process rate measured above rather than measuring it again.
       rate=$(python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])")
       for b in ${EXTRA_MNBT:-2048}; do
-        python3 benchmarks/serve_load.py --shape llama-3.1-8b --workdir "$W" --tokenizer "$TOK" \
+        python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
           --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
           --repeats 1 --in-process-rate "$rate" --max-num-batched-tokens "$b" \
           --out "$OUT/serve_load_mnbt$b.json" 2>&1 | tee "$OUT/serve_mnbt$b.log" | grep -v "^INFO"
       done ;;
-    quantize)  # issue 3: calibration wall time and peak GPU memory per recipe, 8B shape
-      python3 benchmarks/quantize.py --shape llama-3.1-8b --device cuda \
-        --recipes "${RECIPES:-fp8-dynamic,w4a16-gptq}" --samples "${SAMPLES:-128}" \
-        --seq-len 2048 --json "$OUT/quantize.json" 2>&1 | tee "$OUT/quantize.log" ;;
+    quantize)  # issue 3: calibration wall time and peak GPU memory per recipe, 8B shape, through
+      # the CLI users run (the random folder from `model`; its calibration text is the built-in
+      # Wikipedia, tokenized by the smollm2 tokenizer the folder carries). Facts to $OUT, the
+      # quantized folder deleted after (the disk holds the source and one output at a time).
+      for r in ${RECIPES:-fp8-dynamic w4a16-gptq}; do
+        echo "--- $r $(date -u +%H:%M:%S)"
+        llmopt quantize "$M" --recipe "$r" --device cuda --samples "${SAMPLES:-128}" \
+          --seq-len 2048 --out "$W/q-$r" --json > "$OUT/quantize-$r.json" 2> "$OUT/quantize-$r.log"
+        tail -3 "$OUT/quantize-$r.log"
+        python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print({k: f.get(k) for k in ('calibration_seconds','seconds','peak_device_memory_bytes','peak_rss_bytes','quantized_linears','format')})" "$OUT/quantize-$r.json"
+        rm -rf "$W/q-$r"
+      done ;;
     optimize)  # issue 7: torch-bf16 vs HF eager bf16 at batch-1 decode, in one optimize run.
       # Random weights give near-flat next-token distributions: bf16 alone flips the argmax at
       # ~15% of positions (KL 0.003), so the default top-1 gate (0.9) fails every bf16 candidate;
@@ -49,7 +57,8 @@ for step in "$@"; do
       llmopt optimize "$M" --target cuda --quick --gates "${GATES:-loose}" --no-deploy \
         --candidates "${CANDIDATES:-hf-bf16,torch-bf16}" --out "$W/run-8b" 2>&1 | tee -a "$OUT/optimize.log"
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
-      (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .) ;;
+      (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
+      rm -rf "$W/run-8b" ;;  # ~50 GB of artifacts: the next step needs the disk (64 GiB)
     decode)  # issue 8 leftovers: the autotuned Triton GEMV (int8, FP8) at batch 1
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int8 fp8} --batches 1 \
         2>&1 | tee "$OUT/decode.log" ;;

@@ -40,7 +40,8 @@ def write_random_model(shape: str, out: Path, tokenizer: str, dtype: str = "bflo
     cfg |= {"vocab_size": vocab} if vocab else {}
     marker = out / "llmopt-random.json"
     want = {"shape": shape, "config": cfg, "dtype": dtype, "seed": seed}
-    if marker.is_file() and json.loads(marker.read_text()) == want:
+    # Compared as JSON reads it back (tuples become lists), or the folder is rewritten every time.
+    if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(want)):
         return out
     config = AutoConfig.for_model(**cfg)
     with torch.device("meta"):

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -140,6 +141,8 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--server-timeout", type=float, default=600)
+    ap.add_argument("--server-args", default="",
+                    help="more `llmopt serve` flags, e.g. '--no-enable-chunked-prefill'")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("serve_load.json"))
     ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process-rate", type=float, help="skip step 1: use this tokens/s")
@@ -195,7 +198,8 @@ def main() -> None:
          "--decode-batch-sizes", str(args.concurrency), "--warmup-tokens", str(args.max_seq_len), "--max-seq-len", str(args.max_seq_len),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens),
          "--max-queue", str(args.requests), "--block-size", "16",
-         "--num-blocks", str(args.concurrency * -(-args.max_seq_len // 16) + 1), "--log-level", "warning"],
+         "--num-blocks", str(args.concurrency * -(-args.max_seq_len // 16) + 1), "--log-level", "warning",
+         *shlex.split(args.server_args)],
         start_new_session=True,
     )  # fmt: skip
     try:

@@ -21,7 +21,8 @@ def test_quantize_json_and_gguf(tiny_llama_dir, tmp_path):
     args += ["--calibration", str(cal), "--samples", "2", "--seq-len", "32", "--json"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
-    facts = json.loads(r.stdout)
+    facts = json.loads(r.stdout)  # progress went to stderr, one line per decoder layer
+    assert "calibrate: layer 1/" in r.stderr
     assert facts["format"] == "pack-quantized" and facts["calibration"]["windows_used"] == 2
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     g = tmp_path / "m.gguf"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -131,7 +132,13 @@ def quantize(
         from llmopt.quant import quantize as run_quantize
 
         cal = CalibrationConfig(calibration, samples, seq_len, seed)
-        if as_json:
+        if as_json:  # stdout is the JSON; progress goes to stderr, one line per layer
+            t0 = time.perf_counter()
+
+            def line(stage: str, done: int, total: int) -> None:
+                print(f"{stage}: layer {done}/{total} at {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
             facts = run_quantize(
                 source,
                 recipe,
@@ -140,6 +147,7 @@ def quantize(
                 device=device,
                 auto_exclude=auto_exclude,
                 max_quality_drop=max_quality_drop,
+                progress=line,
             )
         else:
             from rich.progress import Progress
