@@ -354,9 +354,9 @@ def test_request_timeout_gives_504_and_frees_the_sequence(tiny_llama_dir):
 def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
     from llmopt.serve.server import load_context
 
-    for on in (True, False):
+    for on, want in ((True, True), (False, False), (None, False)):  # None: the native default
         s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
                           enable_chunked_prefill=on)  # fmt: skip
         ctx = load_context(str(tiny_llama_dir), s)
-        assert ctx.engine.sched.chunked_prefill is on
-        assert ctx.effective["enable_chunked_prefill"]["value"] is on
+        assert ctx.engine.sched.chunked_prefill is want
+        assert ctx.effective["enable_chunked_prefill"]["value"] is want

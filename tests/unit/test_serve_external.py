@@ -30,6 +30,7 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
         argv[argv.index("--port") + 1] == "9123" and argv[argv.index("--host") + 1] == "127.0.0.1"
     )
     assert "--max-model-len" in argv and "--max-num-seqs" in argv  # the plan's numbers
+    assert "--no-enable-chunked-prefill" not in argv  # not asked: vLLM's own default stands
     off = ServeSettings(port=9123, enable_chunked_prefill=False)
     assert (
         "--no-enable-chunked-prefill"

@@ -58,13 +58,15 @@ def serve(
         ),
     ] = None,
     enable_chunked_prefill: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--enable-chunked-prefill/--no-enable-chunked-prefill",
             help="Prefill long prompts in chunks that fit each step's token budget, beside the "
-            "running decodes (as vLLM); off: each admitted prompt is prefilled whole in one step.",
+            "running decodes (as vLLM); off: each admitted prompt is prefilled whole in one step. "
+            "Default: off for the native engine (measured slower on an H200, docs/serving.md), "
+            "vLLM's own default with --engine vllm.",
         ),
-    ] = True,
+    ] = None,
     block_size: Annotated[
         int | None,
         typer.Option("--block-size", help="KV-cache block, tokens (default: from the plan)."),

@@ -73,7 +73,7 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         if engine == "vllm"
         else argv
     )
-    if engine == "vllm" and not settings.enable_chunked_prefill:
+    if engine == "vllm" and settings.enable_chunked_prefill is False:  # None: vLLM's default
         argv = [a for a in argv if a != "--enable-chunked-prefill"] + [
             "--no-enable-chunked-prefill"
         ]

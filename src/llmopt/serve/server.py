@@ -118,9 +118,10 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
     engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
-    engine.sched.chunked_prefill = settings.enable_chunked_prefill
+    chunked = settings.enable_chunked_prefill
+    engine.sched.chunked_prefill = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
     effective = {"max_num_seqs": engine.sched.max_num_seqs,
-                 "enable_chunked_prefill": settings.enable_chunked_prefill,
+                 "enable_chunked_prefill": engine.sched.chunked_prefill,
                  "max_num_batched_tokens": settings.max_num_batched_tokens,
                  "block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
                  "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
@@ -128,7 +129,9 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     for key, value in effective.items():
         src, note = settings.source(key), settings.source_notes.get(key, "")
         if src == "default" and getattr(settings, key) is None:
-            note = note or "the engine's default"
+            note = note or ("off for the native engine: on an H200 its chunked steps ran two "
+                            "prefill forwards instead of one and served less (docs/serving.md)"
+                            if key == "enable_chunked_prefill" else "the engine's default")
         log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
         view[key] = {"value": value, "source": src}
     return ServerContext(settings, name, "causal-lm", gen.tokenizer, metrics, int(gen.max_seq_len),
@@ -201,6 +204,13 @@ def _make_server(config: Any, ctx: ServerContext) -> Any:
 
     return DrainingServer(config)
 
+
+# Chunked prefill is off unless asked for (--enable-chunked-prefill). Measured on an H200, 8B
+# model, 64 streams of 512-token prompts: served output 56-57% of the in-process rate without it
+# (an earlier lease), 51-53% with it at a 8,192-token step budget, 41% at 2,048 (docs/benchmarks.md).
+# The native engine runs a step's later chunks (paged path) and first chunks (SDPA) as separate
+# eager forwards, and each forward has a large fixed cost; vLLM's single mixed forward does not.
+NATIVE_CHUNKED_PREFILL = False
 
 # The engine thread and the event loop share one interpreter. When the GPU finishes a step, the
 # engine thread needs the GIL back to read the tokens and launch the next step, while the event

@@ -27,7 +27,9 @@ class ServeSettings:
             chunks over several steps; without it, one such prompt is still prefilled, alone.
         enable_chunked_prefill: split prompt prefills into chunks that fit each step's token
             budget (after one token per running decode), as vLLM does, so a burst of long
-            prompts never stalls the running streams for a whole prefill.
+            prompts never stalls the running streams for a whole prefill. None: the engine's
+            default: off for the native engine (`NATIVE_CHUNKED_PREFILL`), vLLM's own for
+            `--engine vllm`.
         block_size: KV-cache page size in tokens.
         num_blocks: KV-cache pages, one of them scratch (None: enough for max_num_seqs
             sequences of max_seq_len tokens).
@@ -58,7 +60,7 @@ class ServeSettings:
     api_key: str | None = None
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = None
     block_size: int = 16
     num_blocks: int | None = None
     max_seq_len: int | None = None
