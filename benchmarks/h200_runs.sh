@@ -29,14 +29,18 @@ for step in "$@"; do
       python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
         --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
         --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
-      # Extra points at smaller token budgets per step (chunked prefill: bounds ITL p99), reusing
-      # the in-process rate measured above rather than measuring it again.
+      # Extra server variants (one run each), reusing the in-process rate measured above:
+      # the engine in its own process, and that with chunked prefill back on.
       rate=$(python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])")
-      for b in ${EXTRA_MNBT:-2048}; do
+      IFS='|' read -ra variants <<< "${SERVE_VARIANTS:---engine-process|--engine-process --enable-chunked-prefill}"
+      i=0
+      for v in "${variants[@]}"; do
+        i=$((i + 1))
+        echo "--- variant $i: $v"
         python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
           --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
-          --repeats 1 --in-process-rate "$rate" --max-num-batched-tokens "$b" \
-          --out "$OUT/serve_load_mnbt$b.json" 2>&1 | tee "$OUT/serve_mnbt$b.log" | grep -v "^INFO"
+          --repeats 1 --in-process-rate "$rate" --server-args="$v" \
+          --out "$OUT/serve_load_v$i.json" 2>&1 | tee "$OUT/serve_v$i.log" | grep -v "^INFO"
       done ;;
     quantize)  # issue 3: calibration wall time and peak GPU memory per recipe, 8B shape, through
       # the CLI users run (the random folder from `model`; its calibration text is the built-in

@@ -85,12 +85,14 @@ class Server:
             self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(request, tmp_path_factory):
+    """The same server twice: the engine in a thread of the API process, then in its own."""
     from llmopt.assets import prepare_builtin
 
     prepare_builtin(MODEL)  # once, in this process, before the server needs it
-    s = Server(MODEL, COMMON, tmp_path_factory.mktemp("serve") / "server.log")
+    extra = ["--engine-process"] if request.param == "engine-process" else []
+    s = Server(MODEL, COMMON + extra, tmp_path_factory.mktemp("serve") / "server.log")
     yield s
     s.kill()
 
@@ -333,5 +335,41 @@ def test_shutdown_during_load_drains(tmp_path):
         assert not errors, errors
         assert results == [("length", 40)] * 3  # every in-flight request completed
         assert s.proc.wait(60) == 0
+    finally:
+        s.kill()
+
+
+def test_engine_process_death_fails_requests_and_health(tmp_path):
+    """`--engine-process`: the engine core killed under the server: open and new requests get a
+    500 with the reason (none hangs), /health turns 503 with the exit code."""
+    s = Server(MODEL, COMMON + ["--engine-process"], tmp_path / "server.log")
+    try:
+        h = httpx.get(s.url + "/health").json()
+        assert h["engine"]["mode"] == "process" and h["engine"]["alive"]
+        pid = h["engine"]["pid"]
+        assert pid != s.proc.pid
+        c = s.client()
+        assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+        errors: list[Exception] = []
+
+        def long_one() -> None:
+            try:
+                c.completions.create(model=MODEL, prompt="Go on:", max_tokens=400,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+            except Exception as e:
+                errors.append(e)
+
+        t = threading.Thread(target=long_one)
+        t.start()
+        time.sleep(1.0)  # in flight
+        os.kill(pid, signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive() and len(errors) == 1
+        assert isinstance(errors[0], openai.InternalServerError), errors[0]
+        with pytest.raises(openai.InternalServerError, match="engine process exited"):
+            c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "engine_dead"
+        assert "code -9" in r.json()["engine"]["last_error"]
     finally:
         s.kill()

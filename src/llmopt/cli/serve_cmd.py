@@ -67,6 +67,14 @@ def serve(
             "vLLM's own default with --engine vllm.",
         ),
     ] = None,
+    engine_process: Annotated[
+        bool,
+        typer.Option(
+            "--engine-process/--no-engine-process",
+            help="Run the native engine in its own process (as vLLM's engine core), so "
+            "streaming many clients never holds up an engine step; off: an engine thread.",
+        ),
+    ] = False,
     block_size: Annotated[
         int | None,
         typer.Option("--block-size", help="KV-cache block, tokens (default: from the plan)."),
@@ -155,6 +163,7 @@ def serve(
         decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"),
         warmup_tokens=warmup_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
+        engine_process=engine_process,
     )  # fmt: skip
     requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "block_size": block_size, "num_blocks": num_blocks,

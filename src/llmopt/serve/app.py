@@ -171,7 +171,11 @@ def create_app(ctx: ServerContext) -> Any:
         status = "draining" if ctx.draining else "ok"
         body = {"status": status, "model": ctx.served_name, "task": ctx.task,
                 "in_flight": ctx.outstanding, "settings": ctx.effective}  # fmt: skip
-        return JSONResponse(body, 503 if ctx.draining else 200)
+        if ctx.engine is not None:
+            body["engine"] = ctx.engine.describe()
+            if not body["engine"]["alive"]:  # nothing can be served: route elsewhere
+                body["status"] = "engine_dead"
+        return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -46,6 +46,27 @@ class EngineLoop:
         metrics.kv_total.set(self.sched.capacity_blocks)
         self._publish()
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.sched.max_num_seqs
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.sched.chunked_prefill
+
+    @chunked_prefill.setter
+    def chunked_prefill(self, on: bool) -> None:  # before the first step
+        self.sched.chunked_prefill = on
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.sched.capacity_blocks
+
+    def describe(self) -> dict[str, Any]:
+        """For /health: where the engine runs, and its last error (a failed step)."""
+        return {"mode": "thread", "alive": True,
+                "last_error": None if self.error is None else repr(self.error)}  # fmt: skip
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()

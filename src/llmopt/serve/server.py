@@ -95,19 +95,67 @@ def load_context(model: str, settings: ServeSettings, recipe: str | None = None)
 
 def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSettings,
                         metrics: ServeMetrics) -> ServerContext:  # fmt: skip
-    from llmopt.engines.native import SamplingParams, load_generator
     from llmopt.serve.engine_loop import EngineLoop
 
-    gen = load_generator(str(folder), recipe=recipe, device=settings.device,
-                         max_batch=settings.max_num_seqs, block_size=settings.block_size,
-                         num_blocks=settings.num_blocks, max_seq_len=settings.max_seq_len,
-                         batch_sizes=settings.batch_sizes())  # fmt: skip
-    if settings.warmup_tokens and settings.device == "cpu":
+    gen_kwargs = {"model": str(folder), "recipe": recipe, "device": settings.device,
+                  "max_batch": settings.max_num_seqs, "block_size": settings.block_size,
+                  "num_blocks": settings.num_blocks, "max_seq_len": settings.max_seq_len,
+                  "batch_sizes": settings.batch_sizes()}  # fmt: skip
+    chunked = settings.enable_chunked_prefill
+    chunked = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
+    if settings.engine_process:
+        from transformers import AutoTokenizer
+
+        from llmopt.serve.engine_proc import EngineProcess
+
+        log.info("starting the engine process (model load and warm-up happen there)")
+        engine: Any = EngineProcess(
+            gen_kwargs, {"tokens": settings.warmup_tokens, "threads": settings.threads,
+                         "log_level": log.getEffectiveLevel()},
+            settings.max_num_seqs, settings.max_num_batched_tokens, chunked, metrics)  # fmt: skip
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        shape = {k: engine.info[k] for k in ("block_size", "num_blocks", "max_seq_len")}
+    else:
+        from llmopt.engines.native import load_generator
+
+        gen = load_generator(**gen_kwargs)
+        warm_generator(gen, settings.warmup_tokens, settings.device)
+        engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
+        engine.chunked_prefill = chunked
+        tokenizer = gen.tokenizer
+        shape = {"block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
+                 "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
+    effective = {"max_num_seqs": engine.max_num_seqs,
+                 "enable_chunked_prefill": engine.chunked_prefill,
+                 "max_num_batched_tokens": settings.max_num_batched_tokens, **shape}  # fmt: skip
+    view = {}
+    for key, value in effective.items():
+        src, note = settings.source(key), settings.source_notes.get(key, "")
+        if src == "default" and getattr(settings, key) is None:
+            note = note or (
+                "off for the native engine: on an H200 its chunked steps ran two "
+                "prefill forwards instead of one and served less (docs/serving.md)"
+                if key == "enable_chunked_prefill"
+                else "the engine's default"
+            )
+        log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
+        view[key] = {"value": value, "source": src}
+    return ServerContext(settings, name, "causal-lm", tokenizer, metrics, shape["max_seq_len"],
+                         engine=engine, num_blocks=engine.capacity_blocks,
+                         block_size=shape["block_size"], effective=view)  # fmt: skip
+
+
+def warm_generator(gen: Any, warmup_tokens: int, device: str) -> None:
+    """Compile the decode shapes up to `warmup_tokens` of context (CUDA), then one short
+    generation, so no request waits for a compile (in the engine process too)."""
+    from llmopt.engines.native import SamplingParams
+
+    if warmup_tokens and device == "cpu":
         # The CPU decode step is eager (load_generator compiles on CUDA only): nothing to
         # compile, and running every shape up to a long context takes minutes on a few cores.
         log.info("decode warm-up skipped: the CPU decode step is not compiled")
-    elif settings.warmup_tokens:
-        upto = min(settings.warmup_tokens, int(gen.max_seq_len))
+    elif warmup_tokens:
+        upto = min(warmup_tokens, int(gen.max_seq_len))
         widths = gen.warmup_widths(upto)
         log.info("warming up the decode step for contexts up to %d tokens: batch sizes %s x %d "
                  "length buckets (on CUDA each is compiled once: about a minute for an 8B model; "
@@ -117,26 +165,6 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     t0 = time.perf_counter()
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
-    engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
-    chunked = settings.enable_chunked_prefill
-    engine.sched.chunked_prefill = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
-    effective = {"max_num_seqs": engine.sched.max_num_seqs,
-                 "enable_chunked_prefill": engine.sched.chunked_prefill,
-                 "max_num_batched_tokens": settings.max_num_batched_tokens,
-                 "block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
-                 "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
-    view = {}
-    for key, value in effective.items():
-        src, note = settings.source(key), settings.source_notes.get(key, "")
-        if src == "default" and getattr(settings, key) is None:
-            note = note or ("off for the native engine: on an H200 its chunked steps ran two "
-                            "prefill forwards instead of one and served less (docs/serving.md)"
-                            if key == "enable_chunked_prefill" else "the engine's default")
-        log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
-        view[key] = {"value": value, "source": src}
-    return ServerContext(settings, name, "causal-lm", gen.tokenizer, metrics, int(gen.max_seq_len),
-                         engine=engine, num_blocks=engine.sched.capacity_blocks,
-                         block_size=int(gen.block_size), effective=view)  # fmt: skip
 
 
 def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, name: str,

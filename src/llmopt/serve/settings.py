@@ -30,6 +30,9 @@ class ServeSettings:
             prompts never stalls the running streams for a whole prefill. None: the engine's
             default: off for the native engine (`NATIVE_CHUNKED_PREFILL`), vLLM's own for
             `--engine vllm`.
+        engine_process: run the engine (generator, scheduler, step loop) in its own process,
+            as vLLM's engine core, so the API process's Python (detokenizing, streaming) never
+            holds the GIL the engine needs (`serve/engine_proc.py`). Off: an engine thread.
         block_size: KV-cache page size in tokens.
         num_blocks: KV-cache pages, one of them scratch (None: enough for max_num_seqs
             sequences of max_seq_len tokens).
@@ -61,6 +64,7 @@ class ServeSettings:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool | None = None
+    engine_process: bool = False
     block_size: int = 16
     num_blocks: int | None = None
     max_seq_len: int | None = None
