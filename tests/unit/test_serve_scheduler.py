@@ -250,3 +250,72 @@ def test_engine_refusal_fails_only_that_sequence(tiny_llama_dir):
 
 def test_out_of_blocks_is_the_engines_class():
     assert issubclass(OutOfBlocks, Exception)
+
+
+def _swap_sched(gen, space: int) -> Scheduler:
+    return Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=256, watermark=0,
+                     swap_space_bytes=space, swap_pays=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_preemption_by_swap_continues_exactly(tiny_llama_dir, temperature):
+    """Swapped-out sequences come back with their KV cache and sampling state: the same tokens
+    as running alone, greedy or sampled with a seed (recompute cannot promise the latter)."""
+
+    def params() -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True)
+
+    alone = {}
+    for i, p in enumerate(PROMPTS):
+        alone[i], _ = _gen(tiny_llama_dir).generate(p, params())
+    gen = _gen(tiny_llama_dir, num_blocks=12)  # 11 usable: four sequences cannot all grow
+    sched = _swap_sched(gen, 1 << 30)
+    for i, p in enumerate(PROMPTS):
+        sched.submit(Sequence(i, p, params()))
+    out = _run(sched)
+    assert sched.swaps_total > 0 and sched.preemptions_total == sched.swaps_total
+    assert out == alone
+    assert sched.swap_used_bytes == 0 and gen.free_blocks == sched.capacity_blocks
+
+
+def test_swap_space_full_falls_back_to_recompute(tiny_llama_dir):
+    gen = _gen(tiny_llama_dir, num_blocks=12)
+    one_block = gen.kv_bytes_per_token() * gen.block_size
+    sched = _swap_sched(gen, one_block)  # too small for any victim (each holds >= 2 blocks)
+    for i, p in enumerate(PROMPTS):
+        sched.submit(Sequence(i, p, _greedy(12)))
+    _run(sched)
+    assert sched.preemptions_total > 0 and sched.swaps_total == 0
+
+
+def test_abort_while_swapped_releases_host_memory(tiny_llama_dir):
+    gen = _gen(tiny_llama_dir, num_blocks=12)
+    sched = _swap_sched(gen, 1 << 30)
+    for i, p in enumerate(PROMPTS):
+        sched.submit(Sequence(i, p, _greedy(12)))
+    for _ in range(200):
+        sched.step()
+        swapped = [s for s in sched._queued.values() if s.swapped is not None]
+        if swapped:
+            break
+    else:
+        pytest.fail("nothing was swapped out")
+    assert sched.stats().swapped == 1 and sched.swap_used_bytes == swapped[0].swapped.nbytes
+    sched.abort(swapped[0].seq_id)
+    assert sched.swap_used_bytes == 0 and sched.stats().swapped == 0
+    _run(sched)
+    assert gen.free_blocks == sched.capacity_blocks
+
+
+def test_swap_verdict_by_model_and_device(tiny_llama_dir):
+    from llmopt.serve import swap
+
+    gen = _gen(tiny_llama_dir)
+    pays, why = swap.swap_pays(gen)
+    assert "FLOP per KV byte" in why and "CPU" in why
+    # The tiny model's recompute intensity (layer parameters per KV byte) is low; a CPU's
+    # balance is lower still, a GPU's far higher.
+    params = sum(p.numel() for p in gen.model.model.layers.parameters())
+    intensity = params / gen.kv_bytes_per_token()
+    assert pays == (intensity > swap.device_balance("cpu")[0])
+    assert intensity < 989e12 / swap.PCIE5_BPS  # an H200 would recompute it

@@ -67,6 +67,15 @@ def serve(
             "vLLM's own default with --engine vllm.",
         ),
     ] = None,
+    swap_space: Annotated[
+        float,
+        typer.Option(
+            "--swap-space",
+            help="GiB of host memory for the KV caches of preempted sequences (as vLLM's flag); "
+            "used where swapping beats recomputing for the model and device (the log says "
+            "which); 0: recompute only.",
+        ),
+    ] = 4.0,
     engine_process: Annotated[
         bool,
         typer.Option(
@@ -164,6 +173,7 @@ def serve(
         warmup_tokens=warmup_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         engine_process=engine_process,
+        swap_space_gib=swap_space,
     )  # fmt: skip
     requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "block_size": block_size, "num_blocks": num_blocks,

@@ -30,13 +30,15 @@ class EngineLoop:
         gen: the native generator.
         max_num_seqs, max_num_batched_tokens: scheduler limits.
         metrics: gauges and counters updated after every step.
+        swap_space_bytes: host memory for swapped-out KV caches (0: recompute only).
     """
 
     def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
-                 metrics: ServeMetrics):  # fmt: skip
+                 metrics: ServeMetrics, swap_space_bytes: int = 0):  # fmt: skip
         self.gen = gen
         self.metrics = metrics
-        self.sched = Scheduler(gen, max_num_seqs, max_num_batched_tokens)
+        self.sched = Scheduler(gen, max_num_seqs, max_num_batched_tokens,
+                               swap_space_bytes=swap_space_bytes)  # fmt: skip
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -136,6 +138,8 @@ class EngineLoop:
         m.preempted.set(st.preempted)
         m.kv_free.set(st.free_blocks)
         m.kv_usage.set(st.kv_usage)
+        m.swapped.set(st.swapped)
+        m.swap_used.set(st.swap_used_bytes)
 
 
 def _deliver(out: list[tuple[Sequence, Any]]) -> None:

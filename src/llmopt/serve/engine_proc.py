@@ -46,14 +46,15 @@ class EngineProcess:
     Args:
         gen_kwargs: `load_generator` arguments (model folder, recipe, device, batch, cache).
         warmup: `warm_generator` arguments (warm-up tokens, threads), run in the child.
-        max_num_seqs, max_num_batched_tokens, chunked_prefill: the scheduler's settings.
+        max_num_seqs, max_num_batched_tokens, chunked_prefill, swap_space_bytes: the
+            scheduler's settings.
         metrics: gauges and counters, updated from every step's message.
         start_timeout: seconds to wait for the child's model load and warm-up.
     """
 
     def __init__(self, gen_kwargs: dict, warmup: dict, max_num_seqs: int,
                  max_num_batched_tokens: int, chunked_prefill: bool, metrics: ServeMetrics,
-                 start_timeout: float = 3600.0):  # fmt: skip
+                 start_timeout: float = 3600.0, swap_space_bytes: int = 0):  # fmt: skip
         self.metrics = metrics
         self.error: BaseException | None = None
         self._ids = itertools.count(1)
@@ -63,7 +64,7 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         sched = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                 "chunked_prefill": chunked_prefill}  # fmt: skip
+                 "chunked_prefill": chunked_prefill, "swap_space_bytes": swap_space_bytes}  # fmt: skip
         self._proc = ctx.Process(target=_engine_main, args=(child, gen_kwargs, warmup, sched),
                                  name="llmopt-engine-core", daemon=True)  # fmt: skip
         self._proc.start()
@@ -154,6 +155,8 @@ class EngineProcess:
             m.preempted.set(stats[2])
             m.kv_free.set(stats[3])
             m.kv_usage.set(stats[4])
+            m.swapped.set(stats[5])
+            m.swap_used.set(stats[6])
             if events:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._deliver, events)
@@ -235,7 +238,8 @@ def _engine_main(conn: Any, gen_kwargs: dict, warmup: dict, sched_kwargs: dict) 
         events = [(s.seq_id, _wire(x)) for s, x in out]
         tokens = sum(not isinstance(x, tuple) for _, x in events)
         st = sched.stats()
-        stats = (st.waiting, st.running, st.preempted, st.free_blocks, st.kv_usage)
+        stats = (st.waiting, st.running, st.preempted, st.free_blocks, st.kv_usage, st.swapped,
+                 st.swap_used_bytes)  # fmt: skip
         try:
             conn.send(("step", (events, stats, tokens, sched.preemptions_total - before)))
         except (OSError, ValueError):

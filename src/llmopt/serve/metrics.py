@@ -32,8 +32,16 @@ class ServeMetrics:
         )
         self.preempted = Gauge(
             "llmopt_num_requests_preempted",
-            "Sequences evicted, waiting to be recomputed.",
+            "Sequences evicted, waiting to be recomputed or swapped back in.",
             registry=r,
+        )
+        self.swapped = Gauge(
+            "llmopt_num_requests_swapped",
+            "Preempted sequences whose KV cache waits in host memory.",
+            registry=r,
+        )
+        self.swap_used = Gauge(
+            "llmopt_swap_space_used_bytes", "Host memory holding swapped-out KV caches.", registry=r
         )
         self.queue_depth = Gauge(
             "llmopt_queue_depth",
@@ -55,7 +63,7 @@ class ServeMetrics:
             "llmopt_generation_tokens", "Tokens generated.", registry=r
         )
         self.preemptions = Counter(
-            "llmopt_num_preemptions", "Sequences preempted (recompute).", registry=r
+            "llmopt_num_preemptions", "Sequences preempted (recompute or swap).", registry=r
         )
         self.requests = Counter("llmopt_requests", "Finished requests by endpoint and outcome.",
                                 ["endpoint", "outcome"], registry=r)  # fmt: skip

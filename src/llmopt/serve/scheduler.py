@@ -11,9 +11,12 @@ to make room; re-admitted before any waiting request). Each `step()`:
 2. runs one engine step (prefills, or prefill chunks, of the admitted; one decode for every
    running sequence);
 3. when the engine reports that running sequences need a new block and none is free
-   (`OutOfBlocks`), preempts by recompute: the latest-arrived, lowest-priority running sequences
-   are removed (their blocks freed) and queued again with prompt + generated tokens as their new
-   prompt, so no generated token is lost and none is produced twice.
+   (`OutOfBlocks`), preempts the latest-arrived, lowest-priority running sequences (their blocks
+   freed): by swap, when `swap_space_bytes` has room for the victim's KV cache and swapping beats
+   recomputing for this model and device (`serve/swap.py`): its cache waits in host memory and
+   comes back into any free blocks, sampling state included; otherwise by recompute: queued again
+   with prompt + generated tokens as its new prompt. Either way no generated token is lost and
+   none is produced twice.
 
 With chunked prefill (`chunked_prefill=True`, the default) the budget is split as vLLM splits
 it: one token per running decode first; what is left goes to prefill chunks, first to the
@@ -65,6 +68,7 @@ class Sequence:
     preemptions: int = 0
     status: str = "new"  # waiting | running | preempted | finished | aborted | failed
     order: int = 0  # arrival order, the FIFO tie-break
+    swapped: Any = None  # the engine's Swapped (KV cache in host memory) while preempted by swap
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -94,6 +98,8 @@ class SchedulerStats:
     free_blocks: int
     num_blocks: int
     preemptions_total: int
+    swapped: int = 0  # preempted sequences whose KV cache waits in host memory
+    swap_used_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -119,11 +125,16 @@ class Scheduler:
             cache, at least 1).
         chunked_prefill: split prompts into chunks that fit the step's budget (see above); an
             attribute, so a server may switch it before the first step.
+        swap_space_bytes: host memory for swapped-out KV caches (0: preempt by recompute only).
+            A decoding victim is swapped when its cache fits in what is left and the engine
+            says moving it beats recomputing it (`swap_pays`); otherwise it is recomputed.
+        swap_pays: the engine's verdict (default: `llmopt.serve.swap.swap_pays(gen)`).
     """
 
     def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
                  out_of_blocks: type[BaseException] | None = None,
-                 watermark: int | None = None, chunked_prefill: bool = True):  # fmt: skip
+                 watermark: int | None = None, chunked_prefill: bool = True,
+                 swap_space_bytes: int = 0, swap_pays: bool | None = None):  # fmt: skip
         if out_of_blocks is None:
             from llmopt.engines.native import OutOfBlocks as out_of_blocks
         self.gen = gen
@@ -139,6 +150,16 @@ class Scheduler:
         self.preemptions_total = 0
         self.chunked_prefill = chunked_prefill
         self.capacity_blocks = int(gen.free_blocks)  # usable blocks (the engine may keep scratch)
+        self.swap_space_bytes = int(swap_space_bytes)
+        self.swap_used_bytes = 0
+        self.swaps_total = 0
+        if self.swap_space_bytes and swap_pays is None:
+            from llmopt.serve.swap import swap_pays as verdict
+
+            swap_pays, why = verdict(gen)
+            log.info("swap preemption %s: %s", "on" if swap_pays else "off", why)
+        self.swap = bool(self.swap_space_bytes and swap_pays)
+        self._kv_token = int(gen.kv_bytes_per_token()) if self.swap else 0
 
     # -- requests in and out ------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -156,16 +177,23 @@ class Scheduler:
             seq = self._queued.pop(seq_id, None)  # its heap entry is skipped when reached
         if seq is not None:
             seq.status = "aborted"
+            self._drop_swap(seq)
         return seq
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        if seq.swapped is not None:
+            self.swap_used_bytes -= seq.swapped.nbytes
+            seq.swapped = None
 
     def has_work(self) -> bool:
         return bool(self.running or self._queued)
 
     def stats(self) -> SchedulerStats:
         pre = sum(s.status == "preempted" for s in self._queued.values())
+        swapped = sum(s.swapped is not None for s in self._queued.values())
         return SchedulerStats(len(self._queued) - pre, len(self.running), pre,
                               int(self.gen.free_blocks), self.capacity_blocks,
-                              self.preemptions_total)  # fmt: skip
+                              self.preemptions_total, swapped, self.swap_used_bytes)  # fmt: skip
 
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, Any]]:
@@ -207,6 +235,8 @@ class Scheduler:
                 self.gen.remove(sid)
             except Exception:  # the engine is already in trouble; the blocks are its problem
                 log.exception("remove(%s) failed after an engine error", sid)
+        for q in self._queued.values():
+            self._drop_swap(q)
         self.running.clear()
         self._queued.clear()
         self._waiting.clear()
@@ -242,6 +272,11 @@ class Scheduler:
             if head is None:
                 break
             heap, seq = head
+            if seq.swapped is not None:  # back from host memory: no prefill, one decode token
+                if not self._swap_in(seq, heap):
+                    break
+                budget -= 1
+                continue
             n = len(seq.tokens)
             if self.chunked_prefill and budget <= 0:
                 break  # no room for a first chunk this step
@@ -271,16 +306,40 @@ class Scheduler:
             prefilled = True
         return failed
 
+    def _swap_in(self, seq: Sequence, heap: list) -> bool:
+        reserve = len(self.running) + self.watermark if self.running else 0
+        if seq.swapped.num_blocks > self.gen.free_blocks - reserve:
+            return False  # strict order, as for prompts
+        try:
+            self.gen.swap_in(seq.seq_id, seq.swapped)
+        except (self.OutOfBlocks, ValueError):
+            return False
+        heapq.heappop(heap)
+        del self._queued[seq.seq_id]
+        self._drop_swap(seq)
+        self.running[seq.seq_id] = seq
+        seq.status = "running"
+        return True
+
     def _preempt(self, needing: list[int]) -> None:
         # Victims: lowest priority, then latest arrival first (vLLM's recompute policy).
         victims = sorted(self.running.values(), key=lambda s: s.key, reverse=True)
         need = {sid for sid in needing if sid in self.running} or set(self.running)
         while victims and self.gen.free_blocks < len(need & set(self.running)):
             v = victims.pop(0)
-            v.tokens = list(self.gen.remove(v.seq_id))
+            how = "recompute"
+            nbytes = len(self.gen.seqs[v.seq_id].blocks) * self.gen.block_size * self._kv_token
+            if (self.swap and self.gen.prefill_pending(v.seq_id) == 0
+                    and self.swap_used_bytes + nbytes <= self.swap_space_bytes):  # fmt: skip
+                v.swapped = self.gen.swap_out(v.seq_id)
+                self.swap_used_bytes += v.swapped.nbytes
+                self.swaps_total += 1
+                how = "swapped to host"
+            else:
+                v.tokens = list(self.gen.remove(v.seq_id))
             del self.running[v.seq_id]
             v.status, v.preemptions = "preempted", v.preemptions + 1
             self._queued[v.seq_id] = v
             heapq.heappush(self._preempted, (v.priority, v.order, v))
             self.preemptions_total += 1
-            log.info("preempted sequence %s (recompute %d tokens)", v.seq_id, len(v.tokens))
+            log.info("preempted sequence %s (%s, %d tokens)", v.seq_id, how, len(v.tokens))

@@ -103,6 +103,7 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
                   "batch_sizes": settings.batch_sizes()}  # fmt: skip
     chunked = settings.enable_chunked_prefill
     chunked = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
+    swap = int(settings.swap_space_gib * 2**30)
     if settings.engine_process:
         from transformers import AutoTokenizer
 
@@ -112,7 +113,8 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
         engine: Any = EngineProcess(
             gen_kwargs, {"tokens": settings.warmup_tokens, "threads": settings.threads,
                          "log_level": log.getEffectiveLevel()},
-            settings.max_num_seqs, settings.max_num_batched_tokens, chunked, metrics)  # fmt: skip
+            settings.max_num_seqs, settings.max_num_batched_tokens, chunked, metrics,
+            swap_space_bytes=swap)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(folder)
         shape = {k: engine.info[k] for k in ("block_size", "num_blocks", "max_seq_len")}
     else:
@@ -120,7 +122,8 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
 
         gen = load_generator(**gen_kwargs)
         warm_generator(gen, settings.warmup_tokens, settings.device)
-        engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics)
+        engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics,
+                            swap_space_bytes=swap)  # fmt: skip
         engine.chunked_prefill = chunked
         tokenizer = gen.tokenizer
         shape = {"block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),

@@ -30,6 +30,9 @@ class ServeSettings:
             prompts never stalls the running streams for a whole prefill. None: the engine's
             default: off for the native engine (`NATIVE_CHUNKED_PREFILL`), vLLM's own for
             `--engine vllm`.
+        swap_space_gib: host memory for the KV caches of sequences preempted by swapping (vLLM's
+            `--swap-space`); used only where swapping beats recomputing for this model and
+            device (`serve/swap.py`); 0: preemption by recompute only.
         engine_process: run the engine (generator, scheduler, step loop) in its own process,
             as vLLM's engine core, so the API process's Python (detokenizing, streaming) never
             holds the GIL the engine needs (`serve/engine_proc.py`). Off: an engine thread.
@@ -65,6 +68,7 @@ class ServeSettings:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool | None = None
     engine_process: bool = False
+    swap_space_gib: float = 4.0
     block_size: int = 16
     num_blocks: int | None = None
     max_seq_len: int | None = None

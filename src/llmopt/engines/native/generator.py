@@ -49,7 +49,7 @@ import torch
 
 from llmopt.engines.native.model import Transformer
 
-__all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks"]
+__all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks", "Swapped"]
 
 
 class OutOfBlocks(RuntimeError):
@@ -102,6 +102,24 @@ class _Seq:
     finish: str | None = None
     done: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
     plp: list | None = None  # prompt log-probabilities gathered so far, chunk by chunk
+
+
+@dataclass
+class Swapped:
+    """A decoding sequence moved out of the KV pool (`Generator.swap_out`): its state, and its
+    blocks' keys and values per layer in host memory (pinned on CUDA), in block order."""
+
+    seq: _Seq
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.keys[0].shape[0]) if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 def bucket(n: int, cap: int) -> int:
@@ -225,6 +243,58 @@ class Generator:
         s = self.seqs.pop(seq_id)
         self._free.extend(reversed(s.blocks))
         return s.ids
+
+    # --- swapping (preemption that keeps the KV cache) ---------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token holds across all layers."""
+        a = self.model.model.layers[0].self_attn
+        per_layer = 2 * a.k_cache.shape[1] * a.k_cache.shape[2] * a.k_cache.element_size()
+        return per_layer * len(self.model.model.layers)
+
+    def swap_out(self, seq_id: Hashable) -> Swapped:
+        """Copy a decoding sequence's KV blocks to host memory, free them, forget the sequence.
+
+        The copies are queued on the current stream before anything can reuse the blocks, and
+        `swap_in` copies back on the same stream, so nothing waits for them here. Its sampling
+        state (random generator included) travels with it: after `swap_in` it continues exactly
+        as if it had never left.
+        """
+        s = self.seqs[seq_id]
+        if not s.prefilled:
+            raise ValueError(f"sequence {seq_id!r} is still being prefilled; remove it instead")
+        idx = torch.tensor(s.blocks, device=self.device)
+        pin = self.device.type == "cuda"
+        keys, values = [], []
+        for layer in self.model.model.layers:
+            a = layer.self_attn
+            for cache, out in ((a.k_cache, keys), (a.v_cache, values)):
+                src = cache.view(-1, self.block_size, *cache.shape[1:]).index_select(0, idx)
+                host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+                out.append(host.copy_(src, non_blocking=pin))
+        del self.seqs[seq_id]
+        self._free.extend(reversed(s.blocks))
+        s.blocks = []
+        return Swapped(s, keys, values)
+
+    def swap_in(self, seq_id: Hashable, swapped: Swapped) -> None:
+        """Bring a swapped-out sequence back into free blocks (any ids); it decodes next step."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already running")
+        if len(self.seqs) >= self.max_batch:
+            raise ValueError(f"batch full ({self.max_batch} sequences)")
+        need = swapped.num_blocks
+        if need > len(self._free):
+            raise OutOfBlocks(f"swap-in needs {need} KV blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(need)]
+        idx = torch.tensor(blocks, device=self.device)
+        for layer, k, v in zip(self.model.model.layers, swapped.keys, swapped.values,
+                               strict=True):  # fmt: skip
+            a = layer.self_attn
+            for cache, host in ((a.k_cache, k), (a.v_cache, v)):
+                view = cache.view(-1, self.block_size, *cache.shape[1:])
+                view.index_copy_(0, idx, host.to(self.device, non_blocking=True))
+        swapped.seq.blocks = blocks
+        self.seqs[seq_id] = swapped.seq
 
     # --- stepping -------------------------------------------------------------------------
     def step(self, prefill_budget: int | None = None) -> list[TokenEvent]:
