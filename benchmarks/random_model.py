@@ -15,6 +15,7 @@ The folder is written under a temporary name and renamed, so a killed run leaves
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import sys
@@ -36,14 +37,16 @@ def write_random_model(shape: str, out: Path, tokenizer: str, dtype: str = "bflo
 
     from llmopt.assets.models import resolve_model
 
-    cfg = dict(SHAPES[shape]) | ({"num_hidden_layers": layers} if layers else {})
+    cfg = copy.deepcopy(SHAPES[shape]) | ({"num_hidden_layers": layers} if layers else {})
     cfg |= {"vocab_size": vocab} if vocab else {}
     marker = out / "llmopt-random.json"
     want = {"shape": shape, "config": cfg, "dtype": dtype, "seed": seed}
-    # Compared as JSON reads it back (tuples become lists), or the folder is rewritten every time.
-    if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(want)):
+    if marker.is_file() and json.loads(marker.read_text()) == want:
         return out
-    config = AutoConfig.for_model(**cfg)
+    # A copy: transformers adds keys to the nested rope_scaling dict it is given, which made the
+    # marker written below differ from the next call's `want` (the 8B folder was rewritten, 16 GB,
+    # on every call).
+    config = AutoConfig.for_model(**copy.deepcopy(cfg))
     with torch.device("meta"):
         names = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     dev = "cuda" if torch.cuda.is_available() else "cpu"
