@@ -11,8 +11,12 @@ set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:/tmp/site:$PWD/.devdata/site PYTHONUNBUFFERED=1 LLMOPT_HOME=$PWD/.devdata/llmopt_home
-W=/tmp/llmopt-h200
-M=$W/llama-3.1-8b
+# SHAPE/DEV/VOCAB make a dry run possible off the GPU: SHAPE=tiny DEV=cpu VOCAB=49152 bash ... model serve
+SHAPE=${SHAPE:-llama-3.1-8b}
+DEV=${DEV:-cuda}
+VOCAB=${VOCAB:-0}
+W=${WORKDIR:-/tmp/llmopt-h200}
+M=$W/$SHAPE
 TOK=$PWD/.devdata/smollm2-tok
 llmopt() { python3 -m llmopt.cli.main "$@"; }
 for step in "$@"; do
@@ -24,10 +28,10 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
       python3 -c "import torch, transformers, fastapi, compressed_tensors; print(torch.__version__, transformers.__version__)" ;;
     model)
-      python3 benchmarks/random_model.py --shape llama-3.1-8b --out "$M" --tokenizer "$TOK" ;;
+      python3 benchmarks/random_model.py --shape "$SHAPE" --out "$M" --tokenizer "$TOK" --vocab "$VOCAB" ;;
     serve)  # issue 6: 64 streams of 512-token prompts against the in-process batch-64 rate
       python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
-        --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
+        --device "$DEV" --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
         --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
       # Extra server variants (one run each), reusing the in-process rate measured above:
       # the engine in its own process, and that with chunked prefill back on.
@@ -38,7 +42,7 @@ for step in "$@"; do
         i=$((i + 1))
         echo "--- variant $i: $v"
         python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
-          --device cuda --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
+          --device "$DEV" --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
           --repeats 1 --in-process-rate "$rate" --server-args="$v" \
           --out "$OUT/serve_load_v$i.json" 2>&1 | tee "$OUT/serve_v$i.log" | grep -v "^INFO"
       done ;;
@@ -48,7 +52,7 @@ for step in "$@"; do
       # quantized folder deleted after (the disk holds the source and one output at a time).
       for r in ${RECIPES:-fp8-dynamic w4a16-gptq}; do
         echo "--- $r $(date -u +%H:%M:%S)"
-        llmopt quantize "$M" --recipe "$r" --device cuda --samples "${SAMPLES:-128}" \
+        llmopt quantize "$M" --recipe "$r" --device "$DEV" --samples "${SAMPLES:-128}" \
           --seq-len 2048 --out "$W/q-$r" --json > "$OUT/quantize-$r.json" 2> "$OUT/quantize-$r.log"
         tail -3 "$OUT/quantize-$r.log"
         python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print({k: f.get(k) for k in ('calibration_seconds','seconds','peak_device_memory_bytes','peak_rss_bytes','quantized_linears','format')})" "$OUT/quantize-$r.json"
@@ -58,7 +62,7 @@ for step in "$@"; do
       # Random weights give near-flat next-token distributions: bf16 alone flips the argmax at
       # ~15% of positions (KL 0.003), so the default top-1 gate (0.9) fails every bf16 candidate;
       # `loose` (0.8) judges them as it would an aggressive recipe (docs/benchmarks.md, issue 7).
-      llmopt optimize "$M" --target cuda --quick --gates "${GATES:-loose}" --no-deploy \
+      llmopt optimize "$M" --target "$DEV" --quick --gates "${GATES:-loose}" --no-deploy \
         --candidates "${CANDIDATES:-hf-bf16,torch-bf16}" --out "$W/run-8b" 2>&1 | tee -a "$OUT/optimize.log"
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
