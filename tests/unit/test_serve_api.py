@@ -360,3 +360,15 @@ def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
         ctx = load_context(str(tiny_llama_dir), s)
         assert ctx.engine.sched.chunked_prefill is want
         assert ctx.effective["enable_chunked_prefill"]["value"] is want
+
+
+def test_engine_process_start_failure_is_a_clear_error(tmp_path):
+    """A model the engine process cannot load: an EngineProcessError naming the cause and the
+    fix, not a hang (the child reports the failure and exits)."""
+    from llmopt.serve.engine_proc import EngineProcess, EngineProcessError
+    from llmopt.serve.metrics import ServeMetrics
+
+    bad = {"model": str(tmp_path / "no-such-model"), "recipe": "fp32", "device": "cpu"}
+    with pytest.raises(EngineProcessError, match="failed to start") as ei:
+        EngineProcess(bad, {}, 2, 64, False, ServeMetrics(), start_timeout=120)
+    assert "no-such-model" in str(ei.value) and "fix:" in str(ei.value)

@@ -29,6 +29,7 @@ import multiprocessing as mp
 import threading
 from typing import Any
 
+from llmopt.errors import LlmoptError
 from llmopt.serve.metrics import ServeMetrics
 
 __all__ = ["EngineProcess", "EngineProcessError"]
@@ -36,7 +37,7 @@ __all__ = ["EngineProcess", "EngineProcessError"]
 log = logging.getLogger(__name__)
 
 
-class EngineProcessError(RuntimeError):
+class EngineProcessError(LlmoptError):
     """The engine process failed to start, or died."""
 
 
@@ -79,18 +80,22 @@ class EngineProcess:
     def _wait_ready(self, timeout: float) -> dict:
         if not self._conn.poll(timeout):
             self._proc.kill()
-            raise EngineProcessError(f"the engine process was not ready after {timeout:.0f} s")
+            raise EngineProcessError(f"the engine process was not ready after {timeout:.0f} s",
+                                     "look at its log lines above (model load, warm-up)")  # fmt: skip
         try:
             kind, payload = self._conn.recv()
         except EOFError:
             self._proc.join(5)
             raise EngineProcessError(
                 f"the engine process exited with code {self._proc.exitcode} while loading the "
-                "model; its error is in the log above"
+                "model", "its error is in the log above; without --engine-process the same load "
+                "runs in this process"
             ) from None
         if kind == "failed":
             self._proc.join(5)
-            raise EngineProcessError(f"the engine process failed to start: {payload}")
+            raise EngineProcessError(f"the engine process failed to start: {payload}",
+                                     "the same settings without --engine-process show the "
+                                     "full traceback")  # fmt: skip
         return payload
 
     def describe(self) -> dict[str, Any]:
@@ -162,7 +167,8 @@ class EngineProcess:
                 self._loop.call_soon_threadsafe(self._deliver, events)
         self._proc.join(5)
         self.error = EngineProcessError(
-            f"the engine process exited (code {self._proc.exitcode}); restart the server"
+            f"the engine process exited (code {self._proc.exitcode})",
+            "restart the server; the engine's last log lines say why",
         )
         log.error("%s", self.error)
         if self._loop is not None and not self._loop.is_closed():
