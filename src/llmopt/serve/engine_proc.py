@@ -88,8 +88,9 @@ class EngineProcess:
             self._proc.join(5)
             raise EngineProcessError(
                 f"the engine process exited with code {self._proc.exitcode} while loading the "
-                "model", "its error is in the log above; without --engine-process the same load "
-                "runs in this process"
+                "model",
+                "its error is in the log above; without --engine-process the same load "
+                "runs in this process",
             ) from None
         if kind == "failed":
             self._proc.join(5)
