@@ -305,14 +305,16 @@ class QuantBudgetError(LlmoptError):
     """--auto-exclude could not bring the recipe within the quality budget."""
 
 
+def _drop(nll: float, ref_nll: float, tokens: int) -> float:
+    """Relative perplexity increase of a summed NLL over the reference's (per window)."""
+    return math.exp((nll - ref_nll) / tokens) - 1.0
+
+
 def _refuse_if_over_budget(recipe, steps, ref_nll: float, tokens: int, budget: float,
                            total: int) -> None:  # fmt: skip
-    def drop(nll: float) -> float:
-        return math.exp((nll - ref_nll) / tokens) - 1.0
-
-    if drop(steps[-1][1]) <= budget:
+    if _drop(steps[-1][1], ref_nll, tokens) <= budget:
         return
-    tried = ", ".join(f"{k} in float: {drop(n):+.2%}" for k, n in steps)
+    tried = ", ".join(f"{k} in float: {_drop(n, ref_nll, tokens):+.2%}" for k, n in steps)
     raise QuantBudgetError(
         f"{recipe.name}: --auto-exclude could not meet the quality budget {budget:+.2%} keeping up "
         f"to {steps[-1][0]} of {total} quantized layers in float (at most half); tried {tried}. "
@@ -330,13 +332,9 @@ def _auto_exclude(model, res, windows, ref_nll, q_nll, budget, device):
     tokens = windows.shape[1] - 1
     ranked = sorted(res.linears.values(), key=lambda q: q.sqnr_db)
     steps = [(0, q_nll)]
-
-    def drop(nll: float) -> float:
-        return math.exp((nll - ref_nll) / tokens) - 1.0
-
     cap = max(1, int(len(ranked) * MAX_EXCLUDED_SHARE))
     k, done = 1, 0
-    while drop(steps[-1][1]) > budget and done < cap:
+    while _drop(steps[-1][1], ref_nll, tokens) > budget and done < cap:
         for q in ranked[done : min(k, cap)]:
             lin = model.get_submodule(q.name)
             lin.weight.data.copy_(q.original.to(lin.weight.dtype))

@@ -30,14 +30,17 @@ class EngineLoop:
         gen: the native generator.
         max_num_seqs, max_num_batched_tokens: scheduler limits.
         metrics: gauges and counters updated after every step.
-        swap_space_bytes: host memory for swapped-out KV caches (0: recompute only).
+        chunked_prefill, swap_space_bytes: the scheduler's prefill chunking and host memory for
+            swapped-out KV caches (0: recompute only).
     """
 
     def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
-                 metrics: ServeMetrics, swap_space_bytes: int = 0):  # fmt: skip
+                 metrics: ServeMetrics, chunked_prefill: bool = True,
+                 swap_space_bytes: int = 0):  # fmt: skip
         self.gen = gen
         self.metrics = metrics
         self.sched = Scheduler(gen, max_num_seqs, max_num_batched_tokens,
+                               chunked_prefill=chunked_prefill,
                                swap_space_bytes=swap_space_bytes)  # fmt: skip
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -55,10 +58,6 @@ class EngineLoop:
     @property
     def chunked_prefill(self) -> bool:
         return self.sched.chunked_prefill
-
-    @chunked_prefill.setter
-    def chunked_prefill(self, on: bool) -> None:  # before the first step
-        self.sched.chunked_prefill = on
 
     @property
     def capacity_blocks(self) -> int:
@@ -131,15 +130,7 @@ class EngineLoop:
             self._publish()
 
     def _publish(self) -> None:
-        st = self.sched.stats()
-        m = self.metrics
-        m.waiting.set(st.waiting)
-        m.running.set(st.running)
-        m.preempted.set(st.preempted)
-        m.kv_free.set(st.free_blocks)
-        m.kv_usage.set(st.kv_usage)
-        m.swapped.set(st.swapped)
-        m.swap_used.set(st.swap_used_bytes)
+        self.metrics.publish(self.sched.stats())
 
 
 def _deliver(out: list[tuple[Sequence, Any]]) -> None:

@@ -156,13 +156,7 @@ class EngineProcess:
             if tokens:
                 m.count_generated(tokens)
             m.preemptions.inc(preempted)
-            m.waiting.set(stats[0])
-            m.running.set(stats[1])
-            m.preempted.set(stats[2])
-            m.kv_free.set(stats[3])
-            m.kv_usage.set(stats[4])
-            m.swapped.set(stats[5])
-            m.swap_used.set(stats[6])
+            m.publish(stats)
             if events:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._deliver, events)
@@ -208,13 +202,11 @@ def _engine_main(conn: Any, gen_kwargs: dict, warmup: dict, sched_kwargs: dict) 
             torch.set_num_threads(int(warmup["threads"]))
         gen = load_generator(**gen_kwargs)
         warm_generator(gen, int(warmup.get("tokens") or 0), gen_kwargs.get("device", "cpu"))
-        chunked = sched_kwargs.pop("chunked_prefill")
         sched = Scheduler(gen, **sched_kwargs)
-        sched.chunked_prefill = chunked
     except Exception as e:  # the parent shows it and exits
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"max_num_seqs": sched.max_num_seqs, "chunked_prefill": chunked,
+    conn.send(("ready", {"max_num_seqs": sched.max_num_seqs, "chunked_prefill": sched.chunked_prefill,
                          "capacity_blocks": sched.capacity_blocks,
                          "block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
                          "max_seq_len": int(gen.max_seq_len)}))  # fmt: skip
@@ -244,11 +236,8 @@ def _engine_main(conn: Any, gen_kwargs: dict, warmup: dict, sched_kwargs: dict) 
             out = [(s, err) for s in sched.fail_all()]
         events = [(s.seq_id, _wire(x)) for s, x in out]
         tokens = sum(not isinstance(x, tuple) for _, x in events)
-        st = sched.stats()
-        stats = (st.waiting, st.running, st.preempted, st.free_blocks, st.kv_usage, st.swapped,
-                 st.swap_used_bytes)  # fmt: skip
         try:
-            conn.send(("step", (events, stats, tokens, sched.preemptions_total - before)))
+            conn.send(("step", (events, sched.stats(), tokens, sched.preemptions_total - before)))
         except (OSError, ValueError):
             return
 

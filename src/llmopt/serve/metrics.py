@@ -10,6 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmopt.serve.scheduler import SchedulerStats
 
 __all__ = ["ServeMetrics"]
 
@@ -81,6 +85,16 @@ class ServeMetrics:
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)  # fmt: skip
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
+
+    def publish(self, st: SchedulerStats) -> None:
+        """Set the scheduler gauges from a `SchedulerStats` (after every engine step)."""
+        self.waiting.set(st.waiting)
+        self.running.set(st.running)
+        self.preempted.set(st.preempted)
+        self.kv_free.set(st.free_blocks)
+        self.kv_usage.set(st.kv_usage)
+        self.swapped.set(st.swapped)
+        self.swap_used.set(st.swap_used_bytes)
 
     def count_generated(self, n: int) -> None:
         """Called by the engine thread after each step with the tokens it produced."""

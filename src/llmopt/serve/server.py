@@ -123,8 +123,7 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
         gen = load_generator(**gen_kwargs)
         warm_generator(gen, settings.warmup_tokens, settings.device)
         engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics,
-                            swap_space_bytes=swap)  # fmt: skip
-        engine.chunked_prefill = chunked
+                            chunked_prefill=chunked, swap_space_bytes=swap)  # fmt: skip
         tokenizer = gen.tokenizer
         shape = {"block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
                  "max_seq_len": int(gen.max_seq_len)}  # fmt: skip

@@ -245,11 +245,15 @@ class Generator:
         return s.ids
 
     # --- swapping (preemption that keeps the KV cache) ---------------------------------------
+    def _block_views(self) -> list[torch.Tensor]:
+        """Every layer's key and value cache as (num_blocks, block_size, n_kv, head_dim) views."""
+        return [cache.view(-1, self.block_size, *cache.shape[1:])
+                for layer in self.model.model.layers
+                for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache)]  # fmt: skip
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token holds across all layers."""
-        a = self.model.model.layers[0].self_attn
-        per_layer = 2 * a.k_cache.shape[1] * a.k_cache.shape[2] * a.k_cache.element_size()
-        return per_layer * len(self.model.model.layers)
+        return sum(v[0, 0].numel() * v.element_size() for v in self._block_views())
 
     def swap_out(self, seq_id: Hashable) -> Swapped:
         """Copy a decoding sequence's KV blocks to host memory, free them, forget the sequence.
@@ -264,17 +268,15 @@ class Generator:
             raise ValueError(f"sequence {seq_id!r} is still being prefilled; remove it instead")
         idx = torch.tensor(s.blocks, device=self.device)
         pin = self.device.type == "cuda"
-        keys, values = [], []
-        for layer in self.model.model.layers:
-            a = layer.self_attn
-            for cache, out in ((a.k_cache, keys), (a.v_cache, values)):
-                src = cache.view(-1, self.block_size, *cache.shape[1:]).index_select(0, idx)
-                host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-                out.append(host.copy_(src, non_blocking=pin))
+        host = []
+        for view in self._block_views():
+            src = view.index_select(0, idx)
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            host.append(buf.copy_(src, non_blocking=pin))
         del self.seqs[seq_id]
         self._free.extend(reversed(s.blocks))
         s.blocks = []
-        return Swapped(s, keys, values)
+        return Swapped(s, host[0::2], host[1::2])
 
     def swap_in(self, seq_id: Hashable, swapped: Swapped) -> None:
         """Bring a swapped-out sequence back into free blocks (any ids); it decodes next step."""
@@ -287,12 +289,9 @@ class Generator:
             raise OutOfBlocks(f"swap-in needs {need} KV blocks, {len(self._free)} free")
         blocks = [self._free.pop() for _ in range(need)]
         idx = torch.tensor(blocks, device=self.device)
-        for layer, k, v in zip(self.model.model.layers, swapped.keys, swapped.values,
-                               strict=True):  # fmt: skip
-            a = layer.self_attn
-            for cache, host in ((a.k_cache, k), (a.v_cache, v)):
-                view = cache.view(-1, self.block_size, *cache.shape[1:])
-                view.index_copy_(0, idx, host.to(self.device, non_blocking=True))
+        host = [t for kv in zip(swapped.keys, swapped.values, strict=True) for t in kv]
+        for view, buf in zip(self._block_views(), host, strict=True):
+            view.index_copy_(0, idx, buf.to(self.device, non_blocking=True))
         swapped.seq.blocks = blocks
         self.seqs[seq_id] = swapped.seq
 
