@@ -10,6 +10,8 @@ Accept a preset name or a `Recipe` everywhere:
 'bfloat16'
 >>> get_recipe("w4a16-gptq-g64").group_size
 64
+>>> get_recipe("w4a16-awq-g64-asym").weight_symmetric
+False
 >>> Recipe.from_dict(get_recipe("fp8-static").to_dict()) == get_recipe("fp8-static")
 True
 """
@@ -59,7 +61,7 @@ class Recipe:
     Args:
         name: preset name, used in candidate ids and reports.
         dtype: the compute/storage dtype of everything that is not quantized.
-        weight_bits: None (no weight quantization), 8 or 4 (symmetric).
+        weight_bits: None (no weight quantization), 8 or 4.
         weight_granularity: "channel" (one scale per output row), "tensor", or "group"
             (one scale per `group_size` input columns of a row; needs `group_size`).
         activations: "none" (weight-only: activations stay in `dtype`), "dynamic-int8"
@@ -81,6 +83,11 @@ class Recipe:
             channel/group, the scale in absmax x [0.80, 1.00] with the smallest squared rounding
             error, as llm-compressor's `mse` observer). The scale is stored, so kernels compute
             the same numbers either way.
+        weight_symmetric: True (zero point 0: codes -8..7 x scale at 4 bits) or False (a zero
+            point per group/channel: the group's [min, max] spread over all 16 codes,
+            compressed-tensors' `symmetric: false`, what AutoAWQ and GPTQ default to). False is
+            for 4-bit weight-only int recipes (`-asym` presets); layers that an override puts at
+            8 bits stay symmetric.
     """
 
     name: str
@@ -98,6 +105,7 @@ class Recipe:
     kv_cache_dtype: Literal["fp8"] | None = None
     overrides: tuple[LayerOverride, ...] = ()
     weight_observer: Literal["absmax", "mse"] = "absmax"
+    weight_symmetric: bool = True
 
     def __post_init__(self) -> None:
         n = self.name
@@ -143,6 +151,20 @@ class Recipe:
             raise ValueError(f"recipe {n!r}: smoothing_alpha must be in [0, 1]")
         if self.weight_observer not in ("absmax", "mse"):
             raise ValueError(f"recipe {n!r}: weight_observer must be 'absmax' or 'mse'")
+        if not isinstance(self.weight_symmetric, bool):
+            raise ValueError(f"recipe {n!r}: weight_symmetric must be True or False")
+        if not self.weight_symmetric and (
+            self.weight_bits != 4 or self.weight_type != "int" or self.activations != "none"
+        ):
+            raise ValueError(
+                f"recipe {n!r}: asymmetric weights (weight_symmetric=False) are for 4-bit "
+                "weight-only int recipes (w4a16); 8-bit and FP8 weights are symmetric"
+            )
+        if not self.weight_symmetric and self.weight_granularity == "tensor":
+            raise ValueError(
+                f"recipe {n!r}: asymmetric weights need weight_granularity 'group' or 'channel' "
+                "(compressed-tensors stores zero points per group or channel only)"
+            )
         if self.kv_cache_dtype not in (None, "fp8"):
             raise ValueError(f"recipe {n!r}: kv_cache_dtype must be None or 'fp8'")
         if not isinstance(self.ignore, tuple):
@@ -223,24 +245,31 @@ register_recipe(
 
 # 4-bit weight-only. GPTQ is the default: on smollm2-135m it gave the lowest perplexity of the
 # three at g128 (docs/quantization.md has the table), and it needs no architecture mapping.
+# Every preset has an asymmetric twin named with "-asym" at the end (compressed-tensors' W4A16 vs
+# W4A16_ASYM): a zero point per group, as AutoAWQ and GPTQ default to. The unsuffixed names stay
+# symmetric, so earlier results and artifacts keep their meaning.
 _W4_DEFAULT = "gptq"
-for _alg in ("rtn", "awq", "gptq"):
-    for _g in GROUP_SIZES:
-        register_recipe(
-            Recipe(
-                f"w4a16-{_alg}-g{_g}",
-                "float32",
-                weight_bits=4,
-                weight_granularity="group",
-                group_size=_g,
-                algorithm=_alg,
-                description=f"int4 weights, groups of {_g}, {_alg.upper()}; activations unquantized",
+for _sym, _suffix in ((True, ""), (False, "-asym")):
+    _kind = "" if _sym else " asymmetric (zero point per group)"
+    for _alg in ("rtn", "awq", "gptq"):
+        for _g in GROUP_SIZES:
+            register_recipe(
+                Recipe(
+                    f"w4a16-{_alg}-g{_g}{_suffix}",
+                    "float32",
+                    weight_bits=4,
+                    weight_granularity="group",
+                    group_size=_g,
+                    algorithm=_alg,
+                    weight_symmetric=_sym,
+                    description=f"int4{_kind} weights, groups of {_g}, {_alg.upper()}; "
+                    "activations unquantized",
+                )
             )
+        register_recipe(  # g128 by default
+            replace(RECIPES[f"w4a16-{_alg}-g128{_suffix}"], name=f"w4a16-{_alg}{_suffix}")
         )
-    register_recipe(
-        replace(RECIPES[f"w4a16-{_alg}-g128"], name=f"w4a16-{_alg}")  # g128 by default
-    )
-register_recipe(replace(RECIPES[f"w4a16-{_W4_DEFAULT}-g128"], name="w4a16"))
+    register_recipe(replace(RECIPES[f"w4a16-{_W4_DEFAULT}-g128{_suffix}"], name=f"w4a16{_suffix}"))
 register_recipe(
     Recipe(
         "w8a8-int8",

@@ -46,12 +46,12 @@ def test_e4m3_round_trip_exact_on_grid_and_within_half_ulp_elsewhere():
 
 def test_fp8_weight_codes_keep_row_absmax_and_rows_independent():
     w = _heavy_tailed()
-    q, s = algorithms.rtn(w, FP8)
+    q, s, _ = algorithms.rtn(w, FP8)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (32, 1)
     assert torch.equal(q.float().abs().amax(1), torch.full((32,), 448.0))  # absmax -> 448
     w2 = w.clone()
     w2[0] *= 100
-    q2, s2 = algorithms.rtn(w2, FP8)
+    q2, s2, _ = algorithms.rtn(w2, FP8)
     assert torch.equal(q2[1:].float(), q[1:].float()) and torch.equal(s2[1:], s[1:])
 
 
@@ -100,7 +100,7 @@ def test_mse_scale_codes_match_compressed_tensors_and_config_says_mse():
 
     spec = dataclasses.replace(FP8, observer="mse")
     w = _heavy_tailed()
-    q, s = algorithms.rtn(w, spec)
+    q, s, _ = algorithms.rtn(w, spec)
     assert not torch.equal(s, weight_scale(w, FP8))  # the mse scales are the stored ones
     ql = QuantizedLinear("x", spec, q, s, "dynamic-fp8")
     stored = compressed_state(ql, torch.float32)

@@ -38,6 +38,43 @@ def test_new_presets():
     assert kv.kv_cache_dtype == "fp8" and kv.quantized and kv.weight_bits is None
 
 
+def test_asymmetric_presets_are_twins_of_the_symmetric_ones():
+    from dataclasses import replace
+
+    w4 = [n for n in RECIPES if n.startswith("w4a16")]
+    sym = [n for n in w4 if not n.endswith("-asym")]
+    assert len(sym) == 13 and sorted(w4) == sorted(sym + [n + "-asym" for n in sym])
+    for name in sym:  # the existing names stay symmetric; the twin differs only there
+        r, a = get_recipe(name), get_recipe(name + "-asym")
+        assert r.weight_symmetric and not a.weight_symmetric
+        assert replace(a, name=r.name, description=r.description, weight_symmetric=True) == r
+    a = get_recipe("w4a16-asym")
+    assert (a.algorithm, a.group_size, a.weight_symmetric) == ("gptq", 128, False)
+    assert all(get_recipe(n).weight_symmetric for n in RECIPES if not n.endswith("-asym"))
+    # Dicts written before the field existed still load (symmetric).
+    old = get_recipe("w4a16-rtn-g64").to_dict()
+    del old["weight_symmetric"]
+    assert Recipe.from_dict(old) == get_recipe("w4a16-rtn-g64")
+
+
+def test_asymmetric_overrides_to_8_bits_stay_symmetric():
+    from torch import nn
+
+    from llmopt.quant.checks import plan_specs
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj, self.down_proj = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    r = get_recipe("w4a16-rtn-g32-asym").with_changes(
+        overrides=(LayerOverride("down_proj", weight_bits=8),)
+    )
+    specs = plan_specs(Tiny(), r).specs
+    assert (specs["up_proj"].bits, specs["up_proj"].symmetric) == (4, False)
+    assert (specs["down_proj"].bits, specs["down_proj"].symmetric) == (8, True)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -49,6 +86,19 @@ def test_new_presets():
         ({"weight_bits": 8, "algorithm": "smoothquant"}, "int8 activations"),
         ({"algorithm": "gptq"}, "quantized weights"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+        ({"weight_bits": 8, "weight_symmetric": False}, "4-bit weight-only"),
+        ({"weight_bits": None, "weight_symmetric": False}, "4-bit weight-only"),
+        (
+            {
+                "weight_bits": 8,
+                "weight_type": "float",
+                "activations": "dynamic-fp8",
+                "weight_symmetric": False,
+            },
+            "4-bit weight-only",
+        ),  # fmt: skip
+        ({"weight_bits": 4, "weight_granularity": "tensor", "weight_symmetric": False}, "group"),
+        ({"weight_bits": 4, "weight_symmetric": "no"}, "True or False"),
     ],
 )
 def test_invalid_recipes_say_why(kwargs, message):

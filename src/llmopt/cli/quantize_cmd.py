@@ -78,8 +78,8 @@ def quantize(
     recipe: Annotated[
         str,
         typer.Option(
-            help="w8a16, w4a16 (GPTQ g128), w4a16-{rtn,awq,gptq}[-g32|-g64|-g128], w8a8-int8, "
-            "fp8-dynamic, fp8-static, kv-fp8."
+            help="w8a16, w4a16 (GPTQ g128), w4a16-{rtn,awq,gptq}[-g32|-g64|-g128], each w4a16 "
+            "name + '-asym' (zero point per group), w8a8-int8, fp8-dynamic, fp8-static, kv-fp8."
         ),
     ] = "w8a16",
     out: Annotated[Path | None, typer.Option(help="Output folder (or .gguf file).")] = None,

@@ -15,7 +15,7 @@ import torch
 
 from llmopt.quant.primitives import (
     WeightSpec,
-    choose_weight_scale,
+    choose_weight_qparams,
     dequantize_weight,
     fake_quant_weight,
     quantize_weight,
@@ -24,10 +24,14 @@ from llmopt.quant.primitives import (
 __all__ = ["rtn", "gptq", "awq_search", "smoothquant_scales"]
 
 
-def rtn(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest with the scale of `spec.observer` (absmax or mse). Returns (codes, scale)."""
-    s = choose_weight_scale(w, spec)
-    return quantize_weight(w, s, spec), s
+QParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # codes, scale, zero point
+
+
+def rtn(w: torch.Tensor, spec: WeightSpec) -> QParams:
+    """Round to nearest with the scale (and, asymmetric, zero point) of `spec.observer` (absmax /
+    min-max, or mse). Returns (codes, scale, zero point or None when symmetric)."""
+    s, z = choose_weight_qparams(w, spec)
+    return quantize_weight(w, s, spec, z), s, z
 
 
 def gptq(
@@ -37,19 +41,21 @@ def gptq(
     *,
     damp: float = 0.01,
     block: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> QParams:
     """GPTQ (Frantar et al. 2022): quantize columns left to right, spreading each column's rounding
     error over the not-yet-quantized columns through the inverse Hessian of the layer's inputs.
 
     Args:
         w: (out, in) float weight.
         hessian: (in, in) sum of x^T x over calibration tokens (any positive scale).
-        spec: int weights; group scales are computed when a group is entered (no act-order, so
-            the export needs no g_idx).
+        spec: int weights; group scales (and zero points, asymmetric) are computed when a group
+            is entered, from its columns as the earlier columns' errors have updated them (no
+            act-order, so the export needs no g_idx). Each column is rounded with its group's
+            scale and zero point: q = clamp(round(w / s + z)), error w - (q - z) * s.
         damp: fraction of the mean diagonal added for numerical stability.
 
     Returns:
-        (codes (out, in) int8, scale) in the layout `spec` asks for.
+        (codes (out, in) int8, scale, zero point or None) in the layout `spec` asks for.
     """
     assert spec.type == "int", "GPTQ is for int weights"
     W = w.detach().float().clone()  # (out, in)
@@ -64,15 +70,22 @@ def gptq(
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # (in, in)
 
     g = spec.group_size if spec.granularity == "group" else in_f
+    zero = None
     if spec.granularity == "group":
         scale = torch.empty(out_f, in_f // g, dtype=spec.scale_dtype, device=W.device)
+        if not spec.symmetric:
+            zero = torch.empty(out_f, in_f // g, dtype=torch.int8, device=W.device)
     else:
-        scale = choose_weight_scale(W, spec)  # channel/tensor: fixed up front
-    col_spec = WeightSpec(spec.bits, "int", "channel", None, spec.scale_dtype, spec.observer)
+        scale, zero = choose_weight_qparams(W, spec)  # channel/tensor: fixed up front
+    col_spec = WeightSpec(
+        spec.bits, "int", "channel", None, spec.scale_dtype, spec.observer, spec.symmetric
+    )
     Q = torch.zeros_like(W, dtype=torch.int8)
-    cur = None  # (out, 1) scale of the current group/column set
+    cur, zcur = None, 0.0  # (out, 1) scale and zero point of the current group/column set
     if spec.granularity != "group":
         cur = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(1, 1)
+        if zero is not None:
+            zcur = zero.float().reshape(cur.shape)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
         W1 = W[:, i1:i2].clone()
@@ -81,17 +94,21 @@ def gptq(
         for i in range(i2 - i1):
             col = i1 + i
             if spec.granularity == "group" and col % g == 0:
-                gs = choose_weight_scale(torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g], col_spec)
+                gw = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g]
+                gs, gz = choose_weight_qparams(gw, col_spec)
                 scale[:, col // g] = gs.flatten().to(spec.scale_dtype)
                 cur = gs.float()
+                if gz is not None:
+                    zero[:, col // g] = gz.flatten()
+                    zcur = gz.float()
             wcol = W1[:, i : i + 1]
-            q = torch.round(wcol / cur).clamp(col_spec.qmin, col_spec.qmax)
+            q = torch.round(wcol / cur + zcur).clamp(col_spec.qmin, col_spec.qmax)
             Q[:, col] = q.flatten().to(torch.int8)
-            err = (wcol - q * cur) / Hinv1[i, i]
+            err = (wcol - (q - zcur) * cur) / Hinv1[i, i]
             W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
             Err1[:, i : i + 1] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return Q, scale
+    return Q, scale, zero
 
 
 def awq_search(
@@ -105,7 +122,9 @@ def awq_search(
 
     Salient input channels (large mean |x|) are scaled up before rounding, and the inverse
     scale is folded into the previous op. Picks s = mean|x|^ratio (normalized) for the ratio in
-    [0, 1) that minimizes the MSE of the linears' outputs against the float outputs.
+    [0, 1) that minimizes the MSE of the linears' outputs against the float outputs, each
+    candidate rounded by the quantizer the linears will get (`fake_quant_weight` with their
+    spec: symmetric or asymmetric, absmax or mse).
 
     Args:
         x: (tokens, in) calibration inputs of the linears.
@@ -145,5 +164,7 @@ def smoothquant_scales(
     return s.clamp(min=1e-5)
 
 
-def dequantized(q: torch.Tensor, scale: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    return dequantize_weight(q, scale, spec)
+def dequantized(
+    q: torch.Tensor, scale: torch.Tensor, spec: WeightSpec, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    return dequantize_weight(q, scale, spec, zero_point)

@@ -71,8 +71,10 @@ def plan_specs(model: nn.Module, recipe: Recipe) -> Preflight:
                 group = o.group_size or group
                 break
         gran = "group" if group is not None else recipe.weight_granularity
+        # Asymmetric recipes are 4-bit; a layer an override puts at 8 bits stays symmetric.
+        symmetric = recipe.weight_symmetric or bits != 4
         pf.specs[name] = WeightSpec(
-            bits, recipe.weight_type, gran, group, scale_dtype, recipe.weight_observer
+            bits, recipe.weight_type, gran, group, scale_dtype, recipe.weight_observer, symmetric
         )
     return pf
 

@@ -7,10 +7,17 @@ is what vLLM, transformers (with compressed-tensors installed) and our `torch` e
 | recipe | format | tensors per Linear |
 | --- | --- | --- |
 | w4a16*, w8a16 | pack-quantized | weight_packed (out, in*bits/32) int32, weight_scale, weight_shape |
+| w4a16*-asym | pack-quantized | as w4a16 plus weight_zero_point (ceil(out*bits/32), in/g) int32 |
 | w8a8-int8, w8a8-dynamic | int-quantized | weight int8 (out, in), weight_scale (out, 1) |
 | fp8-dynamic | float-quantized | weight float8_e4m3fn, weight_scale (out, 1) |
 | fp8-static | float-quantized | as fp8-dynamic plus input_scale (1,) |
 | kv-fp8 (any recipe) | kv_cache_scheme | self_attn.k_scale, self_attn.v_scale (1,) |
+
+Asymmetric specs (`symmetric: false` in the config) carry a zero point per group/channel:
+compressed-tensors computes it as int8 in the signed code range ([-8, 7] at 4 bits) and its
+pack-quantized compressor stores it + 2^(bits-1) (unsigned, 0..15), packed 8 to an int32 along the
+output dimension (`packed_dim=0`), the codes themselves + 2^(bits-1) along the input dimension;
+decompressed weight = (code - zero point) * scale.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ def _weight_args(spec: WeightSpec):
     return QuantizationArgs(
         num_bits=spec.bits,
         type=spec.type,
-        symmetric=True,
+        symmetric=spec.symmetric,
         strategy=spec.granularity,
         group_size=spec.group_size,
         dynamic=False,
@@ -124,15 +131,17 @@ def quantization_config(
 
 def compressed_state(ql: QuantizedLinear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The stored tensors of one Linear (local names: weight_packed, weight_scale, ...), made by
-    the compressed-tensors compressor of its format from (dequantized weight, scale)."""
+    the compressed-tensors compressor of its format from (dequantized weight, scale, zero point)."""
     from compressed_tensors.compressors import BaseCompressor
 
     fmt = format_for(ql.spec, ql.activations)
     scheme = scheme_for(ql.spec, ql.activations, ["Linear"])
     compressor = BaseCompressor.get_value_from_registry(fmt)
     scale = ql.scale.to(dtype)
-    weight = dequantize_weight(ql.codes, ql.scale, ql.spec).to(torch.float32)
+    weight = dequantize_weight(ql.codes, ql.scale, ql.spec, ql.zero_point).to(torch.float32)
     state = {"weight": weight, "weight_scale": scale}
+    if ql.zero_point is not None:
+        state["weight_zero_point"] = ql.zero_point.to(torch.int8)
     out = compressor.compress(state, scheme)
     if ql.input_scale is not None:
         out["input_scale"] = ql.input_scale.to(dtype)

@@ -1,17 +1,26 @@
 """Quantization primitives: weight scales, quantize/dequantize, fake-quantized activations.
 
-The arithmetic matches compressed-tensors' own (`x / scale`, clamp, round to nearest even for int,
-cast for FP8), so the integers we compute are exactly the ones its compressors write and vLLM /
-transformers read back. Symmetric only (zero point 0), as the W4A16 / W8A8 / FP8 presets of
-compressed-tensors are.
+The arithmetic matches compressed-tensors' own (`x / scale (+ zero point)`, clamp, round to
+nearest even for int, cast for FP8), so the integers we compute are exactly the ones its
+compressors write and vLLM / transformers read back.
 
-Shapes: a Linear weight is (out, in). Scales: "channel" (out, 1); "group" (out, in // g);
-"tensor" (1,).
+Symmetric (`WeightSpec.symmetric`, the default; zero point 0, as the W4A16 / W8A8 / FP8 presets of
+compressed-tensors): scale = max|w| / qmax, codes in [-2^(b-1), 2^(b-1)-1], w ~= q * scale.
+Asymmetric (int only; compressed-tensors' `symmetric=False`, its `W4A16_ASYM` preset, what AutoAWQ
+and GPTQ default to): the range [min(w, 0), max(w, 0)] of each channel/group is mapped onto all
+2^b codes: scale = (max - min) / (2^b - 1), zero point z = round(qmin - min / scale) clamped to the
+code range, codes q = clamp(round(w / scale + z)), w ~= (q - z) * scale. Codes and zero points are
+signed int8 here ([-8, 7] at 4 bits), as compressed-tensors computes them; its pack-quantized
+format stores both + 2^(b-1), i.e. the unsigned 0..15 codes and zero points of AutoAWQ/GPTQ.
+
+Shapes: a Linear weight is (out, in). Scales and zero points: "channel" (out, 1); "group"
+(out, in // g); "tensor" (1,).
 
 Scale observers (`WeightSpec.observer`): "absmax" (scale = max|w| / qmax) or "mse" (the scale,
 among absmax x {1.00, 0.99, ..., 0.80}, that gives each channel/group the smallest squared
-rounding error; the grid of llm-compressor's `mse` observer). Either way the chosen scale is the
-stored one and the codes are `x / scale` rounded, so the deployed kernels compute the same thing.
+rounding error; the grid of llm-compressor's `mse` observer; asymmetric: min and max both
+shrunk by the same factor). Either way the chosen scale (and zero point) is the stored one and the
+codes are `x / scale (+ z)` rounded, so the deployed kernels compute the same thing.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ __all__ = [
     "weight_scale",
     "mse_weight_scale",
     "choose_weight_scale",
+    "weight_qparams",
+    "choose_weight_qparams",
     "quantize_weight",
     "dequantize_weight",
     "fake_quant_weight",
@@ -47,6 +58,10 @@ class WeightSpec:
     group_size: int | None = None
     scale_dtype: torch.dtype = torch.float32
     observer: str = "absmax"  # "absmax" | "mse" (see the module docstring)
+    symmetric: bool = True  # False: int codes with a zero point per channel/group
+
+    def __post_init__(self) -> None:
+        assert self.symmetric or self.type == "int", "asymmetric weights are int only"
 
     @property
     def qmax(self) -> float:
@@ -69,84 +84,158 @@ def _grouped(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     return w.reshape(1, 1, -1)
 
 
+def _sym_scale(amax: torch.Tensor, spec: WeightSpec, factor: float = 1.0) -> torch.Tensor:
+    return (amax * factor / spec.qmax).clamp(min=_EPS).to(spec.scale_dtype)
+
+
+def _asym_qparams(
+    mn: torch.Tensor, mx: torch.Tensor, spec: WeightSpec, factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # compressed-tensors' calculate_qparams for symmetric=False: the range always holds 0, the
+    # zero point is rounded into the code range (int8). Computed from the stored (rounded) scale.
+    mn = (mn * factor).clamp(max=0.0)
+    mx = (mx * factor).clamp(min=0.0)
+    scale = ((mx - mn) / (spec.qmax - spec.qmin)).clamp(min=_EPS).to(spec.scale_dtype)
+    zp = torch.round(spec.qmin - mn / scale.float()).clamp(spec.qmin, spec.qmax)
+    return scale, zp.to(torch.int8)
+
+
+def _layout(t: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    return t.reshape(1) if spec.granularity == "tensor" else t  # channel (out, 1); group (out, G)
+
+
+def weight_qparams(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, zero point) of `w` (out, in) from its range: absmax for symmetric specs (zero point
+    None), min/max for asymmetric ones (int8 zero points in the code range). The scale is rounded
+    to `spec.scale_dtype` (what is stored).
+
+    >>> s, z = weight_qparams(torch.tensor([[-1.0, 2.0, 0.5]]), WeightSpec(4, symmetric=False))
+    >>> s.tolist(), z.tolist()  # 3 / 15 per code; -1 -> code -8, so 0 -> -8 + 5 = -3
+    ([[0.20000000298023224]], [[-3]])
+    """
+    g = _grouped(w.detach().float(), spec)  # (out, G, g) or (1, 1, n)
+    if spec.symmetric:
+        return _layout(_sym_scale(g.abs().amax(dim=-1), spec), spec), None
+    s, z = _asym_qparams(g.amin(dim=-1), g.amax(dim=-1), spec)
+    return _layout(s, spec), _layout(z, spec)
+
+
 def weight_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Absmax scale of `w` (out, in) for `spec`, rounded to `spec.scale_dtype` (what is stored).
+    """Absmax scale of `w` (out, in) for a symmetric `spec`, rounded to `spec.scale_dtype`.
 
     >>> weight_scale(torch.tensor([[1.0, -2.0], [0.5, 0.25]]), WeightSpec()).flatten().tolist()
     [0.015748031437397003, 0.003937007859349251]
     """
-    amax = _grouped(w.detach().float(), spec).abs().amax(dim=-1)  # (out, G) or (1, 1)
-    scale = (amax / spec.qmax).clamp(min=_EPS).to(spec.scale_dtype)
-    if spec.granularity == "tensor":
-        return scale.reshape(1)
-    return scale  # channel: (out, 1); group: (out, G)
+    assert spec.symmetric, "asymmetric specs have a zero point too: use weight_qparams"
+    return weight_qparams(w, spec)[0]
 
 
 MSE_SHRINK = 0.20  # largest fraction of absmax the mse observer clips (llm-compressor: maxshrink)
 MSE_GRID = 100  # candidates are absmax * (1 - i / MSE_GRID), i = 0 .. MSE_SHRINK * MSE_GRID
 
 
-def mse_weight_scale(
+def mse_weight_qparams(
     w: torch.Tensor, spec: WeightSpec, *, shrink: float = MSE_SHRINK, grid: int = MSE_GRID
-) -> torch.Tensor:
-    """Per channel/group scale minimizing the squared rounding error of `w` (out, in).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per channel/group (scale, zero point) minimizing the squared rounding error of `w`.
 
-    Candidates are absmax/qmax times 1, 1 - 1/grid, ..., 1 - shrink (absmax itself first, kept on
-    ties), each rounded to `spec.scale_dtype` before its error is measured, so the result never
-    has a larger error than `weight_scale` and is exactly what is stored. Same layout as
-    `weight_scale`.
+    Candidates are the range (absmax, or min and max for asymmetric specs) times 1, 1 - 1/grid,
+    ..., 1 - shrink (the full range first, kept on ties), each scale rounded to
+    `spec.scale_dtype` before its error is measured, so the result never has a larger error
+    than `weight_qparams` and is exactly what is stored. Same layout as `weight_qparams`.
     """
-    wf = w.detach().float()
-    g = _grouped(wf, spec)  # (O, G, g)
+    g = _grouped(w.detach().float(), spec)  # (O, G, g)
     amax = g.abs().amax(dim=-1)  # (O, G)
-    best_err, best = None, None
+    mn, mx = g.amin(dim=-1), g.amax(dim=-1)
+    best_err, best, best_z = None, None, None
     for i in range(int(round(shrink * grid)) + 1):
-        s = (amax * (1.0 - i / grid) / spec.qmax).clamp(min=_EPS).to(spec.scale_dtype)
+        f = 1.0 - i / grid
+        if spec.symmetric:
+            s, z = _sym_scale(amax, spec, f), None
+        else:
+            s, z = _asym_qparams(mn, mx, spec, f)
         sf = s.float().unsqueeze(-1)  # (O, G, 1)
-        x = (g / sf).clamp(spec.qmin, spec.qmax)
+        zf = 0.0 if z is None else z.float().unsqueeze(-1)
+        x = (g / sf + zf).clamp(spec.qmin, spec.qmax)
         q = x.to(torch.float8_e4m3fn).float() if spec.type == "float" else torch.round(x)
-        err = (q * sf - g).pow(2).sum(dim=-1)  # (O, G)
+        err = ((q - zf) * sf - g).pow(2).sum(dim=-1)  # (O, G)
         if best is None:
-            best_err, best = err, s
+            best_err, best, best_z = err, s, z
         else:
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best = torch.where(better, s, best)
-    if spec.granularity == "tensor":
-        return best.reshape(1)
-    return best  # channel: (out, 1); group: (out, G)
+            if z is not None:
+                best_z = torch.where(better, z, best_z)
+    return _layout(best, spec), None if best_z is None else _layout(best_z, spec)
+
+
+def mse_weight_scale(
+    w: torch.Tensor, spec: WeightSpec, *, shrink: float = MSE_SHRINK, grid: int = MSE_GRID
+) -> torch.Tensor:
+    """The scale of `mse_weight_qparams` for a symmetric `spec`."""
+    assert spec.symmetric, "asymmetric specs have a zero point too: use mse_weight_qparams"
+    return mse_weight_qparams(w, spec, shrink=shrink, grid=grid)[0]
+
+
+def choose_weight_qparams(
+    w: torch.Tensor, spec: WeightSpec
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (scale, zero point or None) that `spec.observer` picks for `w` (what RTN stores)."""
+    if spec.observer == "mse":
+        return mse_weight_qparams(w, spec)
+    return weight_qparams(w, spec)
 
 
 def choose_weight_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """The scale `spec.observer` picks for `w` (what RTN stores)."""
-    if spec.observer == "mse":
-        return mse_weight_scale(w, spec)
-    return weight_scale(w, spec)
+    """The scale `spec.observer` picks for `w` under a symmetric `spec`."""
+    assert spec.symmetric, "asymmetric specs have a zero point too: use choose_weight_qparams"
+    return choose_weight_qparams(w, spec)[0]
 
 
 def _expand(scale: torch.Tensor, w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    # scale broadcast to w's (out, in) layout
+    # scale (or zero point) broadcast to w's (out, in) layout, as float
     if spec.granularity == "group":
         return scale.float().repeat_interleave(spec.group_size, dim=1)
     return scale.float().reshape(-1, 1) if spec.granularity == "channel" else scale.float()
 
 
-def quantize_weight(w: torch.Tensor, scale: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+def _check_zero_point(zero_point: torch.Tensor | None, spec: WeightSpec) -> None:
+    assert (zero_point is None) == spec.symmetric, (
+        "a zero point goes with an asymmetric spec, and only with one"
+    )
+
+
+def quantize_weight(
+    w: torch.Tensor, scale: torch.Tensor, spec: WeightSpec, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
     """Codes of `w`: int8 tensor holding the b-bit integers, or float8_e4m3fn."""
-    x = (w.detach().float() / _expand(scale, w, spec)).clamp(spec.qmin, spec.qmax)
+    _check_zero_point(zero_point, spec)
+    x = w.detach().float() / _expand(scale, w, spec)
+    if zero_point is not None:
+        x = x + _expand(zero_point, w, spec)
+    x = x.clamp(spec.qmin, spec.qmax)
     if spec.type == "float":
         return x.to(torch.float8_e4m3fn)
     return torch.round(x).to(torch.int8)
 
 
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    return q.float() * _expand(scale, q, spec)
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, spec: WeightSpec, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(q - zero point) * scale in float32 (compressed-tensors' dequantize)."""
+    _check_zero_point(zero_point, spec)
+    x = q.float()
+    if zero_point is not None:
+        x = x - _expand(zero_point, q, spec)
+    return x * _expand(scale, q, spec)
 
 
 def fake_quant_weight(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Quantize then dequantize `w` with RTN and `spec.observer`'s scale (same dtype as `w`)."""
-    s = choose_weight_scale(w, spec)
-    return dequantize_weight(quantize_weight(w, s, spec), s, spec).to(w.dtype)
+    """Quantize then dequantize `w` with RTN and `spec.observer`'s scale (and zero point, for
+    asymmetric specs); same dtype as `w`."""
+    s, z = choose_weight_qparams(w, spec)
+    return dequantize_weight(quantize_weight(w, s, spec, z), s, spec, z).to(w.dtype)
 
 
 def fake_quant_activation(

@@ -47,7 +47,8 @@ AWQ_TOKENS = 2048  # input rows kept per linear for the AWQ search (a sample is 
 
 @dataclass
 class QuantizedLinear:
-    """Codes and scales of one quantized Linear (what the exporter writes)."""
+    """Codes, scales and (asymmetric specs) zero points of one quantized Linear (what the exporter
+    writes)."""
 
     name: str
     spec: WeightSpec
@@ -57,6 +58,7 @@ class QuantizedLinear:
     input_scale: torch.Tensor | None = None  # static FP8 (1,)
     sqnr_db: float = float("nan")  # output SQNR of this linear on calibration inputs
     original: torch.Tensor | None = None  # float weight before rounding (kept for auto-exclude)
+    zero_point: torch.Tensor | None = None  # int8, layout of `scale`; asymmetric specs only
 
 
 @dataclass
@@ -328,10 +330,10 @@ def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_origina
         spec, full = specs[prefix + n], prefix + n
         w = lin.weight.detach()
         if recipe.algorithm == "gptq" and spec.type == "int":
-            q, s = algorithms.gptq(w, stats[n].hessian, spec)
+            q, s, z = algorithms.gptq(w, stats[n].hessian, spec)
         else:
-            q, s = algorithms.rtn(w, spec)
-        deq = dequantize_weight(q, s, spec).to(w.dtype)
+            q, s, z = algorithms.rtn(w, spec)
+        deq = dequantize_weight(q, s, spec, z).to(w.dtype)
         x = torch.cat(stats[n].sample)  # (tokens, in)
         qs = sqnr_db(x @ w.float().T, x @ deq.float().T)
         input_scale = None
@@ -346,6 +348,7 @@ def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_origina
             input_scale,
             qs,
             w.detach().cpu().clone() if keep_originals else None,
+            None if z is None else z.cpu(),
         )
         lin.weight.data.copy_(deq)
         if recipe.activations != "none":
