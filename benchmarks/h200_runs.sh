@@ -32,11 +32,11 @@ for step in "$@"; do
     serve)  # issue 6: 64 streams of 512-token prompts against the in-process batch-64 rate
       python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
         --device "$DEV" --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
-        --repeats 2 --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
+        --repeats 2 --profile-prefill --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
       # Extra server variants (one run each), reusing the in-process rate measured above:
-      # the engine in its own process, and that with chunked prefill back on.
+      # by default the engine in its own process with the prefill compiled ('|' separates more).
       rate=$(python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])")
-      IFS='|' read -ra variants <<< "${SERVE_VARIANTS:---engine-process|--engine-process --enable-chunked-prefill}"
+      IFS='|' read -ra variants <<< "${SERVE_VARIANTS:---engine-process --compile-prefill}"
       i=0
       for v in "${variants[@]}"; do
         i=$((i + 1))

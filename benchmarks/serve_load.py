@@ -69,7 +69,9 @@ def exact_prompts(folder: Path, n: int, tokens: int, seed: int = 0) -> list[str]
 
 
 def in_process(args, folder: Path) -> dict:
-    """Decode tokens/s of the bare generator at batch `concurrency` (run in a child process)."""
+    """The bare generator at batch `concurrency` (run in a child process): the prefill rate of
+    a burst of `concurrency` prompts, eager and compiled (`compile_prefill`), the decode
+    tokens/s, and a profile of one eager prefill forward (the top kernels by device time)."""
     import torch
 
     from llmopt.engines.native import SamplingParams, load_generator
@@ -84,19 +86,103 @@ def in_process(args, folder: Path) -> dict:
     warm = gen.warmup()
     print(f"in-process: warm-up {warm:.0f} s", file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        gen.add(i, p, params)
-    gen.step()  # prefills (and the first token)
     sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
-    sync()
+
+    def burst() -> float:
+        """Prefill every prompt (and sample its first token) in one step(); seconds."""
+        for i, p in enumerate(prompts):
+            gen.add(i, p, params)
+        sync()
+        t = time.perf_counter()
+        gen.step()
+        sync()
+        return time.perf_counter() - t
+
+    burst_tokens = sum(map(len, prompts))
+    eager_s = burst()
     t1, steps, tokens = time.perf_counter(), 0, 0
     while gen.running and not all(gen.finished(i) for i in gen.running):
         tokens += len(gen.step())
         steps += 1
     sync()
     secs = time.perf_counter() - t1
-    return {"decode_tokens_per_s": tokens / secs, "decode_steps": steps, "ms_per_step": 1000 * secs / steps,
-            "warmup_s": warm, "load_and_warmup_s": time.perf_counter() - t0 - secs}  # fmt: skip
+    out = {"decode_tokens_per_s": tokens / secs, "decode_steps": steps, "ms_per_step": 1000 * secs / steps,
+           "warmup_s": warm, "load_and_warmup_s": time.perf_counter() - t0 - secs - eager_s,
+           "burst_prompt_tokens": burst_tokens, "max_prefill_tokens": gen.max_prefill_tokens,
+           "prefill_eager_s": eager_s, "prefill_eager_tokens_per_s": burst_tokens / eager_s}  # fmt: skip
+    for k in list(gen.running):
+        gen.remove(k)
+    print(f"in-process: burst of {burst_tokens} prompt tokens prefilled in {eager_s:.3f} s eager; "
+          f"decode {out['ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        profile_and_compile(args, gen, prompts, params, burst, out)
+    except Exception as e:  # record it: the decode rate above is still worth reporting
+        print(f"in-process: prefill profile/compile failed: {e!r}", file=sys.stderr, flush=True)
+        out["prefill_compiled_error"] = repr(e)
+    return out
+
+
+def profile_and_compile(args, gen, prompts, params, burst, out: dict) -> None:
+    import torch
+
+    sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
+    if args.profile_prefill:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        if gen.device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
+        n = max(1, gen.max_prefill_tokens // args.input_len)  # one full forward
+        with profile(activities=acts) as prof:
+            for i, p in enumerate(prompts[:n]):
+                gen.add(i, p, params)
+            gen.step()
+            sync()
+        for k in list(gen.running):
+            gen.remove(k)
+        key = "self_cuda_time_total" if gen.device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=20)
+        print(table, file=sys.stderr, flush=True)
+        out["prefill_profile"] = table
+    gen.enable_compiled_prefill()
+    out["prefill_compile_s"] = gen.warmup_prefill()
+    burst()  # once more: any shape-specific compile or autotuning happens outside the timing
+    for k in list(gen.running):
+        gen.remove(k)
+    out["prefill_compiled_s"] = burst()
+    out["prefill_compiled_tokens_per_s"] = out["burst_prompt_tokens"] / out["prefill_compiled_s"]
+    print(f"in-process: compiled prefill {out['prefill_compiled_s']:.3f} s (compile "
+          f"{out['prefill_compile_s']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def served_name(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's `llmopt_engine_*` counters (Generator.time, cumulative) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("llmopt_engine_")}  # fmt: skip
+
+
+def attribute(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+    """Split the runs' wall time: prefill and decode forwards (device time plus launches), the
+    rest of the engine steps (inputs, sampling), and outside the steps (scheduling, the wait
+    for requests, streaming when it holds the GIL)."""
+    d = {k.removeprefix("llmopt_engine_").removesuffix("_total"): after[k] - before.get(k, 0.0)
+         for k in after}  # fmt: skip
+    pre, dec, step = d["prefill_seconds"], d["decode_seconds"], d["step_seconds"]
+    return {"wall_s": wall_s, "prefill_s": pre, "decode_s": dec,
+            "step_other_s": step - pre - dec, "outside_steps_s": wall_s - step,
+            "prefill_tokens": d["prefill_tokens"], "prefill_forwards": d["prefill_forwards"],
+            "prefill_tokens_per_s": d["prefill_tokens"] / pre if pre else float("nan"),
+            "decode_steps": d["decode_steps"],
+            "decode_ms_per_step": 1000 * dec / d["decode_steps"] if d["decode_steps"] else float("nan")}  # fmt: skip
 
 
 def free_port() -> int:
@@ -146,6 +232,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("serve_load.json"))
     ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process-rate", type=float, help="skip step 1: use this tokens/s")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="step 1: print the top kernels of one eager prefill forward")  # fmt: skip
     args = ap.parse_args()
     import torch
 
@@ -206,14 +294,23 @@ def main() -> None:
         ready = wait_healthy(url, server, args.server_timeout)
         print(f"server healthy after {ready:.0f} s (load + warm-up)", flush=True)
         bench_dir = args.workdir / "bench"
+        # One untimed request first (what `bench serve` does before each run by default), then
+        # none inside the runs: the engine counters then cover the timed requests alone.
+        warm = json.dumps({"model": served_name(url), "prompt": "Hello", "max_tokens": 8}).encode()
+        req = urllib.request.Request(
+            url + "/v1/completions", warm, {"Content-Type": "application/json"}
+        )
+        urllib.request.urlopen(req, timeout=300).read()
+        before = engine_counters(url)
         subprocess.run(
             [*cli, "bench", "serve", "--url", url, "--mode", "concurrency",
              "--values", str(args.concurrency), "--num-requests", str(args.requests),
              "--prompts", str(prompts), "--ignore-eos", "--repeats", str(args.repeats),
-             "--timeout", "600", "--label", f"llmopt serve {args.recipe}",
+             "--timeout", "600", "--warmups", "0", "--label", f"llmopt serve {args.recipe}",
              "--out", str(bench_dir)],
             check=True,
         )  # fmt: skip
+        after = engine_counters(url)
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -230,12 +327,14 @@ def main() -> None:
                      "ttft_p99_ms": m["ttft_ms"]["p99"], "ttft_median_ms": m["ttft_ms"]["median"],
                      "tpot_median_ms": m["tpot_ms"]["median"], "completed": m["completed"],
                      "failed": m.get("failed"), "mean_input_tokens": m["total_input_tokens"] / max(1, m["completed"])})  # fmt: skip
+    engine = attribute(before, after, sum(r["metrics"]["duration_s"] for r in runs))
     import torch
 
     env_info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv,
                 "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
-    args.out.write_text(json.dumps({"env": env_info, "in_process": inproc, "runs": rows, "bench": bench}, indent=1))  # fmt: skip
+    args.out.write_text(json.dumps({"env": env_info, "in_process": inproc, "runs": rows,
+                                    "engine": engine, "bench": bench}, indent=1))  # fmt: skip
     print(
         f"\nin-process decode at batch {args.concurrency}: {inproc['decode_tokens_per_s']:.1f} tokens/s"
     )
@@ -247,6 +346,9 @@ def main() -> None:
         print(f"| {r['run']} | {r['output_tokens_per_s']:.1f} | {r['share_of_in_process']:.0%} | "
               f"{r['ttft_p99_ms']:.0f} | {r['ttft_median_ms']:.0f} | {r['tpot_median_ms']:.1f} | "
               f"{r['completed']} | {r['mean_input_tokens']:.0f} |")  # fmt: skip
+    print("\nwhere the served runs' wall time went (the server's llmopt_engine_* counters):")
+    for k, v in engine.items():
+        print(f"  {k}: {v:.4g}")
 
 
 if __name__ == "__main__":

@@ -100,12 +100,18 @@ def server(request, tmp_path_factory):
 def test_models_and_completion(server):
     c = server.client()
     assert [m.id for m in c.models.list().data] == [MODEL]
+    engine = ("prefill_tokens", "prefill_seconds", "decode_steps", "step_seconds")
+    before = {k: server.metric(f"llmopt_engine_{k}_total") for k in engine}
     r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                              temperature=0, logprobs=2)  # fmt: skip
     ch = r.choices[0]
     assert "Paris" in ch.text and ch.finish_reason in ("length", "stop")
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == len(ch.logprobs.tokens)
     assert all(len(t) >= 1 for t in ch.logprobs.top_logprobs)
+    # The engine-time counters (in both engine modes) saw this request's prefill and decodes.
+    d = {k: server.metric(f"llmopt_engine_{k}_total") - v for k, v in before.items()}
+    assert d["prefill_tokens"] >= 5 and d["decode_steps"] >= r.usage.completion_tokens - 1
+    assert 0 < d["prefill_seconds"] < d["step_seconds"]
 
 
 def test_echo_returns_prompt_logprobs(server):

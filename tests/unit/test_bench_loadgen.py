@@ -110,3 +110,27 @@ def test_first_arrival_past_the_deadline_sends_nothing():
     spec = LoadSpec("rate", 0.5, num_requests=3, max_seconds=0.5)  # first send at 2 s
     res = run_load("http://127.0.0.1:9", spec, model="m", warmups=0)
     assert res["unsent"] == 3 and res["requests"] == [] and res["metrics"]["completed"] == 0
+
+
+def test_bench_serve_warmups_reach_every_run(monkeypatch, tmp_path):
+    """`llmopt bench serve --warmups N` sends N untimed requests before each run (default 1)."""
+    from typer.testing import CliRunner
+
+    import llmopt.bench.sweep as sweep
+    from llmopt.cli.main import app
+
+    seen = []
+
+    def fake_run_load(base_url, spec, w, model, slo, timeout_s, warmups=1, allow_remote=False):
+        seen.append(warmups)
+        return run_load(base_url, spec, w, model, slo, timeout_s, warmups=0)  # refused: failures
+
+    monkeypatch.setattr(sweep, "run_load", fake_run_load)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--model", "m", "--values", "1",
+            "--num-requests", "1", "--repeats", "2", "--timeout", "2", "--out", str(tmp_path)]  # fmt: skip
+    CliRunner().invoke(app, [*args, "--warmups", "0"])
+    CliRunner().invoke(app, args)
+    assert seen == [0, 0, 1, 1]

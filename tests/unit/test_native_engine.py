@@ -468,3 +468,28 @@ def test_step_without_budget_finishes_a_chunked_prompt(tiny_llama_dir):
     assert [x[0] for x in got[0].prompt_logprobs[1:]] == pytest.approx(
         [x[0] for x in want_plp[1:]], abs=1e-5
     )
+
+
+def test_compiled_prefill_matches_eager_and_step_time_is_attributed(tiny_llama_dir):
+    """`compile_prefill=True` (Inductor, dynamic shapes; a C++ compile on the CPU) gives the
+    same tokens as the eager prefill for batches and prompt lengths it was not warmed up with,
+    and `gen.time` splits the steps into prefill and decode."""
+    prompts = [list(range(20, 45)), [9] * 11, [5, 6, 7], [100, 101]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    eager = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
+    want = [eager.generate(p, params)[0] for p in prompts]
+    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4,
+                         compile_prefill=True)  # fmt: skip
+    assert gen.warmup_prefill() > 0 and gen.time.prefill_forwards == 0  # warm-up not counted
+    for i, p in enumerate(prompts):
+        gen.add(i, p, params)
+    out: dict[int, list[int]] = {}
+    while gen.running and not all(gen.finished(k) for k in gen.running):
+        for ev in gen.step():
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+    assert [out[i] for i in range(4)] == want
+    t = gen.time
+    assert t.prefill_tokens == sum(map(len, prompts)) and t.prefill_forwards == 1
+    assert t.decode_steps == 5  # the first token comes from the prefill
+    assert 0 < t.prefill_s + t.decode_s <= t.step_s
+    assert load_generator(tiny_llama_dir, max_batch=1).warmup_prefill() == 0.0  # nothing compiled

@@ -81,6 +81,7 @@ def run_sweep(
     allow_remote: bool = False,
     timeout_s: float = 120.0,
     on_run: Callable[[int, int, dict[str, Any]], None] | None = None,
+    warmups: int = 1,
 ) -> dict[str, Any]:
     """Run every point `repeats` times and summarize each headline metric over the repeats.
 
@@ -95,6 +96,7 @@ def run_sweep(
         allow_remote: permit a non-loopback host.
         timeout_s: per-request bound.
         on_run: progress callback (run index, total runs, run result).
+        warmups: untimed requests sent one by one before each run (0: none).
 
     Example:
         >>> res = run_sweep("http://127.0.0.1:8000", parse_points("concurrency", "1,2"), repeats=2)  # doctest: +SKIP
@@ -111,7 +113,8 @@ def run_sweep(
     for spec in points:
         runs = []
         for _ in range(repeats):
-            r = run_load(base_url, spec, w, model_seen, slo, timeout_s, allow_remote=allow_remote)
+            r = run_load(base_url, spec, w, model_seen, slo, timeout_s, warmups=warmups,
+                         allow_remote=allow_remote)  # fmt: skip
             model_seen = r["model"]
             runs.append(r)
             k += 1

@@ -69,6 +69,13 @@ def serve(
         bool, typer.Option("--ignore-eos", help="Ask the server to ignore EOS.")
     ] = False,
     repeats: Annotated[int, typer.Option(help="Runs per point (>= 2 measures the noise).")] = 3,
+    warmups: Annotated[
+        int,
+        typer.Option(
+            help="Untimed requests sent one by one before each run (0: none, e.g. when the "
+            "caller warmed the server and reads its counters around the runs)."
+        ),
+    ] = 1,
     ttft_ms: Annotated[
         float | None, typer.Option("--ttft-ms", help="Goodput SLO: TTFT, ms.")
     ] = None,
@@ -101,7 +108,8 @@ def serve(
     with Progress(disable=as_json, transient=True) as prog:
         task = prog.add_task("load runs", total=len(points) * repeats)
         res = run_sweep(url, points, w, repeats, slo, model, label, allow_remote, timeout,
-                        on_run=lambda k, n, r: prog.update(task, completed=k))  # fmt: skip
+                        on_run=lambda k, n, r: prog.update(task, completed=k),
+                        warmups=warmups)  # fmt: skip
     path = _write(out, res)
     if as_json:
         _emit(res if path is None else {"bench_json": str(path)} | res)

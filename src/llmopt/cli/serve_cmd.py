@@ -84,6 +84,14 @@ def serve(
             "streaming many clients never holds up an engine step; off: an engine thread.",
         ),
     ] = False,
+    compile_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--compile-prefill/--no-compile-prefill",
+            help="torch.compile the native engine's prefill forward too (fused norms, RoPE "
+            "and activations; compiled during warm-up).",
+        ),
+    ] = False,
     block_size: Annotated[
         int | None,
         typer.Option("--block-size", help="KV-cache block, tokens (default: from the plan)."),
@@ -173,6 +181,7 @@ def serve(
         warmup_tokens=warmup_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         engine_process=engine_process,
+        compile_prefill=compile_prefill,
         swap_space_gib=swap_space,
     )  # fmt: skip
     requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,

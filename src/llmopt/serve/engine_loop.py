@@ -120,14 +120,14 @@ class EngineLoop:
                 log.exception("engine step failed; failing the requests in flight")
                 self.error = e
                 out = [(s, e) for s in self.sched.fail_all()]
+            tokens = sum(not isinstance(x, BaseException) for _, x in out)
+            if tokens:
+                self.metrics.count_generated(tokens)
+            self.metrics.preemptions.inc(self.sched.preemptions_total - before)
+            self._publish()  # before delivery: a client that got its tokens sees them counted
             if out:
-                tokens = sum(not isinstance(x, BaseException) for _, x in out)
-                if tokens:
-                    self.metrics.count_generated(tokens)
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(_deliver, out)
-            self.metrics.preemptions.inc(self.sched.preemptions_total - before)
-            self._publish()
 
     def _publish(self) -> None:
         self.metrics.publish(self.sched.stats())

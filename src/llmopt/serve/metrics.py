@@ -83,6 +83,20 @@ class ServeMetrics:
         self.embed_batch = Histogram("llmopt_embedding_batch_size",
                                      "Texts per embedding forward pass (dynamic batching).",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)  # fmt: skip
+        # Where the engine's steps spent their time (Generator.time, llmopt's own): prefill
+        # and decode forwards, and whole steps; the rest of the wall time is between steps.
+        self.engine_time = {
+            field: Counter(f"llmopt_engine_{name}", doc, registry=r)
+            for field, name, doc in (
+                ("prefill_s", "prefill_seconds", "Seconds in prefill forwards (device, launches)."),
+                ("prefill_tokens", "prefill_tokens", "Prompt tokens prefilled (no padding)."),
+                ("prefill_forwards", "prefill_forwards", "Prefill forward passes."),
+                ("decode_s", "decode_seconds", "Seconds in decode forwards (device and launch)."),
+                ("decode_steps", "decode_steps", "Decode forwards (a token per running sequence)."),
+                ("step_s", "step_seconds", "Seconds in engine steps (forwards, inputs, sampling)."),
+            )
+        }
+        self._engine_seen: dict[str, float] = {}
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
 
@@ -95,6 +109,11 @@ class ServeMetrics:
         self.kv_usage.set(st.kv_usage)
         self.swapped.set(st.swapped)
         self.swap_used.set(st.swap_used_bytes)
+        if st.engine_time is not None:  # cumulative: the counters advance by the difference
+            for f, counter in self.engine_time.items():
+                value = float(getattr(st.engine_time, f))
+                counter.inc(max(0.0, value - self._engine_seen.get(f, 0.0)))
+                self._engine_seen[f] = value
 
     def count_generated(self, n: int) -> None:
         """Called by the engine thread after each step with the tokens it produced."""

@@ -100,6 +100,7 @@ class SchedulerStats:
     preemptions_total: int
     swapped: int = 0  # preempted sequences whose KV cache waits in host memory
     swap_used_bytes: int = 0
+    engine_time: Any = None  # the generator's cumulative EngineTime, where it keeps one
 
     @property
     def kv_usage(self) -> float:
@@ -193,7 +194,8 @@ class Scheduler:
         swapped = sum(s.swapped is not None for s in self._queued.values())
         return SchedulerStats(len(self._queued) - pre, len(self.running), pre,
                               int(self.gen.free_blocks), self.capacity_blocks,
-                              self.preemptions_total, swapped, self.swap_used_bytes)  # fmt: skip
+                              self.preemptions_total, swapped, self.swap_used_bytes,
+                              getattr(self.gen, "time", None))  # fmt: skip
 
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, Any]]:

@@ -100,7 +100,8 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     gen_kwargs = {"model": str(folder), "recipe": recipe, "device": settings.device,
                   "max_batch": settings.max_num_seqs, "block_size": settings.block_size,
                   "num_blocks": settings.num_blocks, "max_seq_len": settings.max_seq_len,
-                  "batch_sizes": settings.batch_sizes()}  # fmt: skip
+                  "batch_sizes": settings.batch_sizes(),
+                  "compile_prefill": settings.compile_prefill}  # fmt: skip
     chunked = settings.enable_chunked_prefill
     chunked = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
     swap = int(settings.swap_space_gib * 2**30)
@@ -156,6 +157,8 @@ def warm_generator(gen: Any, warmup_tokens: int, device: str) -> None:
         # The CPU decode step is eager (load_generator compiles on CUDA only): nothing to
         # compile, and running every shape up to a long context takes minutes on a few cores.
         log.info("decode warm-up skipped: the CPU decode step is not compiled")
+        if secs := gen.warmup_prefill():
+            log.info("compiled prefill warm-up took %.1f s", secs)
     elif warmup_tokens:
         upto = min(warmup_tokens, int(gen.max_seq_len))
         widths = gen.warmup_widths(upto)

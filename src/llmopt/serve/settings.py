@@ -36,6 +36,9 @@ class ServeSettings:
         engine_process: run the engine (generator, scheduler, step loop) in its own process,
             as vLLM's engine core, so the API process's Python (detokenizing, streaming) never
             holds the GIL the engine needs (`serve/engine_proc.py`). Off: an engine thread.
+        compile_prefill: torch.compile the native engine's prefill forward as well as its
+            decode step (dynamic shapes, compiled during warm-up; `Generator`). Off by default
+            until measured on a GPU (docs/benchmarks.md, Serving).
         block_size: KV-cache page size in tokens.
         num_blocks: KV-cache pages, one of them scratch (None: enough for max_num_seqs
             sequences of max_seq_len tokens).
@@ -68,6 +71,7 @@ class ServeSettings:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool | None = None
     engine_process: bool = False
+    compile_prefill: bool = False
     swap_space_gib: float = 4.0
     block_size: int = 16
     num_blocks: int | None = None

@@ -126,6 +126,7 @@ def load_generator(
     compile: bool | None = None,
     batch_sizes: list[int] | tuple[int, ...] | None = None,
     min_bucket_tokens: int | None = None,
+    compile_prefill: bool = False,
 ):
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
@@ -135,6 +136,7 @@ def load_generator(
             load (round-to-nearest) unless the folder is already quantized.
         compile: torch.compile the decode step (default: on for CUDA, off for CPU).
         batch_sizes, min_bucket_tokens: the decode shapes (see `Generator`).
+        compile_prefill: torch.compile the prefill forward too (dynamic shapes; see `Generator`).
     """
     import torch
     from transformers import AutoTokenizer
@@ -163,6 +165,7 @@ def load_generator(
         compile=(device != "cpu") if compile is None else bool(compile),
         batch_sizes=batch_sizes,
         min_bucket_tokens=min_bucket_tokens,
+        compile_prefill=compile_prefill,
     )
 
 

@@ -19,7 +19,8 @@ GPU), one graph per (batch, length) bucket. Each new bucket costs a compile (abo
 8B model on an H200), so a compiled generator never cuts the tables below `min_bucket_tokens` (the
 gather of a few hundred tokens costs microseconds, a compile a minute), and `warmup()` compiles
 the buckets up front: a server calls it before it accepts requests, so no request waits for a
-compile.
+compile. With `compile_prefill=True` the first-chunk prefill forward is compiled too (dynamic
+shapes, no CUDA graphs; `warmup()` compiles it).
 
 Chunked prefill: `step(prefill_budget=N)` computes at most N prompt tokens in this step (the
 scheduler passes its token budget less one token per running decode). The sequences waiting for
@@ -49,7 +50,7 @@ import torch
 
 from llmopt.engines.native.model import Transformer
 
-__all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks", "Swapped"]
+__all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks", "Swapped", "EngineTime"]
 
 
 class OutOfBlocks(RuntimeError):
@@ -105,6 +106,24 @@ class _Seq:
 
 
 @dataclass
+class EngineTime:
+    """Where a generator's `step()` calls spent their time, cumulative since it was made.
+
+    The forward timings include the wait for the device, so on a GPU they are device time plus
+    launch overhead; `step_s` also counts building the inputs and sampling. A server exports these
+    as counters (`llmopt_engine_*_total`), which is how its wall time is attributed: prefill,
+    decode, the rest of the step, and the time between steps (scheduling, streaming).
+    """
+
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens computed (padding not counted)
+    prefill_forwards: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    step_s: float = 0.0
+
+
+@dataclass
 class Swapped:
     """A decoding sequence moved out of the KV pool (`Generator.swap_out`): its state, and its
     blocks' keys and values per layer in host memory (pinned on CUDA), in block order."""
@@ -152,6 +171,7 @@ class Generator:
         max_prefill_tokens: int = 4096,
         batch_sizes: list[int] | tuple[int, ...] | None = None,
         min_bucket_tokens: int | None = None,
+        compile_prefill: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
@@ -187,11 +207,19 @@ class Generator:
         self.eos_ids = eos
         self._decode = self._decode_eager
         self.compile_seconds = 0.0
+        self.time = EngineTime()
         if compile:
             self._decode = torch.compile(
                 self._decode_eager, mode="reduce-overhead", fullgraph=True, dynamic=False
             )
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # First-chunk prefills through torch.compile (Inductor fuses the norms, RoPE and SiLU*mul
+        # that run eager as separate memory-bound kernels over every prompt token). dynamic=True:
+        # one graph for every batch and prompt length (batch 1 is its own, as Dynamo
+        # specializes 1); no CUDA graphs, as a prefill's shapes vary and its kernels are long.
+        self._prefill_forward = self.model
+        if compile_prefill:
+            self.enable_compiled_prefill()
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -311,12 +339,14 @@ class Generator:
             )
         for k in short:
             self.seqs[k].blocks.append(self._free.pop())
+        t0 = time.perf_counter()
         events = []
         pending = [k for k, s in self.seqs.items() if not s.prefilled]
         if pending:
             events.extend(self._prefill_chunks(pending, prefill_budget))
         if decoding:
             events.extend(self._decode_batch(decoding))
+        self.time.step_s += time.perf_counter() - t0
         return events
 
     def _prefill_chunks(self, pending: list[Hashable], budget: int | None) -> list[TokenEvent]:
@@ -389,12 +419,19 @@ class Generator:
         hook = None
         if any(want):  # keep the final-norm output of every position (B, T, D), not logits
             hook = self.model.model.norm.register_forward_hook(lambda _m, _i, o: hidden.append(o))
+        # The compiled forward takes first chunks of 2+ tokens (the shapes warmup() compiled);
+        # later chunks (the paged path), 1-token prompts and prompt logprobs (a hook) run eager.
+        fwd = self._prefill_forward if fresh and hook is None and t > 1 else self.model
+        t0 = time.perf_counter()
         try:
-            logits = self.model(tokens, pos, tables, prefill=fresh, last_index=last)
+            logits = fwd(tokens, pos, tables, prefill=fresh, last_index=last)
         finally:
             if hook is not None:
                 hook.remove()
         self._wait()
+        self.time.prefill_s += time.perf_counter() - t0
+        self.time.prefill_tokens += sum(n for _, n in chunks)
+        self.time.prefill_forwards += 1
         events = []
         for i, (k, s) in enumerate(zip(keys, seqs, strict=True)):
             n = chunks[i][1]
@@ -457,7 +494,8 @@ class Generator:
     @torch.inference_mode()
     def warmup(self, max_tokens: int | None = None) -> float:
         """Run (and so compile) the decode step for every batch size and length bucket up to
-        `max_tokens` of context (default: the whole context). Returns the seconds it took.
+        `max_tokens` of context (default: the whole context), and the compiled prefill if any.
+        Returns the seconds it took.
 
         Only scratch block 0 is touched: the running sequences' KV cache is left alone.
         """
@@ -467,6 +505,29 @@ class Generator:
                 packed = torch.zeros(bp, 2 + nb, dtype=torch.long, device=self.device)
                 for _ in range(3):  # compile, then the CUDA-graph warm-up and recording runs
                     self._decode(packed)
+        self.warmup_prefill()
+        self._wait()
+        return time.perf_counter() - t0
+
+    def enable_compiled_prefill(self) -> None:
+        """Run first-chunk prefills through `torch.compile` from now on (`compile_prefill`)."""
+        if self._prefill_forward is self.model:
+            self._prefill_forward = torch.compile(self.model, dynamic=True)
+
+    @torch.inference_mode()
+    def warmup_prefill(self) -> float:
+        """Compile the compiled prefill's graphs (none without `compile_prefill`), writing only
+        scratch block 0. Returns the seconds it took (0 when nothing is compiled)."""
+        if self._prefill_forward is self.model:
+            return 0.0
+        t0 = time.perf_counter()
+        # Batch, length and table width must differ here: Dynamo gives equal sizes one symbol.
+        t = 48
+        tables = torch.zeros(2, self.blocks_needed(t) + 1, dtype=torch.long, device=self.device)
+        for b in (2, 1):  # the dynamic-shape graph, then batch 1's (Dynamo specializes 1)
+            z = torch.zeros(b, t, dtype=torch.long, device=self.device)
+            pos = torch.arange(t, device=self.device).expand(b, t)
+            self._prefill_forward(z, pos, tables[:b], prefill=True, last_index=z[:, 0] + t - 1)
         self._wait()
         return time.perf_counter() - t0
 
@@ -483,8 +544,11 @@ class Generator:
             rows[i][0], rows[i][1] = s.ids[-1], len(s.ids) - 1
             rows[i][2 : 2 + len(s.blocks)] = s.blocks
         packed = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        t0 = time.perf_counter()
         logits, best, best_lp = self._decode(packed)
         self._wait()
+        self.time.decode_s += time.perf_counter() - t0
+        self.time.decode_steps += 1
         plain = [
             not self.seqs[k].params.logprobs and self.seqs[k].params.temperature <= 0 for k in keys
         ]
