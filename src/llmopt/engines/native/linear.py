@@ -15,7 +15,9 @@ kernels are GEMV-shaped and lose to cuBLAS/oneDNN when the input is a whole prom
 
 Quantization here is plain symmetric round-to-nearest (what a checkpoint without calibration gets);
 calibrated weights (AWQ, GPTQ) arrive already quantized from `llmopt.quant` in compressed-tensors
-folders and are only re-laid-out here (`weights.py`).
+folders and are only re-laid-out here (`weights.py`). Asymmetric int4 (a zero point per group)
+costs nothing extra: tinygemm dequantizes `(u - 8) * scale + zero` with a float `zero` per group,
+so `Int4Linear` stores `zero = -z * scale` for the signed zero point `z` (bf16, as the scales).
 """
 
 from __future__ import annotations
@@ -123,14 +125,31 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    """int4 weights in groups along the input dimension (tinygemm layout)."""
+    """int4 weights in groups along the input dimension (tinygemm layout).
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group: int, bias, dtype):
+    `q` (N, K) holds signed codes in [-8, 7], `scale` (N, K / group); with `zero_point` (same
+    layout, signed int in [-8, 7], compressed-tensors' asymmetric convention) the weight is
+    (q - zero_point) * scale, else q * scale. tinygemm computes (u - 8) * scale + zero with
+    u = q + 8, so the zero point becomes the float offset zero = -zero_point * scale: the same
+    kernel, no extra cost.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        group: int,
+        bias,
+        dtype,
+        zero_point: torch.Tensor | None = None,
+    ):
         n, k = q.shape
         super().__init__(n, k, bias, dtype)
         self.group = group
         u = (q.to(torch.int32) + 8).contiguous()  # tinygemm dequant: (u - 8) * scale + zero
-        sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1)  # (K/g, N, 2)
+        scale = scale.float()
+        zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float() * scale
+        sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/g, N, 2)
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
         if q.device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)

@@ -6,8 +6,11 @@ rather than a whole fp32 copy of the model.
 
 Weights that arrive quantized (a compressed-tensors `quantization_config`, as `llmopt.quant` and
 llm-compressor write) are re-laid-out for this engine's kernels without re-quantizing, so AWQ/GPTQ
-choices survive. Dense weights can be quantized on load (`quant="int8" | "int4" | "fp8"`,
-round-to-nearest), which is what the benchmark and the on-the-fly recipes use.
+choices survive. Asymmetric int4 (`weight_zero_point`, `symmetric: false`, the `-asym` recipes)
+runs on the same int4 kernel, the zero points folded into its per-group float offsets
+(`Int4Linear`); int8 with zero points (llmopt never writes it) is refused. Dense weights can be
+quantized on load (`quant="int8" | "int4" | "fp8"`, round-to-nearest), which is what the
+benchmark and the on-the-fly recipes use.
 """
 
 from __future__ import annotations
@@ -186,25 +189,35 @@ def _from_compressed(name: str, tensors, qcfg: dict | None, device, dtype, bias)
 
     scale = get(f"{name}.weight_scale").float()
     b = None if bias is None else bias.to(device)
+    bits = _num_bits(qcfg)
     if f"{name}.weight_packed" in tensors:  # pack-quantized int4 (or int8) in int32 words
         shape = torch.Size(get(f"{name}.weight_shape").tolist())
-        bits = _num_bits(qcfg)
         q = _unpack_int32()(get(f"{name}.weight_packed"), bits, shape).to(torch.int8)
     else:
         q = get(f"{name}.weight")
-    if f"{name}.weight_zero_point" in tensors and bool(get(f"{name}.weight_zero_point").any()):
-        raise NotImplementedError(
-            f"{name}: asymmetric (zero-point) weights are not supported natively"
-        )
+    n, k = q.shape
+    is_int4 = bits == 4 and int(q.min()) >= -8 and int(q.max()) <= 7
+    zp = None
+    if f"{name}.weight_zero_point" in tensors:
+        zp = get(f"{name}.weight_zero_point")
+        if zp.dtype == torch.int32:  # pack-quantized: unsigned, packed along the output dim
+            zp = _unpack_int32()(zp, bits, torch.Size((n, scale.numel() // n)), packed_dim=0)
+        if not bool(zp.any()):
+            zp = None  # all zero: symmetric (older writers stored such zero points)
+        elif not is_int4:
+            raise NotImplementedError(
+                f"{name}: asymmetric (zero-point) weights are supported natively at 4 bits only"
+            )
+        else:
+            zp = zp.reshape(n, -1).to(torch.int8)  # signed, as compressed-tensors computes it
     if q.dtype == torch.float8_e4m3fn:
         return L.Fp8Linear(q, scale.flatten(), b, dtype)
-    n, k = q.shape
     if scale.numel() == n:  # per channel
-        if int(q.min()) >= -8 and int(q.max()) <= 7 and _num_bits(qcfg) == 4:
-            return L.Int4Linear(q, scale.reshape(n, 1).expand(n, 1), k, b, dtype)
+        if is_int4:
+            return L.Int4Linear(q, scale.reshape(n, 1), k, b, dtype, zero_point=zp)
         return L.Int8Linear(q, scale.flatten(), b, dtype)
     group = k // scale.shape[1]
-    return L.Int4Linear(q, scale.reshape(n, -1), group, b, dtype)
+    return L.Int4Linear(q, scale.reshape(n, -1), group, b, dtype, zero_point=zp)
 
 
 def _unpack_int32():
