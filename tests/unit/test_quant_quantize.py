@@ -87,6 +87,7 @@ def test_folder_loads_in_transformers_and_matches_fake_quant(
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == fmt and qcfg["ignore"] == ["lm_head"]
     asym = recipe.endswith("-asym")
+    assert bool(facts["notes"]) == asym  # the loader caveat, said before any work
     assert qcfg["config_groups"]["group_0"]["weights"]["symmetric"] is not asym
     stored = safe_keys(out / "model.safetensors")
     zps = [k for k in stored if k.endswith(".weight_zero_point")]
@@ -260,22 +261,36 @@ def test_auto_exclude_refuses_when_half_the_layers_in_float_do_not_meet_the_budg
     assert not out.exists()
 
 
+@pytest.mark.parametrize("override", [False, True])
 def test_asymmetric_folder_runs_on_the_native_engine_like_the_fake_quantized_model(
-    tiny_llama_dir, tmp_path, cal
+    tiny_llama_dir, tmp_path, cal, override
 ):
     from llmopt.engines import get_engine
     from llmopt.engines.native.linear import Int4Linear
+    from llmopt.engines.native.weights import DequantizedLinear
     from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.recipes import LayerOverride, get_recipe
 
     recipe = get_recipe("w4a16-gptq-g32-asym")
+    if override:  # 8-bit symmetric groups inside the 4-bit asymmetric folder: two config groups
+        recipe = recipe.with_changes(
+            name="mixed", overrides=(LayerOverride("mlp.down_proj", weight_bits=8),)
+        )
     out = tmp_path / "asym"
-    quantize(tiny_llama_dir, recipe, out, calibration=cal)
+    facts = quantize(tiny_llama_dir, recipe, out, calibration=cal)
+    assert len(facts["notes"]) == 1 and "dequantize=True" in facts["notes"][0]
+    assert ("transformers cannot load this folder" in facts["notes"][0]) == override
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert len(groups) == (2 if override else 1)
     info = inspect_model(tiny_llama_dir)
+    # Loads with quant="int4" (the recipe's kernel): layers the folder quantized are kept as stored.
     runner = get_engine("torch").load(out, info, recipe, {})
-    q_proj = runner.gen.model.model.layers[0].self_attn.q_proj
+    layer = runner.gen.model.model.layers[0]
+    q_proj = layer.self_attn.q_proj
     assert isinstance(q_proj, Int4Linear)  # the int4 kernel, not a dequantized fallback
     assert q_proj.scales_zeros[..., 1].abs().max() > 0  # zero points became the kernel's offsets
+    # 8-bit codes in groups have no kernel here: exact dequantized weights, not misread as int4.
+    assert isinstance(layer.mlp.down_proj, DequantizedLinear if override else Int4Linear)
     ours, _ = fake_quantized_model(tiny_llama_dir, recipe, calibration=cal)
     sym, _ = fake_quantized_model(tiny_llama_dir, "w4a16-gptq-g32", calibration=cal)
     ids = _ids(24)

@@ -39,6 +39,7 @@ def render_facts(facts: dict[str, Any], out: Path) -> None:
             ("ignored", ", ".join(facts["ignored"]) or "-"),
             ("excluded (auto)", ", ".join(facts["excluded"]) or "-"),
             ("skipped", "; ".join(f"{k}: {v}" for k, v in facts["skipped"].items()) or "-"),
+            ("notes", "; ".join(facts.get("notes") or []) or "-"),
             (
                 "calibration",
                 f"{facts['calibration']['windows_used']} x "

@@ -177,6 +177,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
         "ignored": sorted(plan.ignored),
         "excluded": excluded,
         "skipped": plan.skipped,
+        "notes": plan.notes,
         "fallbacks": res.fallbacks,
         "smoothed": len(res.smoothed),
         "kv_cache_scales": {str(i): {"k": k, "v": v} for i, (k, v) in res.kv_scales.items()},
@@ -220,6 +221,8 @@ def _load_checked(source: Path, recipe: Recipe, calibration, device: str, keep_o
     del meta
     for name, why in plan.skipped.items():
         log.warning("skipped %s: %s", name, why)
+    for note in plan.notes:
+        log.warning("%s", note)
     tokenizer = AutoTokenizer.from_pretrained(source)
     dtype = getattr(torch, recipe.dtype)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")

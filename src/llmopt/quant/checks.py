@@ -5,6 +5,9 @@
 - Layers with weights that the recipe cannot quantize (not nn.Linear): listed as skipped.
 - Not enough host memory for the model (plus float copies for auto-exclude), or device memory
   for one layer plus its calibration activations and statistics.
+- Asymmetric weights (`-asym` recipes): recipes that cannot have them are refused when the
+  Recipe is built (8-bit, FP8, quantized activations, per-tensor scales); here, the loaders that
+  will not read the folder are named in `Preflight.notes` (and the facts) before any work.
 
 The model is built on the meta device from its config here: shapes only, no weights read.
 """
@@ -43,6 +46,7 @@ class Preflight:
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
     host_bytes_needed: int = 0
     device_bytes_needed: int = 0
+    notes: list[str] = field(default_factory=list)  # what the folder will not load in, and why
 
 
 def _ignored(name: str, ignore: tuple[str, ...]) -> bool:
@@ -117,7 +121,26 @@ def preflight(
             "layers to the ignore list",
         )
     _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals)
+    pf.notes += _asymmetric_notes(pf)
     return pf
+
+
+def _asymmetric_notes(pf: Preflight) -> list[str]:
+    """Where an asymmetric folder does not load (transformers 5.24, compressed-tensors 0.20.1)."""
+    if all(s.symmetric for s in pf.specs.values()):
+        return []
+    why = (
+        "transformers (with compressed-tensors 0.20.1) loads asymmetric pack-quantized folders "
+        "only with quantization_config=CompressedTensorsConfig(dequantize=True): its default "
+        "route lays out unpacked zero points and stops on the size mismatch"
+    )
+    if len({s for s in pf.specs.values()}) > 1:
+        why += (
+            "; with per-layer overrides (two or more config groups) that route fails too (it "
+            "decompresses every layer with one scheme), so transformers cannot load this folder; "
+            "the torch engine (and vLLM, whose kernels read zero points) can"
+        )
+    return [why]
 
 
 def _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals) -> None:

@@ -8,7 +8,11 @@ Weights that arrive quantized (a compressed-tensors `quantization_config`, as `l
 llm-compressor write) are re-laid-out for this engine's kernels without re-quantizing, so AWQ/GPTQ
 choices survive. Asymmetric int4 (`weight_zero_point`, `symmetric: false`, the `-asym` recipes)
 runs on the same int4 kernel, the zero points folded into its per-group float offsets
-(`Int4Linear`); int8 with zero points (llmopt never writes it) is refused. Dense weights can be
+(`Int4Linear`). 8-bit codes with group scales or zero points (an 8-bit override inside a w4a16
+recipe; llm-compressor's asymmetric W8A16) have no kernel here: they are dequantized exactly
+into a `DequantizedLinear` (dense compute, correct numbers) rather than refused. The bits of a
+pack-quantized layer come from its packed width, not the config, since overrides mix them.
+Dense weights can be
 quantized on load (`quant="int8" | "int4" | "fp8"`, round-to-nearest), which is what the
 benchmark and the on-the-fly recipes use.
 """
@@ -33,6 +37,13 @@ QUANT_MODES = ("int8", "int4", "fp8")
 
 def _linear_names(model: Transformer) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+class DequantizedLinear(nn.Linear):
+    """A stored quantized linear that no kernel here runs (8-bit codes with group scales or zero
+    points, e.g. an 8-bit override inside a 4-bit recipe), held as its exact dequantized weight
+    (q - zero point) * scale in the model dtype. Dense from then on, but never quantized again
+    on load, nor fused."""
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -100,6 +111,8 @@ def quantize_model_(
         lin = model.get_submodule(name)
         if any(name == s or name.endswith("." + s) for s in ignore):
             continue
+        if isinstance(lin, DequantizedLinear):
+            continue  # already quantized by the checkpoint (exact values kept)
         if mode == "int4" and lin.in_features % group:
             continue  # left dense; the build lists it
         dtype = lin.weight.dtype
@@ -192,7 +205,9 @@ def _from_compressed(name: str, tensors, qcfg: dict | None, device, dtype, bias)
     bits = _num_bits(qcfg)
     if f"{name}.weight_packed" in tensors:  # pack-quantized int4 (or int8) in int32 words
         shape = torch.Size(get(f"{name}.weight_shape").tolist())
-        q = _unpack_int32()(get(f"{name}.weight_packed"), bits, shape).to(torch.int8)
+        packed = get(f"{name}.weight_packed")
+        bits = _packed_bits(packed.shape[-1], shape[-1]) or bits  # per layer: overrides mix them
+        q = _unpack_int32()(packed, bits, shape).to(torch.int8)
     else:
         q = get(f"{name}.weight")
     n, k = q.shape
@@ -202,22 +217,32 @@ def _from_compressed(name: str, tensors, qcfg: dict | None, device, dtype, bias)
         zp = get(f"{name}.weight_zero_point")
         if zp.dtype == torch.int32:  # pack-quantized: unsigned, packed along the output dim
             zp = _unpack_int32()(zp, bits, torch.Size((n, scale.numel() // n)), packed_dim=0)
-        if not bool(zp.any()):
-            zp = None  # all zero: symmetric (older writers stored such zero points)
-        elif not is_int4:
-            raise NotImplementedError(
-                f"{name}: asymmetric (zero-point) weights are supported natively at 4 bits only"
-            )
-        else:
-            zp = zp.reshape(n, -1).to(torch.int8)  # signed, as compressed-tensors computes it
+        # signed, as compressed-tensors computes it; all zero: symmetric (older writers stored it)
+        zp = zp.reshape(n, -1).to(torch.int8) if bool(zp.any()) else None
     if q.dtype == torch.float8_e4m3fn:
         return L.Fp8Linear(q, scale.flatten(), b, dtype)
-    if scale.numel() == n:  # per channel
+    grouped = scale.numel() > n
+    if not is_int4 and (grouped or zp is not None):  # no int8 kernel with groups or zeros
+        return _dequantized(q, scale.reshape(n, -1), zp, b, dtype)
+    if not grouped:  # per channel
         if is_int4:
             return L.Int4Linear(q, scale.reshape(n, 1), k, b, dtype, zero_point=zp)
         return L.Int8Linear(q, scale.flatten(), b, dtype)
     group = k // scale.shape[1]
     return L.Int4Linear(q, scale.reshape(n, -1), group, b, dtype, zero_point=zp)
+
+
+def _dequantized(q, scale, zp, bias, dtype) -> DequantizedLinear:
+    n, k = q.shape
+    w = q.float()
+    if zp is not None:
+        w = w - zp.float().repeat_interleave(k // zp.shape[1], 1)
+    w = w * scale.float().repeat_interleave(k // scale.shape[1], 1)
+    lin = DequantizedLinear(k, n, bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return lin
 
 
 def _unpack_int32():
@@ -229,6 +254,14 @@ def _unpack_int32():
             unpack_from_int32,
         )
     return unpack_from_int32
+
+
+def _packed_bits(words: int, in_features: int) -> int | None:
+    """Bits per weight of a pack-quantized row: `in_features` values in `words` int32 words
+    (ceil(in * bits / 32), which differs for every bits once in >= 32). A folder with per-layer
+    overrides mixes 4- and 8-bit layers, so the config's first group cannot say it."""
+    found = [b for b in range(1, 9) if -(-in_features * b // 32) == words]
+    return found[0] if len(found) == 1 else None
 
 
 def _num_bits(qcfg: dict | None) -> int:
