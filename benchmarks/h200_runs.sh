@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The issue-3/6/7 measurements on a lent H200, step by step, in one command per device call:
 #
-#   bash benchmarks/h200_runs.sh setup model serve        # then: setup model optimize; setup quantize
+#   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
 #
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
@@ -33,9 +33,10 @@ for step in "$@"; do
       python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
         --device "$DEV" --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
         --repeats 2 --profile-prefill --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
-      # Extra server variants (one run each), reusing the in-process rate measured above:
-      # by default the engine in its own process with the prefill compiled ('|' separates more).
-      rate=$(python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])")
+      python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])" > "$W/rate.txt" ;;
+    serve-variants)  # more servers, one run each, against the in-process rate `serve` measured
+      # (kept in $W/rate.txt on the machine; RATE=... overrides). '|' separates variants.
+      rate=${RATE:-$(cat "$W/rate.txt")}
       IFS='|' read -ra variants <<< "${SERVE_VARIANTS:---engine-process --compile-prefill}"
       i=0
       for v in "${variants[@]}"; do

@@ -493,3 +493,36 @@ def test_compiled_prefill_matches_eager_and_step_time_is_attributed(tiny_llama_d
     assert t.decode_steps == 5  # the first token comes from the prefill
     assert 0 < t.prefill_s + t.decode_s <= t.step_s
     assert load_generator(tiny_llama_dir, max_batch=1).warmup_prefill() == 0.0  # nothing compiled
+
+
+def test_batched_sampling_is_row_independent_and_filters():
+    """sample_rows: each row's pick does not depend on the other rows (a seeded row equals its
+    draw alone), top_k=1 and a tiny top_p reduce to the argmax, and logprobs are log-softmax."""
+    from llmopt.engines.native.generator import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    P = SamplingParams
+    params = [P(), P(temperature=0.8, seed=1), P(temperature=1.0, top_k=1, seed=2),
+              P(temperature=1.0, top_p=1e-6, seed=3), P(temperature=1.3, top_k=5, top_p=0.9,
+              seed=4, logprobs=3), P(logprobs=2)]  # fmt: skip
+
+    def rngs():
+        return [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+
+    together = sample_rows(logits, params, rngs())
+    alone = [sample_rows(logits[i : i + 1], [p], [g])[0]
+             for i, (p, g) in enumerate(zip(params, rngs(), strict=True))]  # fmt: skip
+    assert together == alone
+    best = logits.argmax(-1).tolist()
+    assert together[0][0] == best[0] and together[2][0] == best[2] and together[3][0] == best[3]
+    assert together[4][0] in torch.topk(logits[4], 5).indices.tolist()
+    logp = torch.log_softmax(logits, -1)
+    tok, lp, top = together[5]
+    assert tok == best[5] and lp == pytest.approx(float(logp[5, tok]))
+    assert [t for t, _ in top] == torch.topk(logp[5], 2).indices.tolist()
+    assert len(together[4][2]) == 3 and together[1][2] == []
+    # Seeded draws repeat; the temperature-0.8 row is not always the argmax over many seeds.
+    picks = {sample_rows(logits[1:2], [P(temperature=5.0)], [torch.Generator().manual_seed(s)])[0][0]
+             for s in range(20)}  # fmt: skip
+    assert len(picks) > 1

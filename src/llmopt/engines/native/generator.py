@@ -432,8 +432,8 @@ class Generator:
         self.time.prefill_s += time.perf_counter() - t0
         self.time.prefill_tokens += sum(n for _, n in chunks)
         self.time.prefill_forwards += 1
-        events = []
-        for i, (k, s) in enumerate(zip(keys, seqs, strict=True)):
+        complete = []  # rows whose prompt is now whole: they sample their first token
+        for i, s in enumerate(seqs):
             n = chunks[i][1]
             if want[i]:
                 if s.plp is None:
@@ -443,9 +443,14 @@ class Generator:
             if s.done < len(s.ids):
                 continue  # more chunks to come
             s.prefilled = True
-            ev = self._emit(k, s, logits[i])
+            complete.append(i)
+        if not complete:
+            return []
+        rows = logits[torch.tensor(complete, device=logits.device)]
+        events = self._emit_rows([keys[i] for i in complete], rows)
+        for ev in events:
+            s = self.seqs[ev.seq_id]
             ev.prompt_logprobs, s.plp = s.plp, None
-            events.append(ev)
         return events
 
     def _prompt_logprobs(
@@ -553,8 +558,7 @@ class Generator:
             not self.seqs[k].params.logprobs and self.seqs[k].params.temperature <= 0 for k in keys
         ]
         if not all(plain):
-            logits = logits[:b].clone()
-            return [self._emit(k, self.seqs[k], logits[i]) for i, k in enumerate(keys)]
+            return self._emit_rows(keys, logits[:b].clone())
         # All greedy without alternatives: argmax and its logprob came out of the same graph.
         toks, lps = best[:b].tolist(), best_lp[:b].tolist()
         return [
@@ -580,8 +584,11 @@ class Generator:
         best_lp = logits.gather(1, best) - torch.logsumexp(logits, -1, keepdim=True)
         return logits, best.flatten(), best_lp.flatten()
 
-    def _emit(self, key: Hashable, s: _Seq, logits: torch.Tensor) -> TokenEvent:
-        return self._append(key, s, *sample(logits, s.params, s.rng))
+    def _emit_rows(self, keys: list[Hashable], logits: torch.Tensor) -> list[TokenEvent]:
+        """Sample one token per sequence from its row of logits (B, V), all rows at once."""
+        seqs = [self.seqs[k] for k in keys]
+        picks = sample_rows(logits, [s.params for s in seqs], [s.rng for s in seqs])
+        return [self._append(k, s, *pick) for k, s, pick in zip(keys, seqs, picks, strict=True)]
 
     def _append(self, key, s: _Seq, token: int, logprob: float, top) -> TokenEvent:
         s.ids.append(token)
@@ -614,22 +621,65 @@ def sample(
     logits: torch.Tensor, p: SamplingParams, rng: torch.Generator | None
 ) -> tuple[int, float, list[tuple[int, float]]]:
     """Pick the next token from one row of fp32 logits (V,). Returns (token, logprob, top-k)."""
-    if p.temperature <= 0:
-        token = int(torch.argmax(logits))
-    else:
-        x = logits / p.temperature
-        if p.top_k and p.top_k < x.shape[-1]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, idx = torch.sort(x, descending=True)
+    return sample_rows(logits[None], [p], [rng])[0]
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], rngs: list[torch.Generator | None]
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Pick the next token of every row of fp32 logits (B, V), each with its own parameters.
+
+    Batched: the temperature, top-k and top-p filters, the softmax and the log-probabilities run
+    once over all rows and the results come to the host in one transfer, instead of a few small
+    kernels and a host sync per sequence (64 sampled streams would otherwise spend more on
+    sampling than on the decode step). Every operation is row-wise, so a row's result does not
+    depend on the others: a seeded sequence draws from its own generator and gets the same tokens
+    in any batch; unseeded rows draw together from torch's global generator.
+    Returns (token, logprob of it under the unmodified logits, top-N [(token, logprob)]) per row.
+    """
+    B, V = logits.shape
+    dev, inf = logits.device, float("-inf")
+    tokens = torch.argmax(logits, -1)  # greedy rows keep these
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        idx = torch.tensor(rows, device=dev)
+        temps = torch.tensor([params[i].temperature for i in rows], device=dev)
+        x = logits[idx] / temps[:, None].to(logits.dtype)
+        ks = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in rows]
+        if any(ks):
+            kth = torch.topk(x, max(ks)).values.gather(
+                1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None]
+            )
+            kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], inf)
+            x = x.masked_fill(x < kth, inf)
+        top_p = [params[i].top_p for i in rows]
+        if any(q < 1.0 for q in top_p):
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)
             probs = torch.softmax(sorted_x, -1)
-            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
-            x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
-        token = int(torch.multinomial(torch.softmax(x, -1), 1, generator=rng))
-    if not p.logprobs:
-        lp = float(logits[token] - torch.logsumexp(logits, -1))
-        return token, lp, []
-    logp = torch.log_softmax(logits, -1)
-    vals, ids = torch.topk(logp, p.logprobs)
-    return token, float(logp[token]), list(zip(ids.tolist(), vals.tolist(), strict=True))
+            q = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+            drop = (probs.cumsum(-1) - probs > q) & (q < 1.0)  # the smallest set reaching top_p
+            x = x.scatter(1, order, sorted_x.masked_fill(drop, inf))
+        probs = torch.softmax(x, -1)
+        draws = torch.empty(len(rows), dtype=torch.long, device=dev)
+        free = [j for j, i in enumerate(rows) if rngs[i] is None]
+        if free:
+            f = torch.tensor(free, device=dev)
+            draws[f] = torch.multinomial(probs[f], 1)[:, 0]
+        for j, i in enumerate(rows):
+            if rngs[i] is not None:
+                draws[j] = torch.multinomial(probs[j], 1, generator=rngs[i])[0]
+        tokens = tokens.index_copy(0, idx, draws)
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
+    n = max(p.logprobs for p in params)
+    top: list = [[]] * B
+    if n:  # rows asking for alternatives: the log-softmax and its top N
+        want = [i for i, p in enumerate(params) if p.logprobs]
+        logp = torch.log_softmax(logits[torch.tensor(want, device=dev)], -1)
+        vals, ids = torch.topk(logp, n)
+        mine = logp.gather(1, tokens[torch.tensor(want, device=dev)][:, None])[:, 0]
+        chosen = chosen.index_copy(0, torch.tensor(want, device=dev), mine)
+        for j, (r_ids, r_vals) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True)):
+            k = params[want[j]].logprobs
+            top[want[j]] = list(zip(r_ids[:k], r_vals[:k], strict=True))
+    return [(t, lp, top[i]) for i, (t, lp) in enumerate(zip(tokens.tolist(), chosen.tolist(),
+                                                            strict=True))]  # fmt: skip
