@@ -531,7 +531,9 @@ class Generator:
         tables = torch.zeros(2, self.blocks_needed(t) + 1, dtype=torch.long, device=self.device)
         for b in (2, 1):  # the dynamic-shape graph, then batch 1's (Dynamo specializes 1)
             z = torch.zeros(b, t, dtype=torch.long, device=self.device)
-            pos = torch.arange(t, device=self.device).expand(b, t)
+            # contiguous, as _prefill builds it: an expanded (stride-0) tensor here would make
+            # Dynamo guard on strides, and the first real prefill would compile again
+            pos = torch.arange(t, device=self.device).repeat(b, 1)
             self._prefill_forward(z, pos, tables[:b], prefill=True, last_index=z[:, 0] + t - 1)
         self._wait()
         return time.perf_counter() - t0
