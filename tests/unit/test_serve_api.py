@@ -360,6 +360,22 @@ def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
         ctx = load_context(str(tiny_llama_dir), s)
         assert ctx.engine.sched.chunked_prefill is want
         assert ctx.effective["enable_chunked_prefill"]["value"] is want
+        assert ctx.effective["enable_chunked_prefill"]["source"] == (
+            "default" if on is None else "flag"
+        )
+    # The CPU defaults: the engine in a thread, the prefill eager.
+    assert ctx.effective["engine_process"] == {"value": False, "source": "default"}
+    assert ctx.effective["compile_prefill"] == {"value": False, "source": "default"}
+    assert ctx.engine.sched.gen._prefill_forward is ctx.engine.sched.gen.model
+
+
+def test_native_switches_default_on_for_cuda_and_flags_win():
+    from llmopt.serve.server import native_switches
+
+    assert native_switches(ServeSettings(device="cuda")) == (True, True)
+    assert native_switches(ServeSettings(device="cpu")) == (False, False)
+    assert native_switches(ServeSettings(device="cuda", engine_process=False)) == (False, True)
+    assert native_switches(ServeSettings(device="cpu", compile_prefill=True)) == (False, True)
 
 
 def test_engine_process_start_failure_is_a_clear_error(tmp_path):

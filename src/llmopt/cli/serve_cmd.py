@@ -77,21 +77,22 @@ def serve(
         ),
     ] = 4.0,
     engine_process: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--engine-process/--no-engine-process",
             help="Run the native engine in its own process (as vLLM's engine core), so "
-            "streaming many clients never holds up an engine step; off: an engine thread.",
+            "streaming many clients never holds up an engine step; off: an engine thread. "
+            "Default: on for CUDA, off on the CPU.",
         ),
-    ] = False,
+    ] = None,
     compile_prefill: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--compile-prefill/--no-compile-prefill",
             help="torch.compile the native engine's prefill forward too (fused norms, RoPE "
-            "and activations; compiled during warm-up).",
+            "and activations; compiled during warm-up). Default: on for CUDA, off on the CPU.",
         ),
-    ] = False,
+    ] = None,
     block_size: Annotated[
         int | None,
         typer.Option("--block-size", help="KV-cache block, tokens (default: from the plan)."),

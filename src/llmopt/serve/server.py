@@ -97,15 +97,15 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
                         metrics: ServeMetrics) -> ServerContext:  # fmt: skip
     from llmopt.serve.engine_loop import EngineLoop
 
+    engine_process, compile_prefill = native_switches(settings)
     gen_kwargs = {"model": str(folder), "recipe": recipe, "device": settings.device,
                   "max_batch": settings.max_num_seqs, "block_size": settings.block_size,
                   "num_blocks": settings.num_blocks, "max_seq_len": settings.max_seq_len,
-                  "batch_sizes": settings.batch_sizes(),
-                  "compile_prefill": settings.compile_prefill}  # fmt: skip
+                  "batch_sizes": settings.batch_sizes(), "compile_prefill": compile_prefill}  # fmt: skip
     chunked = settings.enable_chunked_prefill
     chunked = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
     swap = int(settings.swap_space_gib * 2**30)
-    if settings.engine_process:
+    if engine_process:
         from transformers import AutoTokenizer
 
         from llmopt.serve.engine_proc import EngineProcess
@@ -130,22 +130,30 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
                  "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
     effective = {"max_num_seqs": engine.max_num_seqs,
                  "enable_chunked_prefill": engine.chunked_prefill,
+                 "engine_process": engine_process, "compile_prefill": compile_prefill,
                  "max_num_batched_tokens": settings.max_num_batched_tokens, **shape}  # fmt: skip
     view = {}
     for key, value in effective.items():
         src, note = settings.source(key), settings.source_notes.get(key, "")
+        if key in _DEFAULT_NOTES and getattr(settings, key) is not None:
+            src = "flag"  # the switches are not planned: given, or the engine's default
         if src == "default" and getattr(settings, key) is None:
-            note = note or (
-                "off for the native engine: on an H200 its chunked steps ran two "
-                "prefill forwards instead of one and served less (docs/serving.md)"
-                if key == "enable_chunked_prefill"
-                else "the engine's default"
-            )
+            note = note or _DEFAULT_NOTES.get(key, "the engine's default")
         log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
         view[key] = {"value": value, "source": src}
     return ServerContext(settings, name, "causal-lm", tokenizer, metrics, shape["max_seq_len"],
                          engine=engine, num_blocks=engine.capacity_blocks,
                          block_size=shape["block_size"], effective=view)  # fmt: skip
+
+
+def native_switches(settings: ServeSettings) -> tuple[bool, bool]:
+    """(engine_process, compile_prefill) as given, else the native engine's defaults: both on
+    for CUDA, off on the CPU (see `_DEFAULT_NOTES`)."""
+    gpu = settings.device != "cpu"
+    return (
+        gpu if settings.engine_process is None else bool(settings.engine_process),
+        gpu if settings.compile_prefill is None else bool(settings.compile_prefill),
+    )
 
 
 def warm_generator(gen: Any, warmup_tokens: int, device: str) -> None:
@@ -244,6 +252,21 @@ def _make_server(config: Any, ctx: ServerContext) -> Any:
 # The native engine runs a step's later chunks (paged path) and first chunks (SDPA) as separate
 # eager forwards, and each forward has a large fixed cost; vLLM's single mixed forward does not.
 NATIVE_CHUNKED_PREFILL = False
+
+# On CUDA the engine runs in its own process with its prefill forward compiled, unless told
+# otherwise (--no-engine-process, --no-compile-prefill). Measured on an H200, 8B model, 64 streams
+# of 512-token prompts (docs/benchmarks.md, 2026-11-30): served output 60-61% of the in-process
+# rate with the engine thread and eager prefill (2 runs), 66% with the prefill compiled, 69% with
+# both (one run each); the prefill under load went from 32k to 35k and 38k tokens/s, and the
+# engine's host work per step fell (0.69 vs 1.07 s over a run) once it had its own interpreter.
+# On the CPU both stay off: a compile there is a C++ build per graph, and a second process shares
+# the same few cores.
+_DEFAULT_NOTES = {
+    "enable_chunked_prefill": "off for the native engine: on an H200 its chunked steps ran two "
+    "prefill forwards instead of one and served less (docs/serving.md)",
+    "engine_process": "on for CUDA, off on the CPU (docs/serving.md)",
+    "compile_prefill": "on for CUDA, off on the CPU (docs/serving.md)",
+}
 
 # The engine thread and the event loop share one interpreter. When the GPU finishes a step, the
 # engine thread needs the GIL back to read the tokens and launch the next step, while the event

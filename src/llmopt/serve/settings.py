@@ -36,9 +36,10 @@ class ServeSettings:
         engine_process: run the engine (generator, scheduler, step loop) in its own process,
             as vLLM's engine core, so the API process's Python (detokenizing, streaming) never
             holds the GIL the engine needs (`serve/engine_proc.py`). Off: an engine thread.
+            None: on for CUDA, off on the CPU (`NATIVE_GPU_DEFAULTS`).
         compile_prefill: torch.compile the native engine's prefill forward as well as its
-            decode step (dynamic shapes, compiled during warm-up; `Generator`). Off by default
-            until measured on a GPU (docs/benchmarks.md, Serving).
+            decode step (dynamic shapes, compiled during warm-up; `Generator`). None: on for
+            CUDA, off on the CPU (a C++ compile of every shape there, for little gain).
         block_size: KV-cache page size in tokens.
         num_blocks: KV-cache pages, one of them scratch (None: enough for max_num_seqs
             sequences of max_seq_len tokens).
@@ -70,8 +71,8 @@ class ServeSettings:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool | None = None
-    engine_process: bool = False
-    compile_prefill: bool = False
+    engine_process: bool | None = None
+    compile_prefill: bool | None = None
     swap_space_gib: float = 4.0
     block_size: int = 16
     num_blocks: int | None = None
