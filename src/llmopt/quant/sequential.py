@@ -31,6 +31,7 @@ from llmopt.quant.primitives import (
     dequantize_weight,
     fake_quant_activation,
     sqnr_db,
+    sqnr_db_over,
 )
 
 if TYPE_CHECKING:
@@ -283,12 +284,7 @@ def run_sequential(
             )
             outs = _run_layer(layer, captured)
             # Layer output SQNR: same inputs, float vs quantized layer (where the error enters).
-            res.layer_sqnr_db.append(
-                sqnr_db(
-                    torch.cat([o.flatten() for o in float_outs]),
-                    torch.cat([o.flatten() for o in outs]),
-                )
-            )
+            res.layer_sqnr_db.append(sqnr_db_over(float_outs, outs))
             del float_outs
             captured = [(o.detach(), kw) for o, (_, kw) in zip(outs, captured, strict=True)]
             layer.to("cpu")
