@@ -81,7 +81,6 @@ def in_process(args, folder: Path) -> dict:
                          batch_sizes=[args.concurrency])  # fmt: skip
     tok = gen.tokenizer
     prompts = [tok(p)["input_ids"] for p in exact_prompts(folder, args.concurrency, args.input_len)]
-    t0 = time.perf_counter()
     print(f"in-process: loaded; warming up {gen.batch_sizes}", file=sys.stderr, flush=True)
     warm = gen.warmup()
     print(f"in-process: warm-up {warm:.0f} s", file=sys.stderr, flush=True)
@@ -107,7 +106,7 @@ def in_process(args, folder: Path) -> dict:
     sync()
     secs = time.perf_counter() - t1
     out = {"decode_tokens_per_s": tokens / secs, "decode_steps": steps, "ms_per_step": 1000 * secs / steps,
-           "warmup_s": warm, "load_and_warmup_s": time.perf_counter() - t0 - secs - eager_s,
+           "warmup_s": warm,
            "burst_prompt_tokens": burst_tokens, "max_prefill_tokens": gen.max_prefill_tokens,
            "prefill_eager_s": eager_s, "prefill_eager_tokens_per_s": burst_tokens / eager_s}  # fmt: skip
     for k in list(gen.running):
