@@ -112,7 +112,8 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
     new = args.new_tokens
     gen = Generator(model, None, max_batch=batch, max_seq_len=len(prompt) + new + 1,
                     compile=compile_, bucket_blocks=False)  # fmt: skip
-    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=args.temperature,
+                            top_p=args.top_p)  # fmt: skip
     t0 = time.perf_counter()  # warm-up: compilation and CUDA graph capture happen here
     for i in range(batch):
         gen.add(i, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -263,6 +264,9 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--hf", action="store_true", help="also time HF generate() (dynamic, static)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="native runs: sample at this temperature (0: greedy, the default)")  # fmt: skip
+    ap.add_argument("--top-p", type=float, default=1.0, help="native runs: nucleus sampling")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
