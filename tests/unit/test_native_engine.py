@@ -526,3 +526,26 @@ def test_batched_sampling_is_row_independent_and_filters():
     picks = {sample_rows(logits[1:2], [P(temperature=5.0)], [torch.Generator().manual_seed(s)])[0][0]
              for s in range(20)}  # fmt: skip
     assert len(picks) > 1
+
+
+def test_nucleus_from_top_k_matches_the_full_sort():
+    """Top-p keeps the same tokens whether a row's nucleus is found among its top NUCLEUS_K
+    logits (peaked rows) or by sorting the whole row (flat rows, the fallback)."""
+    from llmopt.engines.native.generator import NUCLEUS_K, nucleus
+
+    torch.manual_seed(1)
+    V = 4 * NUCLEUS_K
+    peaked, flat = torch.randn(3, V) * 8, torch.randn(3, V) * 0.1
+    x = torch.cat([peaked, flat])
+    q = torch.tensor([0.9, 0.5, 1.0, 0.9, 0.99, 1.0])[:, None]
+
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)  # the plain definition
+    p = torch.softmax(sorted_x, -1)
+    drop = (p.cumsum(-1) - p > q) & (q < 1.0)
+    want = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+    got = nucleus(x, q)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], x[~torch.isinf(got)])
+    kept = (~torch.isinf(got)).sum(-1).tolist()
+    assert kept[2] == kept[5] == V and kept[0] < NUCLEUS_K and kept[3] > NUCLEUS_K  # both paths ran
