@@ -549,3 +549,21 @@ def test_nucleus_from_top_k_matches_the_full_sort():
     assert torch.equal(got[~torch.isinf(got)], x[~torch.isinf(got)])
     kept = (~torch.isinf(got)).sum(-1).tolist()
     assert kept[2] == kept[5] == V and kept[0] < NUCLEUS_K and kept[3] > NUCLEUS_K  # both paths ran
+
+
+def test_failed_prefill_compile_falls_back_to_eager(tiny_llama_dir, monkeypatch):
+    """A compile that fails at warm-up leaves the prefill eager, says why, and still serves."""
+
+    def broken(model, **kw):
+        def fwd(*a, **k):
+            raise RuntimeError("Dynamo cannot trace this layer")
+
+        return fwd
+
+    monkeypatch.setattr(torch, "compile", broken)
+    gen = load_generator(tiny_llama_dir, max_batch=2, max_seq_len=64, block_size=4,
+                         compile_prefill=True)  # fmt: skip
+    assert gen.warmup_prefill() == 0.0
+    assert "cannot trace" in gen.prefill_compile_error and gen._prefill_forward is gen.model
+    ids, _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(ids) == 3

@@ -40,6 +40,7 @@ once, with the sequence's first `TokenEvent` (with chunked prefill, gathered chu
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Hashable
@@ -49,6 +50,8 @@ from typing import Any
 import torch
 
 from llmopt.engines.native.model import Transformer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks", "Swapped", "EngineTime"]
 
@@ -218,6 +221,7 @@ class Generator:
         # one graph for every batch and prompt length (batch 1 is its own, as Dynamo
         # specializes 1); no CUDA graphs, as a prefill's shapes vary and its kernels are long.
         self._prefill_forward = self.model
+        self.prefill_compile_error: str | None = None
         if compile_prefill:
             self.enable_compiled_prefill()
 
@@ -522,19 +526,32 @@ class Generator:
     @torch.inference_mode()
     def warmup_prefill(self) -> float:
         """Compile the compiled prefill's graphs (none without `compile_prefill`), writing only
-        scratch block 0. Returns the seconds it took (0 when nothing is compiled)."""
+        scratch block 0. Returns the seconds it took (0 when nothing is compiled).
+
+        A compile that fails (a quantized layer Dynamo cannot trace, a missing C++ compiler on
+        the CPU) is logged and the prefill stays eager (`prefill_compile_error` says why): the
+        compiled prefill is a speed-up, not a reason for a server not to start.
+        """
         if self._prefill_forward is self.model:
             return 0.0
         t0 = time.perf_counter()
         # Batch, length and table width must differ here: Dynamo gives equal sizes one symbol.
         t = 48
         tables = torch.zeros(2, self.blocks_needed(t) + 1, dtype=torch.long, device=self.device)
-        for b in (2, 1):  # the dynamic-shape graph, then batch 1's (Dynamo specializes 1)
-            z = torch.zeros(b, t, dtype=torch.long, device=self.device)
-            # contiguous, as _prefill builds it: an expanded (stride-0) tensor here would make
-            # Dynamo guard on strides, and the first real prefill would compile again
-            pos = torch.arange(t, device=self.device).repeat(b, 1)
-            self._prefill_forward(z, pos, tables[:b], prefill=True, last_index=z[:, 0] + t - 1)
+        try:
+            for b in (2, 1):  # the dynamic-shape graph, then batch 1's (Dynamo specializes 1)
+                z = torch.zeros(b, t, dtype=torch.long, device=self.device)
+                # contiguous, as _prefill builds it: an expanded (stride-0) tensor here would
+                # make Dynamo guard on strides, and the first real prefill would compile again
+                pos = torch.arange(t, device=self.device).repeat(b, 1)
+                self._prefill_forward(z, pos, tables[:b], prefill=True, last_index=z[:, 0] + t - 1)
+        except Exception as e:  # noqa: BLE001 - any compile failure: fall back, say why
+            self._prefill_forward = self.model
+            self.prefill_compile_error = f"{type(e).__name__}: {e}"
+            log.warning(
+                "compiled prefill failed, prefill stays eager: %s", self.prefill_compile_error
+            )
+            return 0.0
         self._wait()
         return time.perf_counter() - t0
 
