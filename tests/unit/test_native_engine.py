@@ -567,3 +567,24 @@ def test_failed_prefill_compile_falls_back_to_eager(tiny_llama_dir, monkeypatch)
     assert "cannot trace" in gen.prefill_compile_error and gen._prefill_forward is gen.model
     ids, _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(ids) == 3
+
+
+def test_choices_sharing_a_prompt_score_it_once(tiny_llama_dir, monkeypatch):
+    """n > 1: identical prompts prefilled in one forward compute their prompt log-probabilities
+    once; every choice gets the same values as a lone request would."""
+    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=64, block_size=4)
+    prompt, params = list(range(30, 42)), SamplingParams(max_tokens=2, prompt_logprobs=2)
+    alone = {}
+    gen.add("solo", prompt, params)
+    for ev in gen.step():
+        alone = ev.prompt_logprobs
+    gen.remove("solo")
+    calls = []
+    real = gen._prompt_logprobs
+    monkeypatch.setattr(gen, "_prompt_logprobs", lambda *a: calls.append(1) or real(*a))
+    for k in ("a", "b", "c"):
+        gen.add(k, prompt, params)
+    gen.add("other", list(range(50, 62)), params)
+    got = {ev.seq_id: ev.prompt_logprobs for ev in gen.step()}
+    assert len(calls) == 2  # one for the three identical prompts, one for the other
+    assert got["a"] == got["b"] == got["c"] == alone and got["other"] != alone

@@ -437,12 +437,18 @@ class Generator:
         self.time.prefill_tokens += sum(n for _, n in chunks)
         self.time.prefill_forwards += 1
         complete = []  # rows whose prompt is now whole: they sample their first token
+        # The n choices of one request (`n > 1`) share a prompt: its log-probabilities are
+        # computed once per forward and copied to the others.
+        scored: dict[tuple, list[PromptLogprob | None]] = {}
         for i, s in enumerate(seqs):
             n = chunks[i][1]
             if want[i]:
                 if s.plp is None:
                     s.plp = []
-                s.plp.extend(self._prompt_logprobs(hidden[0][i, :n], s, starts[i]))
+                key = (starts[i], n, s.params.prompt_logprobs, tuple(s.ids[: s.prompt_len]))
+                if key not in scored:
+                    scored[key] = self._prompt_logprobs(hidden[0][i, :n], s, starts[i])
+                s.plp.extend(scored[key])
             s.done += n
             if s.done < len(s.ids):
                 continue  # more chunks to come
