@@ -60,6 +60,20 @@ def test_cpu_searches_one_group_size_per_algorithm(tiny_llama_dir):
     assert not any(s["recipe"] == small.name and "group size" in s["reason"] for s in skipped2)
 
 
+def test_cpu_searches_asymmetric_4bit_only_when_named(tiny_llama_dir):
+    info = inspect_model(tiny_llama_dir)
+    cands, skipped = candidate_space(info, CPU)
+    assert not any(c.recipe.endswith("-asym") for c in cands)
+    asym = [s for s in skipped if s["id"].startswith("torch-") and s["recipe"].endswith("-asym")]
+    fits = [s for s in asym if s["reason"].startswith("asymmetric 4-bit: on cpu")]
+    assert fits  # the others: group sizes that do not divide the tiny model, or aliases
+    named, _ = candidate_space(info, CPU, only=[fits[0]["id"]])
+    assert fits[0]["id"] in {c.id for c in named}
+    gpu = Target(device="cuda", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
+    _, skipped_gpu = candidate_space(info, gpu)
+    assert not any(s["reason"].startswith("asymmetric") for s in skipped_gpu)
+
+
 def test_engine_settings_variations_become_candidates(tiny_llama_dir, monkeypatch):
     from llmopt.engines import ENGINES
 

@@ -94,6 +94,13 @@ def grid_rule(
     if gs and (bad := [w for w in _widths(info) if w % gs]):
         return f"group size {gs} does not divide the model's width {bad[0]}"
     named = bool(only) and any(i.endswith(f"-{recipe.name}") for i in only)
+    if device == "cpu" and not getattr(recipe, "weight_symmetric", True) and not named:
+        # Each 4-bit algorithm's calibration costs minutes on a CPU; three more of them made the
+        # default SmolLM2 search (the quick start, 4 min before) run past 12 min.
+        return (
+            "asymmetric 4-bit: on cpu the symmetric twin is searched (the format every engine "
+            "loads by default); name it in --candidates to try it"
+        )
     pick = _cpu_group_size(recipe, info) if gs else None
     if device == "cpu" and gs and gs != pick and not named:
         return (
