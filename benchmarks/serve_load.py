@@ -87,6 +87,10 @@ def in_process(args, folder: Path) -> dict:
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
 
+    def clear() -> None:
+        for k in list(gen.running):
+            gen.remove(k)
+
     def burst() -> float:
         """Prefill every prompt (and sample its first token) in one step(); seconds."""
         for i, p in enumerate(prompts):
@@ -109,22 +113,18 @@ def in_process(args, folder: Path) -> dict:
            "warmup_s": warm,
            "burst_prompt_tokens": burst_tokens, "max_prefill_tokens": gen.max_prefill_tokens,
            "prefill_eager_s": eager_s, "prefill_eager_tokens_per_s": burst_tokens / eager_s}  # fmt: skip
-    for k in list(gen.running):
-        gen.remove(k)
+    clear()
     print(f"in-process: burst of {burst_tokens} prompt tokens prefilled in {eager_s:.3f} s eager; "
           f"decode {out['ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)  # fmt: skip
     try:
-        profile_and_compile(args, gen, prompts, params, burst, out)
+        profile_and_compile(args, gen, prompts, params, burst, sync, clear, out)
     except Exception as e:  # record it: the decode rate above is still worth reporting
         print(f"in-process: prefill profile/compile failed: {e!r}", file=sys.stderr, flush=True)
         out["prefill_compiled_error"] = repr(e)
     return out
 
 
-def profile_and_compile(args, gen, prompts, params, burst, out: dict) -> None:
-    import torch
-
-    sync = torch.cuda.synchronize if gen.device.type == "cuda" else (lambda: None)
+def profile_and_compile(args, gen, prompts, params, burst, sync, clear, out: dict) -> None:
     if args.profile_prefill:
         from torch.profiler import ProfilerActivity, profile
 
@@ -137,8 +137,7 @@ def profile_and_compile(args, gen, prompts, params, burst, out: dict) -> None:
                 gen.add(i, p, params)
             gen.step()
             sync()
-        for k in list(gen.running):
-            gen.remove(k)
+        clear()
         key = "self_cuda_time_total" if gen.device.type == "cuda" else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=key, row_limit=20)
         print(table, file=sys.stderr, flush=True)
@@ -146,8 +145,7 @@ def profile_and_compile(args, gen, prompts, params, burst, out: dict) -> None:
     gen.enable_compiled_prefill()
     out["prefill_compile_s"] = gen.warmup_prefill()
     burst()  # once more: any shape-specific compile or autotuning happens outside the timing
-    for k in list(gen.running):
-        gen.remove(k)
+    clear()
     out["prefill_compiled_s"] = burst()
     out["prefill_compiled_tokens_per_s"] = out["burst_prompt_tokens"] / out["prefill_compiled_s"]
     print(f"in-process: compiled prefill {out['prefill_compiled_s']:.3f} s (compile "

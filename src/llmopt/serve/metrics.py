@@ -91,7 +91,7 @@ class ServeMetrics:
                 ("prefill_s", "prefill_seconds", "Seconds in prefill forwards (device, launches)."),
                 ("prefill_tokens", "prefill_tokens", "Prompt tokens prefilled (no padding)."),
                 ("prefill_forwards", "prefill_forwards", "Prefill forward passes."),
-                ("decode_s", "decode_seconds", "Seconds in decode forwards (device and launch)."),
+                ("decode_s", "decode_seconds", "Seconds in decode forwards (device, launches)."),
                 ("decode_steps", "decode_steps", "Decode forwards (a token per running sequence)."),
                 ("step_s", "step_seconds", "Seconds in engine steps (forwards, inputs, sampling)."),
             )

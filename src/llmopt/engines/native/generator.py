@@ -642,13 +642,6 @@ class Generator:
         return ids, {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decode_tokens": len(ids) - 1}
 
 
-def sample(
-    logits: torch.Tensor, p: SamplingParams, rng: torch.Generator | None
-) -> tuple[int, float, list[tuple[int, float]]]:
-    """Pick the next token from one row of fp32 logits (V,). Returns (token, logprob, top-k)."""
-    return sample_rows(logits[None], [p], [rng])[0]
-
-
 # Top-p looks for each row's nucleus among its top NUCLEUS_K logits first (see `nucleus`).
 NUCLEUS_K = 256
 
@@ -662,9 +655,8 @@ def nucleus(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     vocabulary of every row was most of a sampled decode step on a CPU (64 rows x 49,152 logits).
     The other rows are sorted whole. Either way a row's result depends on that row alone.
     """
-    S, V = x.shape
     inf = float("-inf")
-    k = min(V, NUCLEUS_K)
+    k = min(x.shape[-1], NUCLEUS_K)
     vals, order = torch.topk(x, k)  # descending
     probs = torch.exp(vals - torch.logsumexp(x, -1, keepdim=True))
     drop = (probs.cumsum(-1) - probs > top_p) & (top_p < 1.0)
@@ -727,10 +719,10 @@ def sample_rows(
     top: list = [[]] * B
     if n:  # rows asking for alternatives: the log-softmax and its top N
         want = [i for i, p in enumerate(params) if p.logprobs]
-        logp = torch.log_softmax(logits[torch.tensor(want, device=dev)], -1)
+        w = torch.tensor(want, device=dev)
+        logp = torch.log_softmax(logits[w], -1)
         vals, ids = torch.topk(logp, n)
-        mine = logp.gather(1, tokens[torch.tensor(want, device=dev)][:, None])[:, 0]
-        chosen = chosen.index_copy(0, torch.tensor(want, device=dev), mine)
+        chosen = chosen.index_copy(0, w, logp.gather(1, tokens[w][:, None])[:, 0])
         for j, (r_ids, r_vals) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True)):
             k = params[want[j]].logprobs
             top[want[j]] = list(zip(r_ids[:k], r_vals[:k], strict=True))
