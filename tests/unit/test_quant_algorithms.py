@@ -163,6 +163,25 @@ def test_asymmetric_gptq_rounds_each_column_with_its_groups_scale_and_zero_point
     assert err_gptq < (x @ dequantize_weight(q_s, s_s, sym).T - ref).pow(2).mean()
 
 
+def test_gptq_activation_order_puts_the_loud_inputs_first_and_keeps_the_layout():
+    torch.manual_seed(3)
+    x = _correlated_inputs(seed=3).flip(
+        1
+    )  # the outlier channels last: left to right sees them last
+    w = torch.randn(64, 128)
+    spec = WeightSpec(4, "int", "group", 32)
+    ref = x @ w.T
+
+    def err(q, s):
+        return (x @ dequantize_weight(q, s, spec).T - ref).pow(2).mean()
+
+    q_a, s_a, _ = algorithms.gptq(w, x.T @ x, spec)  # actorder is the default
+    q_l, s_l, _ = algorithms.gptq(w, x.T @ x, spec, actorder=False)
+    # Static groups: the scales are RTN's, whatever the order, so the export needs no g_idx.
+    assert torch.equal(s_a, algorithms.rtn(w, spec)[1]) and torch.equal(s_a, s_l)
+    assert err(q_a, s_a) < 0.8 * err(q_l, s_l)
+
+
 def test_awq_scales_are_no_worse_than_rtn():
     torch.manual_seed(2)
     x = _correlated_inputs(seed=2)

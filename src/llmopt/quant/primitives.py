@@ -40,6 +40,7 @@ __all__ = [
     "choose_weight_qparams",
     "quantize_weight",
     "dequantize_weight",
+    "expand_to_weight",
     "fake_quant_weight",
     "fake_quant_activation",
     "sqnr_db",
@@ -195,8 +196,8 @@ def choose_weight_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     return choose_weight_qparams(w, spec)[0]
 
 
-def _expand(scale: torch.Tensor, w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    # scale (or zero point) broadcast to w's (out, in) layout, as float
+def expand_to_weight(scale: torch.Tensor, w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """A scale (or zero point) as float, in a shape that broadcasts against w's (out, in)."""
     if spec.granularity == "group":
         return scale.float().repeat_interleave(spec.group_size, dim=1)
     return scale.float().reshape(-1, 1) if spec.granularity == "channel" else scale.float()
@@ -213,9 +214,9 @@ def quantize_weight(
 ) -> torch.Tensor:
     """Codes of `w`: int8 tensor holding the b-bit integers, or float8_e4m3fn."""
     _check_zero_point(zero_point, spec)
-    x = w.detach().float() / _expand(scale, w, spec)
+    x = w.detach().float() / expand_to_weight(scale, w, spec)
     if zero_point is not None:
-        x = x + _expand(zero_point, w, spec)
+        x = x + expand_to_weight(zero_point, w, spec)
     x = x.clamp(spec.qmin, spec.qmax)
     if spec.type == "float":
         return x.to(torch.float8_e4m3fn)
@@ -229,8 +230,8 @@ def dequantize_weight(
     _check_zero_point(zero_point, spec)
     x = q.float()
     if zero_point is not None:
-        x = x - _expand(zero_point, q, spec)
-    return x * _expand(scale, q, spec)
+        x = x - expand_to_weight(zero_point, q, spec)
+    return x * expand_to_weight(scale, q, spec)
 
 
 def fake_quant_weight(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
