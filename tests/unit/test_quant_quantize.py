@@ -126,6 +126,52 @@ def test_folder_loads_in_transformers_and_matches_fake_quant(
         assert float(res.linears[name].input_scale) > 0
 
 
+@pytest.mark.parametrize("recipe", ["w4a16-gptq-g32-asym", "w8a8-int8", "fp8-dynamic", "kv-fp8"])
+def test_bfloat16_calibration_writes_a_bfloat16_folder_that_loads(
+    tiny_llama_dir, tmp_path, cal, recipe
+):
+    # What `--dtype auto` picks on a GPU for a bf16 checkpoint; run here on the CPU.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    out = tmp_path / "bf16"
+    facts = quantize(tiny_llama_dir, recipe, out, calibration=cal, dtype="bfloat16")
+    assert facts["recipe"]["dtype"] == "bfloat16"
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    state = load_file(out / "model.safetensors")
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    assert floats <= {torch.bfloat16, torch.float8_e4m3fn}  # nothing left in float32
+    dq = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, **(dq if recipe.endswith("-asym") else {})
+    ).eval()
+    with torch.no_grad():
+        a = loaded(_ids()).logits.float()
+        ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()(_ids()).logits
+    assert torch.isfinite(a).all()
+    assert (a - ref).pow(2).mean() < 0.1 * ref.pow(2).mean()  # still the same model
+
+
+def test_dtype_choice(tiny_llama_dir):
+    from llmopt.quant.api import resolve_dtype
+    from llmopt.recipes import get_recipe
+
+    r = get_recipe("fp8-dynamic")
+    assert resolve_dtype(tiny_llama_dir, r, "cpu", None) is r
+    assert resolve_dtype(tiny_llama_dir, r, "cpu", "auto").dtype == "float32"
+    assert resolve_dtype(tiny_llama_dir, r, "cpu", "float16").dtype == "float16"
+    bf16 = tiny_llama_dir.parent / "bf16-config"
+    bf16.mkdir()
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert resolve_dtype(bf16, r, "cuda", "auto").dtype == "bfloat16"
+    assert resolve_dtype(bf16, r, "cpu", "auto").dtype == "float32"
+    with pytest.raises(ValueError, match="--dtype must be auto or one of"):
+        resolve_dtype(bf16, r, "cpu", "int8")
+
+
 def test_kv_fp8_scales_are_written_and_load(tiny_llama_dir, tmp_path, cal):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

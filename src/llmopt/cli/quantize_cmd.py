@@ -103,6 +103,13 @@ def quantize(
         typer.Option(help="Budget: relative perplexity increase on held-out text (0.01 = +1%)."),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda: where layers are calibrated.")] = "cpu",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Load, calibrate and write in: auto (the checkpoint's bf16/fp16 on a GPU, "
+            "float32 on the CPU), float32, bfloat16 or float16."
+        ),
+    ] = "auto",
     export: Annotated[
         str | None, typer.Option(help="Write GGUF for llama.cpp instead: gguf-q8_0 or gguf-q4_0.")
     ] = None,
@@ -149,6 +156,7 @@ def quantize(
                 auto_exclude=auto_exclude,
                 max_quality_drop=max_quality_drop,
                 progress=line,
+                dtype=dtype,
             )
         else:
             from rich.progress import Progress
@@ -168,6 +176,7 @@ def quantize(
                     auto_exclude=auto_exclude,
                     max_quality_drop=max_quality_drop,
                     progress=progress,
+                    dtype=dtype,
                 )
     if as_json:
         sys.stdout.write(json.dumps(facts, indent=2, default=str) + "\n")

@@ -8,6 +8,7 @@ Reads `source`, never writes it; `out` appears complete or not at all (`llmopt.a
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -17,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.errors import LlmoptError
 from llmopt.quant.calibration import CalibrationConfig
-from llmopt.recipes import Recipe, get_recipe
+from llmopt.recipes import DTYPES, Recipe, get_recipe
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["quantize", "fake_quantized_model", "EvalConfig"]
+__all__ = ["quantize", "fake_quantized_model", "resolve_dtype", "EvalConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def quantize(
     auto_exclude: bool = False,
     max_quality_drop: float | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Quantize the causal LM in `source` with `recipe` and write it to `out`.
 
@@ -62,6 +64,11 @@ def quantize(
         max_quality_drop: the quality budget; given without auto_exclude, the drop is measured
             and reported only.
         progress: optional callable(stage, done, total).
+        dtype: the dtype the model is loaded, calibrated and written in (everything not
+            quantized, and the scales): None keeps the recipe's (float32 for the presets);
+            "auto" takes the checkpoint's own bfloat16/float16 on a GPU (half the host and
+            device memory of float32, and tensor-core matmuls) and the recipe's on the CPU;
+            or "float32", "bfloat16", "float16". See `resolve_dtype`.
 
     Returns:
         Facts: seconds, peak memory, exclusions, sensitivity summary, skipped layers with
@@ -76,9 +83,30 @@ def quantize(
 
     # SmolLM2-like fp32 forwards make denormal activations, 10x slower on CPU without this.
     with flush_denormals():
+        recipe = resolve_dtype(Path(source), get_recipe(recipe), device, dtype)
         return _quantize(
             source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress
         )
+
+
+def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) -> Recipe:
+    """`recipe` with the dtype `quantize(dtype=...)` asks for (the recipe itself when None).
+
+    >>> resolve_dtype(Path("."), get_recipe("w8a16"), "cpu", "auto").dtype
+    'float32'
+    """
+    if dtype is None:
+        return recipe
+    if dtype == "auto":
+        if not device.startswith("cuda"):
+            return recipe  # CPU: float32, the fast and exact path there
+        config = json.loads((source / "config.json").read_text()) if source.is_dir() else {}
+        config = config.get("text_config") or config
+        own = str(config.get("dtype") or config.get("torch_dtype") or "")
+        return recipe.with_changes(dtype=own) if own in ("bfloat16", "float16") else recipe
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
+    return recipe.with_changes(dtype=dtype)
 
 
 def _quantize(source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress):
