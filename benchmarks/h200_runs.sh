@@ -53,12 +53,15 @@ for step in "$@"; do
       # the CLI users run (the random folder from `model`; its calibration text is the built-in
       # Wikipedia, tokenized by the smollm2 tokenizer the folder carries). Facts to $OUT, the
       # quantized folder deleted after (the disk holds the source and one output at a time).
+      # DTYPE: auto (the default: the bf16 checkpoint calibrated in bf16) or float32 (as measured
+      # before 2026-11-30 09:00). One call holds about 10 min: GPTQ alone took 9.3 in float32.
       for r in ${RECIPES:-fp8-dynamic w4a16-gptq}; do
         echo "--- $r $(date -u +%H:%M:%S)"
         llmopt quantize "$M" --recipe "$r" --device "$DEV" --samples "${SAMPLES:-128}" \
-          --seq-len 2048 --out "$W/q-$r" --json > "$OUT/quantize-$r.json" 2> "$OUT/quantize-$r.log"
+          --seq-len 2048 --dtype "${DTYPE:-auto}" --out "$W/q-$r" --json \
+          > "$OUT/quantize-$r.json" 2> "$OUT/quantize-$r.log"
         tail -3 "$OUT/quantize-$r.log"
-        python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print({k: f.get(k) for k in ('calibration_seconds','seconds','peak_device_memory_bytes','peak_rss_bytes','quantized_linears','format')})" "$OUT/quantize-$r.json"
+        python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print({k: f.get(k) for k in ('calibration_seconds','seconds','peak_device_memory_bytes','device_bytes_estimated','peak_rss_bytes','quantized_linears','format')}, f['recipe']['dtype'])" "$OUT/quantize-$r.json"
         rm -rf "$W/q-$r"
       done ;;
     optimize)  # issue 7: torch-bf16 vs HF eager bf16 at batch-1 decode, in one optimize run.
