@@ -312,6 +312,19 @@ def test_quantized_decode_on_gpu_matches_dense(tiny_llama_dir):
         assert len(got) == 8 and got[:2] == want[:2]
 
 
+def test_calibrated_candidates_are_calibrated_on_the_gpu_when_there_is_one(
+    tiny_llama_dir, tmp_path
+):
+    from llmopt.modelinfo import inspect_model
+    from llmopt.recipes import get_recipe
+
+    facts = get_engine("torch").build(
+        tiny_llama_dir, inspect_model(tiny_llama_dir), get_recipe("w4a16-gptq-g32"), tmp_path / "q"
+    )
+    assert facts["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert facts["recipe"]["dtype"] == "float32"  # the recipe's, wherever it was built
+
+
 def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

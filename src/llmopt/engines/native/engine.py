@@ -93,9 +93,15 @@ class NativeEngine(Engine):
         if recipe.name in DENSE or recipe.name in QUANTIZED:
             facts = get_engine("hf").build(source, info, recipe, out)
         else:
+            import torch
+
             from llmopt.quant import quantize  # calibrated recipes (AWQ, GPTQ, FP8...)
 
-            facts = quantize(Path(source), recipe, Path(out))
+            # Calibrate where it is fast: an 8B GPTQ took 9.3 min on an H200 and would take
+            # hours on the host. Only the layer being calibrated moves there; the recipe's dtype
+            # (not the checkpoint's) keeps the candidate the same wherever it was built.
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            facts = quantize(Path(source), recipe, Path(out), device=device)
         return {**facts, "engine": "torch (native)", "kernel": _kernel_for(recipe) or "dense"}
 
     def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]):
