@@ -182,6 +182,25 @@ def test_gptq_activation_order_puts_the_loud_inputs_first_and_keeps_the_layout()
     assert err(q_a, s_a) < 0.8 * err(q_l, s_l)
 
 
+@pytest.mark.parametrize("spec", [WeightSpec(4, "int", "group", 32), ASYM_G32])
+def test_awq_clip_shrinks_ranges_where_the_inputs_say_it_pays(spec):
+    torch.manual_seed(4)
+    x = _correlated_inputs(seed=4)
+    w = torch.randn(64, 128)
+    w[torch.rand(64, 128) < 0.02] *= 6  # a few large weights stretch their groups' ranges
+    ref = x @ w.T
+
+    def err(weight):
+        q, s, z = algorithms.rtn(weight, spec)
+        return (x @ dequantize_weight(q, s, spec, z).T - ref).pow(2).mean()
+
+    clipped = algorithms.awq_clip(w, x, spec, tokens=x.shape[0])
+    assert clipped.shape == w.shape and clipped.dtype == w.dtype
+    assert (clipped.abs() <= w.abs() + 1e-6).all()  # only ever clipped toward zero
+    assert not torch.equal(clipped, w)
+    assert err(clipped) < 0.9 * err(w)
+
+
 def test_awq_scales_are_no_worse_than_rtn():
     torch.manual_seed(2)
     x = _correlated_inputs(seed=2)

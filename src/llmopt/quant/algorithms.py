@@ -22,7 +22,7 @@ from llmopt.quant.primitives import (
     quantize_weight,
 )
 
-__all__ = ["rtn", "gptq", "awq_search", "smoothquant_scales"]
+__all__ = ["rtn", "gptq", "awq_search", "awq_clip", "smoothquant_scales"]
 
 
 QParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # codes, scale, zero point
@@ -144,6 +144,62 @@ def awq_search(
         if err < best:
             best, best_s = err, s
     return best_s
+
+
+def awq_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    spec: WeightSpec,
+    *,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    tokens: int = 512,
+    rows: int = 256,
+) -> torch.Tensor:
+    """AWQ's weight clipping (AutoAWQ's `auto_clip`): shrink each row-group's range where
+    that lowers its rounding error as the inputs see it.
+
+    For every (row, group), tries the range [min, max] x r for r = 1, 1 - 1/grid, ... down to
+    1 - max_shrink (symmetric: +-max|w| x r), rounds the clipped group with `spec`, and keeps
+    the r with the smallest mean squared error of the group's partial output x_g . w_g over a
+    sample of `tokens` input rows. Scales are not stored here: quantize the returned weight with
+    RTN and the chosen range becomes its scale (and zero point). AutoAWQ skips the query and key
+    projections (their error passes through a softmax, where the partial-output error is a poor
+    guide); so does the caller.
+
+    Args:
+        w: (out, in) weight, after AWQ's scaling.
+        x: (tokens, in) calibration inputs of this linear (after AWQ's scaling).
+        spec: an int group or channel spec.
+        rows: output rows searched at a time (bounds memory: rows x tokens x groups floats).
+
+    Returns:
+        The clipped weight, same shape and dtype as w.
+    """
+    assert spec.type == "int" and spec.granularity in ("group", "channel"), spec
+    out_f, in_f = w.shape
+    g = spec.group_size if spec.granularity == "group" else in_f
+    x = x.float()[:: max(1, x.shape[0] // tokens)][:tokens].view(-1, in_f // g, g)  # (t, ng, g)
+    clipped = w.detach().float().clone().view(out_f, in_f // g, g)
+    for r0 in range(0, out_f, rows):
+        wg = clipped[r0 : r0 + rows]  # (r, ng, g): a view, updated in place at the end
+        ref = torch.einsum("tng,rng->rtn", x, wg)
+        hi, lo = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)
+        if spec.symmetric:
+            hi = torch.maximum(hi, -lo)
+            lo = -hi
+        best_err = torch.full(wg.shape[:2], math.inf, device=w.device)
+        best = wg.clone()
+        for i in range(int(max_shrink * grid)):
+            r = 1 - i / grid
+            cw = torch.minimum(torch.maximum(wg, lo * r), hi * r)
+            deq = fake_quant_weight(cw.reshape(-1, in_f), spec).view_as(wg)
+            err = (torch.einsum("tng,rng->rtn", x, deq) - ref).pow(2).mean(1)  # (r, ng)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better.unsqueeze(-1), cw, best)
+        wg.copy_(best)
+    return clipped.view(out_f, in_f).to(w.dtype)
 
 
 def smoothquant_scales(

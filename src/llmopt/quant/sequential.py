@@ -327,6 +327,9 @@ def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_origina
         w = lin.weight.detach()
         if recipe.algorithm == "gptq" and spec.type == "int":
             q, s, z = algorithms.gptq(w, stats[n].hessian, spec)
+        elif recipe.algorithm == "awq" and spec.type == "int" and not _query_or_key(n):
+            clipped = algorithms.awq_clip(w, torch.cat(stats[n].sample), spec)
+            q, s, z = algorithms.rtn(clipped, spec)
         else:
             q, s, z = algorithms.rtn(w, spec)
         deq = dequantize_weight(q, s, spec, z).to(w.dtype)
@@ -350,6 +353,13 @@ def _quantize_layer(i, layer, prefix, captured, recipe, specs, res, keep_origina
         if recipe.activations != "none":
             install_activation_hook(lin, recipe.activations, input_scale)
     return float_outs
+
+
+def _query_or_key(name: str) -> bool:
+    # AutoAWQ's list of what auto_clip leaves alone (Llama's q_proj/k_proj, BERT-style names,
+    # fused qkv projections).
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return leaf.startswith(("q_", "k_", "query", "key")) or "qkv" in leaf
 
 
 def install_activation_hook(lin: nn.Linear, mode: str, input_scale: torch.Tensor | None) -> None:
