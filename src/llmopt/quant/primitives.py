@@ -252,7 +252,9 @@ def fake_quant_activation(
     xf = x.float()
     if mode == "static-fp8":
         assert static_scale is not None, "static-fp8 needs a calibrated scale"
-        s = static_scale.float()
+        # The scale is kept on the host with the layer's other facts; the hook runs wherever the
+        # layer is (the GPU during calibration).
+        s = static_scale.to(device=xf.device, dtype=torch.float32)
         return ((xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
     # int8: absmax / 127.5 with codes clamped to [-128, 127], compressed-tensors' symmetric
     # convention (what transformers computes when it loads the folder; vLLM's kernel uses 127).
