@@ -169,7 +169,7 @@ def test_other_model_in_same_run_dir_is_refused(run):
         check=False,
     )
     assert proc.returncode == 2
-    assert "different" in proc.stdout and "--force" in proc.stdout
+    assert "different" in proc.stderr and "--force" in proc.stderr
 
 
 def test_halving_screens_every_candidate_and_records_fidelity(run, tmp_path):

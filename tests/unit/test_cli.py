@@ -41,7 +41,8 @@ def test_inspect_table_on_a_folder(tiny_bert_dir):
 def test_missing_model_is_a_clear_error(tmp_path):
     proc = _run("inspect", str(tmp_path / "nope"))
     assert proc.returncode == 2
-    assert "fix:" in proc.stdout and "smollm2-135m" in proc.stdout
+    assert "fix:" in proc.stderr and "smollm2-135m" in proc.stderr
+    assert proc.stdout == ""
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -53,7 +54,7 @@ def test_pickle_only_folder_is_refused_without_opt_in(tiny_llama_dir):
     (tiny_llama_dir / "model.safetensors").unlink()
     torch.save(state, tiny_llama_dir / "pytorch_model.bin")
     proc = _run("inspect", str(tiny_llama_dir))
-    assert proc.returncode == 2 and "--allow-pickle" in proc.stdout
+    assert proc.returncode == 2 and "--allow-pickle" in proc.stderr
     ok = _run("inspect", str(tiny_llama_dir), "--allow-pickle", "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["weight_format"] == "pickle"
 
@@ -70,7 +71,7 @@ def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
     proc = _run(
         "optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--max-quality-drop", "2"
     )
-    assert proc.returncode == 2 and "max-quality-drop" in proc.stdout
+    assert proc.returncode == 2 and "max-quality-drop" in proc.stderr
     assert not (tmp_path / "r").exists(), "a refused run writes nothing"
     proc = _run("optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--gates", "lax")
     assert proc.returncode == 2 and "gate preset" in proc.stdout + proc.stderr
@@ -109,5 +110,5 @@ def test_optimize_on_a_broken_folder_writes_nothing(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     proc = _run("optimize", str(tiny_llama_dir), "--out", str(out))
     assert proc.returncode == 2
-    assert "model.safetensors" in proc.stdout and "fix:" in proc.stdout
+    assert "model.safetensors" in proc.stderr and "fix:" in proc.stderr
     assert not out.exists()

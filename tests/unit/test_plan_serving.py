@@ -213,7 +213,7 @@ def test_cli_plan_config_only_folder_on_a_gpu_by_name():
     over = _run("plan", str(CONFIGS / "llama-3.1-8b"), "--gpu", "H200", "--params", "8e9", "--json")
     assert json.loads(over.stdout)["serving"]["memory"]["weights_total_bytes"] == 16 * 10**9
     unknown = _run("plan", str(CONFIGS / "llama-3.1-8b"), "--gpu", "GTX480")
-    assert unknown.returncode == 2 and "fix:" in unknown.stdout
+    assert unknown.returncode == 2 and "fix:" in unknown.stderr
 
 
 def test_load_model_info_config_only_and_weights(tiny_llama_dir):

@@ -261,8 +261,10 @@ def main() -> None:
     except (LlmoptError, ValueError) as e:
         from rich.markup import escape
 
+        from llmopt.cli.render import err_console
+
         # escape(): messages carry literal brackets (pip install 'llmopt[vllm]').
-        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
 
 

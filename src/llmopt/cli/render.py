@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from llmopt.plan import Plan
 
 console = Console(stderr=False)
+# Errors go to stderr, so `--json > facts.json` never holds an error message instead of JSON.
+err_console = Console(stderr=True)
 
 
 def _bytes(n: float) -> str:
