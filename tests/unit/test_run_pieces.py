@@ -187,7 +187,10 @@ def test_select_says_what_the_engine_bought_over_eager_transformers():
     assert sel.chosen == "torch-bf16"
     assert "batch-1 decode 12.1x hf-bf16" in sel.reasons["torch-bf16"]
     assert "measured in this run" in sel.reasons["torch-bf16"]
-    screen = {"hf-bf16": _bench("hf-bf16", [30, 31, 30]), "torch-bf16": _bench("torch-bf16", [149] * 3)}
+    screen = {
+        "hf-bf16": _bench("hf-bf16", [30, 31, 30]),
+        "torch-bf16": _bench("torch-bf16", [149] * 3),
+    }
     del bench["hf-bf16"]  # no eager twin measured: nothing claimed
     assert "hf-bf16" not in select(cands, verify, bench, {}, 0.01).reasons["torch-bf16"]
     # The twin cut at the screen: both compared there, and the reason says so.
@@ -195,4 +198,7 @@ def test_select_says_what_the_engine_bought_over_eager_transformers():
     assert "batch-1 decode 5.0x hf-bf16 (149 vs 30 tokens/s" in reason
     assert "at the screen fidelity" in reason
     del screen["torch-bf16"]  # the chosen one has no screen numbers: no mixed-fidelity ratio
-    assert "hf-bf16" not in select(cands, verify, bench, {}, 0.01, screen_bench=screen).reasons["torch-bf16"]
+    assert (
+        "hf-bf16"
+        not in select(cands, verify, bench, {}, 0.01, screen_bench=screen).reasons["torch-bf16"]
+    )
