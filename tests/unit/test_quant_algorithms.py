@@ -217,6 +217,25 @@ def test_awq_scales_are_no_worse_than_rtn():
     assert not torch.equal(s, torch.ones(128))  # outlier channels get scaled
 
 
+def test_awq_duo_scaling_weight_term_is_autoawqs():
+    # Two linears, group 2: |W| over each group's absmax, averaged over all 3 output rows.
+    w1 = torch.tensor([[1.0, -2.0, 4.0, 1.0], [0.5, 0.5, -1.0, 3.0]])
+    w2 = torch.tensor([[2.0, 1.0, 0.0, -2.0]])
+    mean = algorithms._awq_weight_mean([w1, w2], WeightSpec(4, "int", "group", 2))
+    want = torch.tensor(
+        [(0.5 + 1 + 1) / 3, (1 + 1 + 0.5) / 3, (1 + 1 / 3 + 0) / 3, (0.25 + 1 + 1) / 3]
+    )
+    assert torch.allclose(mean, want, atol=1e-5)
+    # Duo scaling (the default) searches other candidates than mean|x|^ratio alone; both are
+    # no worse than no scaling on inputs with outlier channels.
+    x = _correlated_inputs(seed=2)
+    ws = [torch.randn(32, 128), torch.randn(48, 128)]
+    spec = WeightSpec(4, "int", "group", 32)
+    duo = algorithms.awq_search(x, ws, [spec, spec])
+    plain = algorithms.awq_search(x, ws, [spec, spec], duo=False)
+    assert not torch.equal(duo, plain)
+
+
 def test_awq_search_scores_candidates_with_the_asymmetric_quantizer():
     torch.manual_seed(2)
     x = _correlated_inputs(seed=2)

