@@ -345,6 +345,13 @@ def main() -> None:
         print("RESULT " + json.dumps(out), flush=True)
         return
 
+    env = {
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "versions": _versions(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "argv": sys.argv,
+    }
     rows = []
     for s in [x for x in args.schemes.split(",") if x]:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", s]
@@ -361,6 +368,8 @@ def main() -> None:
         row["process_seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.json:  # after every scheme, so an interrupted run keeps what it measured
+            args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
     ref = next((x["perplexity"] for x in rows if x["scheme"] == "fp32" and "perplexity" in x), None)
     print()
     print("| scheme | perplexity | vs fp32 | calibration s | peak RSS GiB | llmopt (same scheme) |")
@@ -377,13 +386,7 @@ def main() -> None:
             f"| {x['scheme']} | {ppl:.3f} | {delta} | {x['seconds']:.1f} | "
             f"{x['peak_bytes'] / 2**30:.2f} | {ours} |"
         )
-    env = {
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "versions": _versions(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "argv": sys.argv,
-    }
+    env["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
 

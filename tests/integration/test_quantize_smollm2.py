@@ -91,15 +91,14 @@ def test_asymmetric_w4_beats_symmetric_and_loads_in_transformers_and_torch(
     from llmopt.modelinfo import inspect_model
     from llmopt.recipes import get_recipe
 
-    monkeypatch.setattr(EvalConfig, "windows", 2)
-    monkeypatch.setattr(EvalConfig, "seq_len", 256)
-    cal = CalibrationConfig(num_samples=2, seq_len=128)
+    # The default evaluation (8 x 512 held-out tokens): on 2 x 256 the two are within noise.
+    cal = CalibrationConfig(num_samples=2, seq_len=128)  # RTN: the calibration does not matter
     ppl = {}
     for name in ("w4a16-rtn-g64", "w4a16-rtn-g64-asym"):
         facts = quantize(smollm2, name, tmp_path / name, calibration=cal, max_quality_drop=1.0)
         ppl[name] = facts["quality"]["perplexity"]
-    # A zero point per group: benchmarks.md measured +45% -> +21% on 8 x 512 tokens.
-    assert ppl["w4a16-rtn-g64-asym"] < 0.9 * ppl["w4a16-rtn-g64"], ppl
+    # A zero point per group: docs/quantization.md measured 26.916 (+28.1%) -> 25.405 (+20.9%).
+    assert ppl["w4a16-rtn-g64-asym"] < 0.97 * ppl["w4a16-rtn-g64"], ppl
     out = tmp_path / "w4a16-rtn-g64-asym"
     dq = CompressedTensorsConfig(dequantize=True)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, quantization_config=dq)
