@@ -149,13 +149,9 @@ def worker_shape(args) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model from a config")
-    ap.add_argument("--layers", type=int, default=0, help="--shape: fewer decoder layers")
-    ap.add_argument("--recipes", default=",".join(RECIPES))
-    ap.add_argument("--device", default="cpu")
+def add_data_args(ap: argparse.ArgumentParser) -> None:
+    """Calibration and evaluation settings, shared with benchmarks/reference_llmcompressor.py so
+    both score on the same tokens."""
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
@@ -163,6 +159,16 @@ def main() -> None:
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model from a config")
+    ap.add_argument("--layers", type=int, default=0, help="--shape: fewer decoder layers")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--device", default="cpu")
+    add_data_args(ap)
     args = ap.parse_args()
 
     import torch

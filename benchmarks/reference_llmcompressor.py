@@ -38,6 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # run as `python benchmarks/...`
+from quantize import add_data_args  # noqa: E402
+
 SCHEMES = [
     "fp32",
     "W8A16",
@@ -328,13 +331,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-windows", type=int, default=8)
-    ap.add_argument("--eval-len", type=int, default=512)
-    ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    add_data_args(ap)  # the same tokens as benchmarks/quantize.py
     args = ap.parse_args()
 
     import torch

@@ -82,8 +82,7 @@ class Recipe:
         weight_observer: how weight scales are chosen: "absmax" (int: max|w| / 7.5 at 4 bits,
             / 127.5 at 8; FP8: / 448) or "mse" (per channel/group, that scale times the factor
             in [0.80, 1.00] with the smallest squared rounding error, as llm-compressor's `mse`
-            observer). The scale is stored, so kernels compute
-            the same numbers either way.
+            observer). The scale is stored, so kernels compute the same numbers either way.
         weight_symmetric: True (zero point 0: codes -8..7 x scale at 4 bits) or False (a zero
             point per group/channel: the group's [min, max] spread over all 16 codes,
             compressed-tensors' `symmetric: false`, what AutoAWQ and GPTQ default to). False is

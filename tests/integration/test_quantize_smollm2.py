@@ -81,9 +81,7 @@ def test_gguf_q8_0_loads_in_llama_cpp(smollm2, tmp_path):
     assert got["perplexity"] == pytest.approx(math.exp(nll), rel=0.05)
 
 
-def test_asymmetric_w4_beats_symmetric_and_loads_in_transformers_and_torch(
-    smollm2, tmp_path, monkeypatch
-):
+def test_asymmetric_w4_beats_symmetric_and_loads_in_transformers_and_torch(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 

@@ -15,6 +15,7 @@ import torch
 
 from llmopt.quant.primitives import (
     WeightSpec,
+    _grouped,
     choose_weight_qparams,
     dequantize_weight,
     expand_to_weight,
@@ -157,9 +158,8 @@ def awq_search(
 def _awq_weight_mean(weights: list[torch.Tensor], spec: WeightSpec) -> torch.Tensor:
     # AutoAWQ's and llm-compressor's "duo scaling" weight term: |W| normalized by each
     # group's absmax (each row's, per channel), averaged over every output row of the linears.
-    w = torch.cat([w.detach().float() for w in weights])  # (sum out, in)
-    g = spec.group_size if spec.granularity == "group" else w.shape[1]
-    wg = w.abs().view(w.shape[0], -1, g)
+    w = torch.cat([w.detach().float() for w in weights]).abs()  # (sum out, in)
+    wg = _grouped(w, spec)
     return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).view_as(w).mean(0)
 
 

@@ -67,7 +67,8 @@ def quantize(
         dtype: the dtype the model is loaded, calibrated and written in (everything not
             quantized, and the scales): None keeps the recipe's (float32 for the presets);
             "auto" takes the checkpoint's own bfloat16/float16 on a GPU (half the bytes of
-            float32 in host and device memory, and tensor-core matmuls) and the recipe's on the CPU;
+            float32 in host and device memory, and tensor-core matmuls) and the recipe's on the
+            CPU;
             or "float32", "bfloat16", "float16". See `resolve_dtype`.
 
     Returns:

@@ -114,8 +114,8 @@ def _layout(t: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
 
 def weight_qparams(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale, zero point) of `w` (out, in) from its range: absmax / ((qmax - qmin) / 2) for
-    symmetric specs (zero point None), min/max for asymmetric ones (int8 zero points in the code range). The scale is rounded
-    to `spec.scale_dtype` (what is stored).
+    symmetric specs (zero point None), min/max for asymmetric ones (int8 zero points in the code
+    range). The scale is rounded to `spec.scale_dtype` (what is stored).
 
     >>> s, z = weight_qparams(torch.tensor([[-1.0, 2.0, 0.5]]), WeightSpec(4, symmetric=False))
     >>> s.tolist(), z.tolist()  # 3 / 15 per code; -1 -> code -8, so 0 -> -8 + 5 = -3

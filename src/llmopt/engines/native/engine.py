@@ -98,8 +98,9 @@ class NativeEngine(Engine):
             from llmopt.quant import quantize  # calibrated recipes (AWQ, GPTQ, FP8...)
 
             # Calibrate where it is fast: an 8B GPTQ took 9.3 min on an H200 (its layer
-            # forwards and Hessians would run on the host's cores otherwise). Only the layer being calibrated moves there; the recipe's dtype
-            # (not the checkpoint's) keeps the candidate the same wherever it was built.
+            # forwards and Hessians would run on the host's cores otherwise). Only the layer
+            # being calibrated moves there; the recipe's dtype (not the checkpoint's) keeps the
+            # candidate the same wherever it was built.
             device = "cuda" if torch.cuda.is_available() else "cpu"
             facts = quantize(Path(source), recipe, Path(out), device=device)
         return {**facts, "engine": "torch (native)", "kernel": _kernel_for(recipe) or "dense"}
