@@ -59,9 +59,9 @@ def worker_model(args) -> dict:
     import torch
 
     from llmopt.assets import resolve_model
+    from llmopt.core.recipes import get_recipe
     from llmopt.quant import CalibrationConfig, fake_quantized_model
     from llmopt.quant.api import _nll
-    from llmopt.recipes import get_recipe
     from llmopt.verify.lm import token_windows
 
     torch.manual_seed(0)
@@ -103,9 +103,9 @@ def worker_shape(args) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from llmopt.core.recipes import get_recipe
     from llmopt.quant.checks import plan_specs
     from llmopt.quant.sequential import run_sequential
-    from llmopt.recipes import get_recipe
 
     cfg = dict(SHAPES[args.shape])
     if args.layers:

@@ -18,11 +18,11 @@ __all__ = ["__version__", "inspect_model", "optimize"]
 def __getattr__(name: str):
     # Lazy re-exports: importing `llmopt` must stay instant (no torch) so `llmopt --help` is too.
     if name == "inspect_model":
-        from llmopt.modelinfo import inspect_model
+        from llmopt.model.info import inspect_model
 
         return inspect_model
     if name == "optimize":
-        from llmopt.optimize import optimize
+        from llmopt.optimize.job import optimize
 
         return optimize
     raise AttributeError(name)

@@ -48,7 +48,7 @@ def _start(tmp: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmopt.bench.llamacpp_peer", "--model", str(_gguf()), "--host", "127.0.0.1",
+        [sys.executable, "-m", "llmopt.engines.llamacpp_server", "--model", str(_gguf()), "--host", "127.0.0.1",
          "--port", str(port), "--n_ctx", "2048", "--n_threads", "1", "--no-extra-bufts", "--interrupt_requests", "False"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

@@ -21,7 +21,7 @@ from llmopt.assets.models import (
     prepare_builtin,
     resolve_model,
 )
-from llmopt.modelinfo import check_weights, inspect_model
+from llmopt.model.info import check_weights, inspect_model
 
 pytestmark = pytest.mark.integration
 

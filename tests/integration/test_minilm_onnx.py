@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from llmopt.bench.embedding import bench_embedding
+from llmopt.core.recipes import get_recipe
 from llmopt.engines.pooling import pool
-from llmopt.recipes import get_recipe
 from llmopt.verify.embedding import reference_outputs, verify_embedding
 
 pytestmark = pytest.mark.integration

@@ -137,7 +137,7 @@ def test_partial_and_killed_stages_are_redone(run, tmp_path):
         (cdir / f"{stage}.json").unlink()
     shutil.rmtree(cdir / "artifact")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "llmopt.worker", str(out), cdir.name, "build"],
+        [sys.executable, "-m", "llmopt.optimize.worker", str(out), cdir.name, "build"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

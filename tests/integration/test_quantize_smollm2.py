@@ -85,9 +85,9 @@ def test_asymmetric_w4_beats_symmetric_and_loads_in_transformers_and_torch(smoll
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     # The default evaluation (8 x 512 held-out tokens): on 2 x 256 the two are within noise.
     cal = CalibrationConfig(num_samples=2, seq_len=128)  # RTN: the calibration does not matter

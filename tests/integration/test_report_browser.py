@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.atomic import write_json
+from llmopt.core.atomic import write_json
+from llmopt.core.schema import BenchResult, Candidate, Metric, Selection, VerifyResult, summarize
 from llmopt.report import write_report
-from llmopt.schema import BenchResult, Candidate, Metric, Selection, VerifyResult, summarize
 
 pytestmark = pytest.mark.integration
 

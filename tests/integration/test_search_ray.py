@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("ray", reason="pip install 'llmopt[ray]'")
 
-from llmopt.atomic import write_json  # noqa: E402
-from llmopt.modelinfo import inspect_model  # noqa: E402
-from llmopt.plan import Target, make_plan  # noqa: E402
-from llmopt.rundir import RunDir  # noqa: E402
-from llmopt.search.executor import RayExecutor, Task  # noqa: E402
+from llmopt.core.atomic import write_json  # noqa: E402
+from llmopt.model.info import inspect_model  # noqa: E402
+from llmopt.optimize.executor import RayExecutor, Task  # noqa: E402
+from llmopt.optimize.plan import Target, make_plan  # noqa: E402
+from llmopt.rundir.paths import RunDir  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

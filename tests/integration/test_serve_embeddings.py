@@ -58,9 +58,9 @@ def _client(url):
 
 
 def test_embeddings_match_in_process(embed_server):
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     texts = ["The cat sat on the mat.", "Stock markets fell sharply today."]
     r = _client(embed_server).embeddings.create(model=MODEL, input=texts)

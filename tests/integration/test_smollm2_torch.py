@@ -7,9 +7,9 @@ import torch
 
 from llmopt.assets import prepare_builtin
 from llmopt.assets.text import evaluation_text
+from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine
-from llmopt.modelinfo import inspect_model
-from llmopt.recipes import get_recipe
+from llmopt.model.info import inspect_model
 from llmopt.verify.lm import token_windows, verify_causal_lm
 
 pytestmark = pytest.mark.integration

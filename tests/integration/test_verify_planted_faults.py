@@ -67,9 +67,9 @@ def test_smollm2_scaled_layer_fails_and_is_named(smol):
 def test_smollm2_zeroed_scale_fails_integrity_and_quality(smol, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     ref, windows = smol
     src = prepare_builtin("smollm2-135m")

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmopt.bench.compare import CompareInputError, compare_runs, to_html, to_markdown
-from llmopt.schema import summarize
+from llmopt.core.schema import summarize
 
 
 def _doc(label: str, tput: list[list[float]], ttft: list[list[float]]) -> dict:

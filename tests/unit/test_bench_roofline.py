@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmopt.bench.roofline import Ceilings, PhaseWork, attribute, attribute_lm, measure_ceilings
-from llmopt.schema import summarize
+from llmopt.core.schema import summarize
 
 # 10 GB/s copy, 100 GFLOP/s fp32: ridge at 10 FLOP/byte.
 C = Ceilings(10e9, {"float32": 100e9, "bfloat16": 400e9}, "cpu", 2, 0.0)
@@ -61,9 +61,9 @@ def test_measure_ceilings_is_quick_and_positive():
 
 def test_swept_lm_bench_keeps_historic_names(tiny_llama_dir, tmp_path):
     from llmopt.bench.lm import bench_causal_lm
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     info, engine, recipe = inspect_model(tiny_llama_dir), get_engine("hf"), get_recipe("fp32")
     out = tmp_path / "a"

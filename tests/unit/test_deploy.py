@@ -19,7 +19,7 @@ import yaml
 from llmopt.deploy import resolve_source, validate_bundle, write_bundle
 from llmopt.deploy.bundle import DeployError
 from llmopt.deploy.validate import _tool
-from llmopt.serving_target import ServingTarget, Workload
+from llmopt.planning.target import ServingTarget, Workload
 
 CONFIG_8B = Path(__file__).parents[1] / "fixtures" / "configs" / "llama-3.1-8b"
 
@@ -153,8 +153,8 @@ def test_start_script_picks_replicas_and_fp8_from_the_gpus(tmp_path, gpus, cc, e
 
 
 def test_deploy_a_run_directory_serves_the_verified_recipe(tiny_llama_dir, tmp_path):
-    from llmopt.atomic import write_json
-    from llmopt.modelinfo import inspect_model
+    from llmopt.core.atomic import write_json
+    from llmopt.model.info import inspect_model
 
     run = tmp_path / "run"
     (run / "best").mkdir(parents=True)

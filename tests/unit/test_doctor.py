@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from llmopt.doctor import collect_facts, diagnose, run_doctor
-from llmopt.doctor.gpu import (
+from llmopt.hardware.gpu import (
     DEVICE_CALLS,
     interpret_nvml,
     parse_nvidia_smi,
     probe_nvml,
     record_nvml,
 )
-from llmopt.hardware import cuda_driver_minimum, dtype_support, lookup_gpu, match_gpu
+from llmopt.hardware.specs import cuda_driver_minimum, dtype_support, lookup_gpu, match_gpu
 
 FIX = Path(__file__).parents[1] / "fixtures" / "doctor"
 H200_FACTS = json.loads((FIX / "recorded_h200_facts.json").read_text())
@@ -286,7 +286,7 @@ def test_hardware_table_and_rules():
                                     "fp8": False, "fp4": False}  # fmt: skip
     assert dtype_support("10.0")["fp4"] and dtype_support("8.9")["fp8"]
     assert cuda_driver_minimum("12.8") == "525.60.13" and cuda_driver_minimum("13.0") == "580.65.06"
-    from llmopt.hardware import UnknownGpuError
+    from llmopt.hardware.specs import UnknownGpuError
 
     with pytest.raises(UnknownGpuError, match="H200"):
         lookup_gpu("GTX 480")

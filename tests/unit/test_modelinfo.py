@@ -20,7 +20,7 @@ from llmopt.assets.models import (
     prepare_builtin,
     resolve_model,
 )
-from llmopt.errors import (
+from llmopt.core.errors import (
     AssetMissingError,
     CorruptWeightsError,
     ModelNotFoundError,
@@ -28,7 +28,7 @@ from llmopt.errors import (
     PickleWeightsError,
     UnsupportedModelError,
 )
-from llmopt.modelinfo import SUPPORTED_ARCHITECTURES, ModelInfo, check_weights, inspect_model
+from llmopt.model.info import SUPPORTED_ARCHITECTURES, ModelInfo, check_weights, inspect_model
 
 
 def _set_config(folder: Path, **changes) -> None:

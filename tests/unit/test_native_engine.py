@@ -173,8 +173,8 @@ def test_quantized_linears_on_cpu_stay_close(tiny_llama_dir):
 
 
 def test_loads_the_int8_checkpoint_the_hf_engine_writes(tiny_llama_dir, tmp_path):
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.core.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     out = tmp_path / "w8a16"
     out.mkdir()
@@ -203,8 +203,8 @@ def test_unsupported_models_are_refused_with_the_way_out(tiny_bert_dir):
     assert "hf engine" in str(err.value)
     with pytest.raises(UnsupportedModel, match="RoPE scaling 'yarn'"):
         NativeConfig.from_hf({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})  # fmt: skip
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.core.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     reason = get_engine("torch").incompatible(
         inspect_model(tiny_bert_dir), get_recipe("fp32"), "cpu"
@@ -232,8 +232,8 @@ def test_loads_compressed_tensors_int4_from_llmopt_quantize(tiny_llama_dir, tmp_
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.core.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     info, rec = inspect_model(tiny_llama_dir), get_recipe("w4a16-rtn-g64")
     out = tmp_path / "w4"
@@ -315,8 +315,8 @@ def test_quantized_decode_on_gpu_matches_dense(tiny_llama_dir):
 def test_calibrated_candidates_are_calibrated_on_the_gpu_when_there_is_one(
     tiny_llama_dir, tmp_path
 ):
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.core.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     facts = get_engine("torch").build(
         tiny_llama_dir, inspect_model(tiny_llama_dir), get_recipe("w4a16-gptq-g32"), tmp_path / "q"

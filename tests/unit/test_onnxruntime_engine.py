@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
+from llmopt.core.recipes import get_recipe  # noqa: E402
 from llmopt.engines import get_engine  # noqa: E402
 from llmopt.engines.pooling import pool  # noqa: E402
-from llmopt.recipes import get_recipe  # noqa: E402
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -35,7 +35,7 @@ TEXTS = [
 
 
 def _info(path: Path, **kw) -> types.SimpleNamespace:
-    # Stand-in for llmopt.modelinfo.ModelInfo (only the fields the engine reads).
+    # Stand-in for llmopt.model.info.ModelInfo (only the fields the engine reads).
     fields = dict(task="embedding", architecture="BertModel", model_type="bert", max_context=512,
                   pooling="mean", normalize=True, hidden_size=64, path=path)  # fmt: skip
     fields.update(kw)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from llmopt.doctor import diagnose
-from llmopt.model_config import estimate_parameters, info_from_config, load_model_info
-from llmopt.serving_plan import memory_plan, plan_serving
-from llmopt.serving_target import ServingTarget, Workload
+from llmopt.model.config import estimate_parameters, info_from_config, load_model_info
+from llmopt.planning.serving import memory_plan, plan_serving
+from llmopt.planning.target import ServingTarget, Workload
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -250,7 +250,7 @@ def test_vllm_own_parser_accepts_generated_flags(info_8b, info_70b):
     )
     cpu = ServingTarget("cpu", "test cpu", 1, 64 * GiB, None, None, "test", threads=2)
     cpu_plan = plan_serving(info_8b, cpu, Workload(concurrency=8))
-    script = ("import json, sys\nfrom llmopt.launch import check_vllm_args\n"
+    script = ("import json, sys\nfrom llmopt.planning.launch import check_vllm_args\n"
               "print(json.dumps([check_vllm_args(a) for a in json.load(sys.stdin)], default=str))")  # fmt: skip
     argvs = [gpu.launch["vllm"].argv, cpu_plan.launch["vllm"].argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from llmopt.core.recipes import Recipe, get_recipe
 from llmopt.quant import algorithms
 from llmopt.quant.export_ct import compressed_state, format_for, quantization_config, scheme_for
 from llmopt.quant.primitives import (
@@ -19,7 +20,6 @@ from llmopt.quant.primitives import (
     weight_scale,
 )
 from llmopt.quant.sequential import QuantizedLinear
-from llmopt.recipes import Recipe, get_recipe
 
 FP8 = WeightSpec(8, "float", "channel")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llmopt.errors import UnsupportedModelError
+from llmopt.core.errors import UnsupportedModelError
 from llmopt.quant.gguf_export import _permute, export_gguf
 
 

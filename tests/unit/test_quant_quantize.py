@@ -155,8 +155,8 @@ def test_bfloat16_calibration_writes_a_bfloat16_folder_that_loads(
 
 
 def test_dtype_choice(tiny_llama_dir):
+    from llmopt.core.recipes import get_recipe
     from llmopt.quant.api import resolve_dtype
-    from llmopt.recipes import get_recipe
 
     r = get_recipe("fp8-dynamic")
     assert resolve_dtype(tiny_llama_dir, r, "cpu", None) is r
@@ -235,8 +235,8 @@ def test_memory_and_unsupported_layers_are_reported():
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.pytorch_utils import Conv1D
 
+    from llmopt.core.recipes import get_recipe
     from llmopt.quant.checks import plan_specs, preflight
-    from llmopt.recipes import get_recipe
 
     big = LlamaConfig(
         hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, vocab_size=128256,
@@ -324,11 +324,11 @@ def test_auto_exclude_refuses_when_half_the_layers_in_float_do_not_meet_the_budg
 def test_asymmetric_folder_runs_on_the_native_engine_like_the_fake_quantized_model(
     tiny_llama_dir, tmp_path, cal, override
 ):
+    from llmopt.core.recipes import LayerOverride, get_recipe
     from llmopt.engines import get_engine
     from llmopt.engines.native.linear import Int4Linear
     from llmopt.engines.native.weights import DequantizedLinear
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import LayerOverride, get_recipe
+    from llmopt.model.info import inspect_model
 
     recipe = get_recipe("w4a16-gptq-g32-asym")
     if override:  # 8-bit symmetric groups inside the 4-bit asymmetric folder: two config groups
@@ -390,8 +390,8 @@ def test_gptq_preflight_counts_hessians_and_their_working_set():
     matrices (measured on the H200: without them the bf16 8B estimate was 17% under the peak)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from llmopt.core.recipes import get_recipe
     from llmopt.quant.checks import preflight
-    from llmopt.recipes import get_recipe
 
     cfg = LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, vocab_size=1000,

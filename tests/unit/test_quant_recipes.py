@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.recipes import RECIPES, LayerOverride, Recipe, get_recipe
+from llmopt.core.recipes import RECIPES, LayerOverride, Recipe, get_recipe
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from llmopt.atomic import write_json
+from llmopt.core.atomic import write_json
+from llmopt.core.schema import BenchResult, Candidate, Metric, Selection, VerifyResult, summarize
 from llmopt.report import load_run, render_html, render_markdown, write_report
 from llmopt.report.plots import nice_ticks
 from llmopt.report.view import fmt_bytes, fmt_num, fmt_pct, fmt_x, order_names
-from llmopt.schema import BenchResult, Candidate, Metric, Selection, VerifyResult, summarize
 
 XSS = "<script>alert(1)</script>"
 GiB = 1024**3

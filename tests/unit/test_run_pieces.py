@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from llmopt.atomic import atomic_dir, write_json
-from llmopt.errors import RunDirError
-from llmopt.modelinfo import inspect_model
-from llmopt.plan import Target, make_plan
-from llmopt.rundir import RunDir
-from llmopt.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
-from llmopt.select import pareto_front, select
+from llmopt.core.atomic import atomic_dir, write_json
+from llmopt.core.errors import RunDirError
+from llmopt.core.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.model.info import inspect_model
+from llmopt.optimize.plan import Target, make_plan
+from llmopt.optimize.select import pareto_front, select
+from llmopt.rundir.paths import RunDir
 
 CPU = Target(device="cpu", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
 

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.modelinfo import inspect_model
-from llmopt.plan import Target, make_plan
-from llmopt.rundir import RunDir
-from llmopt.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
-from llmopt.search import Budget, get_objective, parse_duration
-from llmopt.search.halving import ScreenEntry, cannot_improve, screen
-from llmopt.search.space import candidate_space, settings_suffix, task_rule
-from llmopt.select import pareto_front_nd, select
+from llmopt.core.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.model.info import inspect_model
+from llmopt.optimize.budget import Budget, parse_duration
+from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
+from llmopt.optimize.objective import get_objective
+from llmopt.optimize.plan import Target, make_plan
+from llmopt.optimize.select import pareto_front_nd, select
+from llmopt.optimize.space import candidate_space, settings_suffix, task_rule
+from llmopt.rundir.paths import RunDir
 
 CPU = Target(device="cpu", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
 
 
 def test_space_covers_every_registered_recipe_and_engine(tiny_llama_dir, tiny_bert_dir):
+    from llmopt.core.recipes import RECIPES
     from llmopt.engines import ENGINES
-    from llmopt.recipes import RECIPES
 
     for folder in (tiny_llama_dir, tiny_bert_dir):
         info = inspect_model(folder)
@@ -32,7 +33,7 @@ def test_space_covers_every_registered_recipe_and_engine(tiny_llama_dir, tiny_be
 
 
 def test_new_recipe_appears_without_code_changes(tiny_llama_dir, monkeypatch):
-    from llmopt import recipes
+    from llmopt.core import recipes
 
     extra = recipes.Recipe("w8-bf16-test", "bfloat16", weight_bits=8, description="test-only")
     monkeypatch.setitem(recipes.RECIPES, extra.name, extra)
@@ -46,7 +47,7 @@ def test_new_recipe_appears_without_code_changes(tiny_llama_dir, monkeypatch):
 
 
 def test_cpu_searches_one_group_size_per_algorithm(tiny_llama_dir):
-    from llmopt.recipes import RECIPES
+    from llmopt.core.recipes import RECIPES
 
     grouped = [r for r in RECIPES.values() if getattr(r, "group_size", None)]
     if not grouped:
@@ -90,7 +91,7 @@ def test_engine_settings_variations_become_candidates(tiny_llama_dir, monkeypatc
 
 
 def test_task_rule_keeps_kv_recipes_off_encoders():
-    from llmopt.recipes import Recipe
+    from llmopt.core.recipes import Recipe
 
     assert task_rule("embedding", Recipe("kv-fp8")) is not None
     assert task_rule("causal-lm", Recipe("kv-fp8")) is None
@@ -219,8 +220,8 @@ def test_rundir_fidelity_files(tmp_path):
 def test_stage_past_the_deadline_is_killed_and_recorded_as_cut(tiny_bert_dir, tmp_path):
     import time
 
-    from llmopt.atomic import write_json
-    from llmopt.search.executor import Task, run_task
+    from llmopt.core.atomic import write_json
+    from llmopt.optimize.executor import Task, run_task
 
     info = inspect_model(tiny_bert_dir)
     plan = make_plan(info, CPU, only=["hf-bf16"])
@@ -241,7 +242,7 @@ def test_stage_past_the_deadline_is_killed_and_recorded_as_cut(tiny_bert_dir, tm
 
 
 def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
-    from llmopt.plan import Target
+    from llmopt.optimize.plan import Target
 
     info = inspect_model(tiny_llama_dir)
     cands, skipped = candidate_space(info, CPU)  # opt-in: listed with the reason, not searched
@@ -261,7 +262,7 @@ def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
 
 
 def test_screen_order_puts_calibrated_builds_last():
-    from llmopt.search.loop import _calibrated
+    from llmopt.optimize.loop import _calibrated
 
     assert not any(_calibrated(r) for r in ("fp32", "bf16", "w8a16"))
     assert all(

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from llmopt.serve.detok import IncrementalDetokenizer, StopChecker  # noqa: E402
+from llmopt.serve.api.detok import IncrementalDetokenizer, StopChecker  # noqa: E402
 from llmopt.serve.settings import ServeSettings  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_settings_validate():
 
 def _fake_run(root, tiny_llama_dir, run_target="cpu", deploy_kind="cpu"):
     """A run folder as optimize writes it (JSON only: the settings are resolved from these)."""
-    from llmopt.modelinfo import inspect_model
+    from llmopt.model.info import inspect_model
 
     best = root / "best"
     (best / "deploy").mkdir(parents=True)
@@ -166,7 +166,7 @@ def test_embedding_models_keep_the_defaults(tiny_bert_dir):
 def client(tiny_llama_dir):
     from starlette.testclient import TestClient
 
-    from llmopt.serve.app import create_app
+    from llmopt.serve.api.app import create_app
     from llmopt.serve.server import load_context
 
     s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
@@ -331,7 +331,7 @@ def test_request_timeout_gives_504_and_frees_the_sequence(tiny_llama_dir):
 
     from starlette.testclient import TestClient
 
-    from llmopt.serve.app import create_app
+    from llmopt.serve.api.app import create_app
     from llmopt.serve.server import load_context
 
     s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
@@ -381,7 +381,7 @@ def test_native_switches_default_on_for_cuda_and_flags_win():
 def test_engine_process_start_failure_is_a_clear_error(tmp_path):
     """A model the engine process cannot load: an EngineProcessError naming the cause and the
     fix, not a hang (the child reports the failure and exits)."""
-    from llmopt.serve.engine_proc import EngineProcess, EngineProcessError
+    from llmopt.serve.engine.process import EngineProcess, EngineProcessError
     from llmopt.serve.metrics import ServeMetrics
 
     bad = {"model": str(tmp_path / "no-such-model"), "recipe": "fp32", "device": "cpu"}

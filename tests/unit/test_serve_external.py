@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.errors import EngineUnavailableError
+from llmopt.core.errors import EngineUnavailableError
 from llmopt.serve import external
 from llmopt.serve.settings import ServeSettings
 
@@ -47,7 +47,7 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
     # Without llama-server, llama-cpp-python's server gets the same settings in its spelling.
     monkeypatch.setattr(external.shutil, "which", lambda name: None)
     argv = external.external_command("llamacpp", str(tiny_llama_dir), s, gguf=str(gguf)).argv
-    assert argv[1:4] == ["-m", "llmopt.bench.llamacpp_peer", "--no-extra-bufts"]
+    assert argv[1:4] == ["-m", "llmopt.engines.llamacpp_server", "--no-extra-bufts"]
     assert argv[argv.index("--model") + 1] == str(gguf) and "--n_ctx" in argv
 
 

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from llmopt.engines.native import OutOfBlocks, SamplingParams, load_generator  # noqa: E402
-from llmopt.serve.scheduler import Scheduler, Sequence  # noqa: E402
+from llmopt.serve.engine.scheduler import Scheduler, Sequence  # noqa: E402
 
 
 def _gen(folder, **kw):
@@ -308,7 +308,7 @@ def test_abort_while_swapped_releases_host_memory(tiny_llama_dir):
 
 
 def test_swap_verdict_by_model_and_device(tiny_llama_dir):
-    from llmopt.serve import swap
+    from llmopt.serve.engine import swap
 
     gen = _gen(tiny_llama_dir)
     pays, why = swap.swap_pays(gen)

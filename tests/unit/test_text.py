@@ -10,7 +10,7 @@ import pytest
 from llmopt.assets import text
 from llmopt.assets.models import llmopt_home
 from llmopt.assets.text import Article, sentences, strip_wiki_markup
-from llmopt.errors import AssetMissingError
+from llmopt.core.errors import AssetMissingError
 
 needs_gensim = pytest.mark.skipif(
     importlib.util.find_spec("gensim") is None, reason="gensim data not installed"

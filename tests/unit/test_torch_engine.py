@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine
 from llmopt.engines.int8 import Int8WeightOnlyLinear
-from llmopt.modelinfo import inspect_model
-from llmopt.recipes import get_recipe
+from llmopt.model.info import inspect_model
 from llmopt.verify.lm import verify_causal_lm
 
 

@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from llmopt.cli.main import app
+from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine
-from llmopt.modelinfo import inspect_model
-from llmopt.recipes import get_recipe
+from llmopt.model.info import inspect_model
 from llmopt.verify.integrity import (
     IntegrityError,
     check_loaded,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine
-from llmopt.modelinfo import inspect_model
-from llmopt.recipes import get_recipe
+from llmopt.model.info import inspect_model
 from llmopt.verify.attribution import layer_sqnr
 from llmopt.verify.gates import Gates, failures, gate_rows
 from llmopt.verify.lm import verify_causal_lm

@@ -55,7 +55,7 @@ def test_scoring_is_log_likelihood(tiny_llama_dir, tmp_path):
 def test_lm_eval_bridge_skips_cleanly():
     if lm_eval_available():
         pytest.skip("lm-eval installed: the bridge is exercised by its own run")
-    from llmopt.errors import EngineUnavailableError
+    from llmopt.core.errors import EngineUnavailableError
 
     with pytest.raises(EngineUnavailableError, match="pip install lm-eval"):
         run_lm_eval("a", "b", ["arc_easy"])

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmopt.atomic import atomic_dir, read_json, write_json
-from llmopt.errors import AssetMissingError, LlmoptError, ModelNotFoundError
-from llmopt.schema import Task
+from llmopt.core.atomic import atomic_dir, read_json, write_json
+from llmopt.core.errors import AssetMissingError, LlmoptError, ModelNotFoundError
+from llmopt.core.schema import Task
 
 __all__ = [
     "BuiltinModel",

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.assets.models import llmopt_home
-from llmopt.atomic import read_json, write_json
-from llmopt.errors import AssetMissingError
+from llmopt.core.atomic import read_json, write_json
+from llmopt.core.errors import AssetMissingError
 
 __all__ = [
     "Article",

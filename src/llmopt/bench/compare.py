@@ -17,7 +17,7 @@ from typing import Any
 
 from llmopt.bench.svg import PALETTE, line_chart
 from llmopt.bench.sweep import HEADLINE
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 __all__ = ["CompareInputError", "load_run", "compare_runs", "to_markdown", "to_html"]
 

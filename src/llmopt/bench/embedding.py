@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 
 from llmopt.bench.timing import time_repeated
+from llmopt.core.schema import Stat, summarize
 from llmopt.engines.base import EmbeddingRunner
-from llmopt.schema import Stat, summarize
 
 __all__ = ["bench_embedding", "PRIMARY_METRIC"]
 

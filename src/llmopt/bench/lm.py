@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmopt.bench.timing import device_sync, time_repeated
-from llmopt.schema import Stat, summarize
+from llmopt.core.schema import Stat, summarize
 
 if TYPE_CHECKING:
     import torch

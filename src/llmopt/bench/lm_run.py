@@ -89,9 +89,9 @@ def bench_lm_model(
     from llmopt.bench.lm import bench_causal_lm
     from llmopt.bench.roofline import measure_ceilings
     from llmopt.bench.timing import environment, peak_rss_bytes
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     folder, _ = resolve_model(model)
     info = inspect_model(folder)

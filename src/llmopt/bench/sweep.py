@@ -18,7 +18,7 @@ from typing import Any
 
 from llmopt.bench.loadgen import LoadSpec, Workload, run_load
 from llmopt.bench.serve_metrics import SLO
-from llmopt.schema import SCHEMA_VERSION, summarize
+from llmopt.core.schema import SCHEMA_VERSION, summarize
 
 __all__ = ["HEADLINE", "headline_values", "run_sweep", "parse_points"]
 

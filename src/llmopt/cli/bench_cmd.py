@@ -33,7 +33,7 @@ def _emit(obj: Any) -> None:
 def _write(out: Path | None, doc: dict[str, Any]) -> Path | None:
     if out is None:
         return None
-    from llmopt.atomic import write_json
+    from llmopt.core.atomic import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench.json", doc)
@@ -164,7 +164,7 @@ def compare(
 
     cmp = compare_runs(list(runs))
     if html is not None:
-        from llmopt.atomic import write_text
+        from llmopt.core.atomic import write_text
 
         write_text(html, to_html(cmp))
     if as_json:

@@ -1,7 +1,7 @@
 """`llmopt` command line: wiring only. Each command calls one library function and renders it.
 
 Heavy imports (torch, transformers, engines) happen inside the commands so `llmopt --help` is instant.
-User mistakes (llmopt.errors.LlmoptError, ValueError from config objects) print one message with
+User mistakes (llmopt.core.errors.LlmoptError, ValueError from config objects) print one message with
 the fix and exit with code 2; no traceback.
 """
 
@@ -57,7 +57,7 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """What is this model? Architecture, sizes, context, dtype, KV-cache bytes per token."""
-    from llmopt.modelinfo import inspect_model
+    from llmopt.model.info import inspect_model
 
     with console.status(f"inspecting {model}"):
         info = inspect_model(model, allow_pickle=allow_pickle)
@@ -145,13 +145,13 @@ def optimize(
 ) -> None:
     """The main job: inspect, plan, search (screen, verify, bench), select, report. Resumes if re-run."""
     from llmopt.cli.render import OptimizeProgress, render_reverify
-    from llmopt.optimize import optimize as run_optimize
-    from llmopt.optimize import reverify
-    from llmopt.search.budget import Budget
+    from llmopt.optimize.budget import Budget
+    from llmopt.optimize.job import optimize as run_optimize
+    from llmopt.optimize.job import reverify
 
     address = ray_address or ("local" if ray else None)
     if address:
-        from llmopt.search.executor import RAY_MISSING
+        from llmopt.optimize.executor import RAY_MISSING
 
         try:
             import ray as _ray  # noqa: F401
@@ -254,7 +254,7 @@ for _module in (_ops, _verify_cmd, _bench_cmd, _serve_cmd, _quantize_cmd):
 
 
 def main() -> None:
-    from llmopt.errors import LlmoptError
+    from llmopt.core.errors import LlmoptError
 
     try:
         app()

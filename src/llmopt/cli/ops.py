@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from llmopt.serving_target import ServingTarget, Workload
+    from llmopt.planning.target import ServingTarget, Workload
 
 __all__ = ["doctor", "plan", "deploy", "register"]
 
@@ -88,7 +88,7 @@ StaticOpt = Annotated[
 def _serving_target(
     target: str, gpu: str | None, gpus: int | None, cpu: bool, threads: int | None
 ) -> ServingTarget:
-    from llmopt.serving_target import ServingTarget
+    from llmopt.planning.target import ServingTarget
 
     if gpu:
         return ServingTarget.gpu(gpu, gpus or 1)
@@ -102,7 +102,7 @@ def _serving_target(
 
 
 def _workload(**kw: Any) -> Workload:
-    from llmopt.serving_target import Workload
+    from llmopt.planning.target import Workload
 
     return Workload(**kw)
 
@@ -164,9 +164,9 @@ def plan(
     from llmopt.cli.main import emit_json
     from llmopt.cli.render import render_plan
     from llmopt.cli.render_ops import render_serving
-    from llmopt.model_config import load_model_info
-    from llmopt.plan import Target, detect_target, make_plan
-    from llmopt.serving_plan import plan_serving
+    from llmopt.model.config import load_model_info
+    from llmopt.optimize.plan import Target, detect_target, make_plan
+    from llmopt.planning.serving import plan_serving
 
     info, source = load_model_info(model, params=params)
     st = _serving_target(target, gpu, gpus, cpu, threads)
@@ -209,7 +209,7 @@ def plan(
         opt.notes.append("planned from config.json alone: `llmopt optimize` needs the weights")
     checked = None
     if check:
-        from llmopt.plan_check import check_plan_on_gpu
+        from llmopt.planning.check import check_plan_on_gpu
 
         checked = check_plan_on_gpu(serving)
     if as_json:

@@ -9,9 +9,9 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from llmopt.modelinfo import ModelInfo
-    from llmopt.optimize import OptimizeResult
-    from llmopt.plan import Plan
+    from llmopt.model.info import ModelInfo
+    from llmopt.optimize.job import OptimizeResult
+    from llmopt.optimize.plan import Plan
 
 console = Console(stderr=False)
 # Errors go to stderr, so `--json > facts.json` never holds an error message instead of JSON.

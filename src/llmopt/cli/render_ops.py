@@ -12,7 +12,7 @@ from llmopt.cli.render import _bytes, console
 if TYPE_CHECKING:
     from llmopt.deploy import DeployResult
     from llmopt.doctor import DoctorReport
-    from llmopt.serving_plan import ServingPlan
+    from llmopt.planning.serving import ServingPlan
 
 __all__ = ["render_doctor", "render_serving", "render_deploy"]
 

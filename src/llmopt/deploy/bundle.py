@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmopt.atomic import atomic_dir, write_json, write_text
+from llmopt.core.atomic import atomic_dir, write_json, write_text
+from llmopt.core.errors import LlmoptError
 from llmopt.deploy import templates as T
 from llmopt.deploy.readme import bundle_readme
 from llmopt.deploy.validate import CheckResult, validate_bundle
-from llmopt.errors import LlmoptError
 
 if TYPE_CHECKING:
-    from llmopt.modelinfo import ModelInfo
-    from llmopt.serving_plan import ServingPlan
-    from llmopt.serving_target import ServingTarget, Workload
+    from llmopt.model.info import ModelInfo
+    from llmopt.planning.serving import ServingPlan
+    from llmopt.planning.target import ServingTarget, Workload
 
 __all__ = ["DeploySource", "DeployResult", "resolve_source", "write_bundle"]
 
@@ -46,7 +46,7 @@ def _recipe_precision(name: str | None) -> tuple[str, str | None] | None:
         return None
     if name in _RECIPE_PRECISION:
         return _RECIPE_PRECISION[name]
-    from llmopt.recipes import RECIPES
+    from llmopt.core.recipes import RECIPES
 
     rec = RECIPES.get(name)
     if rec is None or rec.weight_bits is None or getattr(rec, "weight_type", "int") != "int":
@@ -100,19 +100,19 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     Raises:
         DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
     """
-    from llmopt.atomic import read_json
-    from llmopt.model_config import load_model_info
-    from llmopt.modelinfo import ModelInfo
+    from llmopt.model.config import load_model_info
+    from llmopt.rundir.best import NoBestError, find_best
 
     p = Path(path).resolve()
-    best = p / "best" if (p / "run.json").is_file() else p
-    if (best / "candidate.json").is_file() and (best / "model.json").is_file():
-        cand = read_json(best / "candidate.json")
-        info = ModelInfo.from_dict(read_json(best / "model.json"))
-        src = DeploySource(info, best / "artifact", "run", cand["recipe"], cand["id"])
-    elif (p / "run.json").is_file():
-        raise DeployError(f"{p} has no best/: no candidate passed its quality gate",
-                          hint="look at report.html, relax --max-quality-drop, or deploy the model folder")  # fmt: skip
+    try:
+        best = find_best(p)
+    except NoBestError as e:
+        raise DeployError(
+            e.message,
+            hint="look at report.html, relax --max-quality-drop, or deploy the model folder",
+        ) from e
+    if best is not None:
+        src = DeploySource(best.model, best.artifact, "run", best.recipe, best.candidate.id)
     else:
         info, how = load_model_info(str(p), params=params)
         src = DeploySource(info, p, "config" if how == "config" else "model")
@@ -163,7 +163,7 @@ def write_bundle(
     >>> res.ok                                                             # doctest: +SKIP
     True
     """
-    from llmopt.serving_plan import plan_serving
+    from llmopt.planning.serving import plan_serving
 
     if _recipe_precision(source.recipe):  # serve what was verified, unless told otherwise
         precision, dtype = _recipe_precision(source.recipe)

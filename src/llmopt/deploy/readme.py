@@ -8,7 +8,7 @@ from llmopt.deploy.templates import MODEL_MOUNT, PORT, slug
 
 if TYPE_CHECKING:
     from llmopt.deploy.bundle import DeploySource
-    from llmopt.serving_plan import ServingPlan
+    from llmopt.planning.serving import ServingPlan
 
 __all__ = ["bundle_readme"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from llmopt.serving_plan import ServingPlan
+    from llmopt.planning.serving import ServingPlan
 
 __all__ = [
     "slug",

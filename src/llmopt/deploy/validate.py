@@ -155,8 +155,8 @@ def check_shell(bundle: Path) -> CheckResult:
 
 
 def check_vllm(bundle: Path) -> CheckResult:
-    from llmopt.errors import EngineUnavailableError
-    from llmopt.launch import check_vllm_args
+    from llmopt.core.errors import EngineUnavailableError
+    from llmopt.planning.launch import check_vllm_args
 
     argv = yaml.safe_load((bundle / "plan.json").read_text())["launch"]["vllm"]["argv"]
     try:

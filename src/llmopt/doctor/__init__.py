@@ -47,7 +47,8 @@ def collect_facts(*, use_torch: bool = True, nvml: Any = None) -> dict[str, Any]
     >>> sorted(facts)[:3]                            # doctest: +SKIP
     ['container', 'cpu', 'disk']
     """
-    from llmopt.doctor import gpu, probe
+    from llmopt.hardware import gpu
+    from llmopt.hardware import host as probe
 
     nvml_facts, nvml_answers = gpu.probe_nvml(nvml)
     # nvidia-smi only when NVML did not answer: it reads the same library, so it adds nothing then.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmopt.doctor.report import Finding, Status
-from llmopt.hardware import (
+from llmopt.hardware.specs import (
     ENGINE_MIN_CC,
     cc_tuple,
     cuda_driver_minimum,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmopt.doctor.probe import PACKAGES
 from llmopt.doctor.report import Finding
+from llmopt.hardware.host import PACKAGES
 
 __all__ = ["host_findings"]
 

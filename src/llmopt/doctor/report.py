@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from llmopt.schema import SCHEMA_VERSION
+from llmopt.core.schema import SCHEMA_VERSION
 
 __all__ = ["Status", "Finding", "DoctorReport", "STATUS_ORDER"]
 

@@ -46,19 +46,12 @@ def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:
     >>> runner.embed(["hello world"]).shape                    # doctest: +SKIP
     (1, 384)
     """
-    from pathlib import Path
+    from llmopt.core.recipes import get_recipe
+    from llmopt.rundir.best import Best
 
-    from llmopt.atomic import read_json
-    from llmopt.modelinfo import ModelInfo
-    from llmopt.recipes import get_recipe
-    from llmopt.schema import Candidate
-
-    best = Path(best_dir)
-    cand = Candidate.from_dict(read_json(best / "candidate.json"))
-    info = ModelInfo.from_dict(read_json(best / "model.json"))
-    return get_engine(cand.engine).load(
-        best / "artifact", info, get_recipe(cand.recipe), cand.settings
-    )
+    best = Best.read(best_dir)
+    cand = best.candidate
+    return get_engine(cand.engine).load(best.artifact, best.model, get_recipe(cand.recipe), cand.settings)
 
 
 # Explicit registration. These modules import their heavy libraries lazily, inside methods.

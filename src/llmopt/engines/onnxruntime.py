@@ -34,8 +34,8 @@ from llmopt.engines.base import Engine
 from llmopt.engines.pooling import embed_in_batches, pool
 
 if TYPE_CHECKING:
-    from llmopt.modelinfo import ModelInfo
-    from llmopt.recipes import Recipe
+    from llmopt.core.recipes import Recipe
+    from llmopt.model.info import ModelInfo
 
 __all__ = ["OnnxRuntimeEngine", "OrtEmbeddingRunner"]
 

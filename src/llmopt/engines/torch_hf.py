@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from llmopt.modelinfo import ModelInfo
-    from llmopt.recipes import Recipe
+    from llmopt.core.recipes import Recipe
+    from llmopt.model.info import ModelInfo
 
 __all__ = ["HFEngine", "HFCausalLMRunner", "HFEmbeddingRunner"]
 

@@ -1,4 +1,4 @@
-"""Quantization with calibration: recipes (`llmopt.recipes`) applied layer by layer, exported as
+"""Quantization with calibration: recipes (`llmopt.core.recipes`) applied layer by layer, exported as
 compressed-tensors Hugging Face folders (and GGUF for llama.cpp).
 
 Entry point: `quantize(source, recipe, out, calibration=..., device=..., auto_exclude=...,

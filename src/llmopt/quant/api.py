@@ -3,7 +3,7 @@
     check (before any work) -> calibration windows -> sequential calibration (one layer at a time)
     -> [evaluate, auto-exclude sensitive layers] -> write the folder atomically -> facts
 
-Reads `source`, never writes it; `out` appears complete or not at all (`llmopt.atomic.atomic_dir`).
+Reads `source`, never writes it; `out` appears complete or not at all (`llmopt.core.atomic.atomic_dir`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
+from llmopt.core.recipes import DTYPES, Recipe, get_recipe
 from llmopt.quant.calibration import CalibrationConfig
-from llmopt.recipes import DTYPES, Recipe, get_recipe
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -113,8 +113,8 @@ def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) 
 def _quantize(source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress):
     import torch
 
-    from llmopt.atomic import atomic_dir, write_json
     from llmopt.bench.timing import peak_rss_bytes
+    from llmopt.core.atomic import atomic_dir, write_json
     from llmopt.quant.calibration import calibration_windows
     from llmopt.quant.export_ct import format_for, write_folder
     from llmopt.quant.sequential import _layers_prefix, decoder_layers, run_sequential

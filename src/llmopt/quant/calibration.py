@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 if TYPE_CHECKING:
     import torch

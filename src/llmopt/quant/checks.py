@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 from llmopt.quant.primitives import WeightSpec
 
 if TYPE_CHECKING:
-    from llmopt.recipes import Recipe
+    from llmopt.core.recipes import Recipe
 
 __all__ = ["QuantConfigError", "QuantMemoryError", "Preflight", "preflight", "plan_specs"]
 

@@ -31,8 +31,8 @@ import torch
 from llmopt.quant.primitives import WeightSpec, dequantize_weight
 
 if TYPE_CHECKING:
+    from llmopt.core.recipes import Recipe
     from llmopt.quant.sequential import QuantizedLinear
-    from llmopt.recipes import Recipe
 
 __all__ = ["scheme_for", "format_for", "quantization_config", "compressed_state"]
 

@@ -2,7 +2,7 @@
 
 Run it as a subprocess (`python -m llmopt.quant.gguf_check FILE --text-file T`) so that a crash
 inside llama.cpp fails the caller instead of killing it. ggml's AMX "extra" buffers are turned off
-(they crash on our CPUs, see `llmopt.bench.llamacpp_peer`) and the batch is 1 token.
+(they crash on our CPUs, see `llmopt.engines.llamacpp_server`) and the batch is 1 token.
 
 Prints one JSON object: {"greedy": str, "perplexity": float, "tokens": int, "n_vocab": int}.
 """
@@ -21,7 +21,7 @@ def score_gguf(path: str, text: str, prompt: str, max_tokens: int = 256, new: in
     import numpy as np
     from llama_cpp import Llama
 
-    from llmopt.bench.llamacpp_peer import disable_extra_buffers
+    from llmopt.engines.llamacpp_server import disable_extra_buffers
 
     disable_extra_buffers()
     llm = Llama(

@@ -37,7 +37,7 @@ from llmopt.quant.primitives import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from llmopt.recipes import Recipe
+    from llmopt.core.recipes import Recipe
 
 __all__ = ["QuantizedLinear", "SequentialResult", "decoder_layers", "run_sequential", "kv_fp8"]
 
@@ -81,7 +81,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        from llmopt.errors import UnsupportedModelError
+        from llmopt.core.errors import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"{type(model).__name__} has no model.layers list; sequential quantization supports "

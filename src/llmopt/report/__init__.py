@@ -1,6 +1,6 @@
 """Reports rendered from a run directory (a pure function of it): `report.md` and `report.html`.
 
-Importable without torch: only the standard library, `llmopt.schema` and `llmopt.atomic`.
+Importable without torch: only the standard library, `llmopt.core.schema` and `llmopt.core.atomic`.
 
 >>> from llmopt.report import write_report
 >>> md_path, html_path = write_report("runs/smollm2")  # doctest: +SKIP
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from llmopt.atomic import write_text
+from llmopt.core.atomic import write_text
 from llmopt.report.html import render_html
 from llmopt.report.markdown import render_markdown
 from llmopt.report.view import CandidateView, RunView, Status, load_run

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmopt.atomic import TMP_PREFIX, read_json
-from llmopt.schema import BenchResult, Candidate, Selection, VerifyResult
+from llmopt.core.atomic import TMP_PREFIX, read_json
+from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
 
 __all__ = [
     "QUALITY_ORDER",

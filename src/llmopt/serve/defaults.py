@@ -213,8 +213,8 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     """`plan_serving` for this machine now, with the recipe's weight precision and KV dtype."""
     from dataclasses import replace
 
-    from llmopt.serving_plan import plan_serving
-    from llmopt.serving_target import ServingTarget, Workload
+    from llmopt.planning.serving import plan_serving
+    from llmopt.planning.target import ServingTarget, Workload
 
     precision, dtype = _precision(recipe, device)
     if device == "cpu":
@@ -231,7 +231,7 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     else:
         import torch
 
-        from llmopt.hardware import match_gpu
+        from llmopt.hardware.specs import match_gpu
 
         if not torch.cuda.is_available():
             raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
@@ -251,7 +251,7 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
 
 def _precision(recipe: str, device: str) -> tuple[str, str]:
     """(weight precision, compute = KV dtype) of a recipe as the native engine loads it."""
-    from llmopt.recipes import get_recipe
+    from llmopt.core.recipes import get_recipe
 
     rec = get_recipe(recipe)
     dtype = str(rec.dtype)
@@ -268,7 +268,7 @@ def _precision(recipe: str, device: str) -> tuple[str, str]:
 def _run_plan(best: Path, device: str) -> dict[str, Any]:
     """What optimize recorded for serving this run's best: {setting: (value, note)}, plus
     "kv_tokens": (tokens, note) from the deploy bundle's plan."""
-    from llmopt.atomic import read_json
+    from llmopt.core.atomic import read_json
 
     out: dict[str, Any] = {}
     root = best.parent if (best.parent / "run.json").is_file() else None

@@ -1,6 +1,6 @@
 """`llmopt serve --engine vllm|llamacpp`: run that engine's own server with the plan's flags.
 
-The flags come from the serving plan (`llmopt.serving_plan.plan_serving` -> `llmopt.launch`),
+The flags come from the serving plan (`llmopt.planning.serving.plan_serving` -> `llmopt.planning.launch`),
 exactly what `llmopt plan` prints; only the host and port are set from the command line. A
 missing engine is an `EngineUnavailableError` with the install command, never a crash.
 """
@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from llmopt.errors import EngineUnavailableError
+from llmopt.core.errors import EngineUnavailableError
 from llmopt.serve.settings import ServeSettings
 
 __all__ = ["ENGINES", "external_command", "launch_external"]
@@ -38,18 +38,18 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         EngineUnavailableError: the engine is not installed (the message says how to install).
         ValueError: unknown engine, or a model the engine cannot take.
     """
-    from llmopt.model_config import load_model_info
+    from llmopt.model.config import load_model_info
+    from llmopt.planning.serving import plan_serving
+    from llmopt.planning.target import ServingTarget
     from llmopt.serve.server import find_best
-    from llmopt.serving_plan import plan_serving
-    from llmopt.serving_target import ServingTarget
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)} (or none)")
     _check_installed(engine)
     best = find_best(model)
     if best is not None:
-        from llmopt.atomic import read_json
-        from llmopt.modelinfo import ModelInfo
+        from llmopt.core.atomic import read_json
+        from llmopt.model.info import ModelInfo
 
         info, folder = ModelInfo.from_dict(read_json(best / "model.json")), best / "artifact"
     else:
@@ -131,7 +131,7 @@ def _llama_cpp_python_argv(argv: list[str]) -> list[str]:
     slots = int(flags.get("-np", "1"))
     if "-c" in flags:  # llama-server shares -c among -np slots; this server has one slot
         flags["-c"] = str(int(flags["-c"]) // max(1, slots))
-    out = [sys.executable, "-m", "llmopt.bench.llamacpp_peer", "--no-extra-bufts"]
+    out = [sys.executable, "-m", "llmopt.engines.llamacpp_server", "--no-extra-bufts"]
     for k, v in flags.items():
         if k in _LLAMA_CPP_PYTHON:
             out += [_LLAMA_CPP_PYTHON[k], v]

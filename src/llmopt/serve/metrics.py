@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmopt.serve.scheduler import SchedulerStats
+    from llmopt.serve.engine.scheduler import SchedulerStats
 
 __all__ = ["ServeMetrics"]
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmopt.errors import LlmoptError
-from llmopt.serve.context import ServerContext
+from llmopt.core.errors import LlmoptError
+from llmopt.serve.api.context import ServerContext
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 
@@ -37,15 +37,14 @@ class ServeSourceError(LlmoptError):
 
 def find_best(model: str) -> Path | None:
     """`runs/NAME` or `runs/NAME/best` -> the best/ folder; None for anything else."""
-    p = Path(model).expanduser()
-    if (p / "run.json").is_file():
-        if not (p / "best" / "candidate.json").is_file():
-            raise ServeSourceError(f"{p} has no best/: no candidate passed its quality gate",
-                                   "look at its report.html, or serve the model folder itself")  # fmt: skip
-        return p / "best"
-    if (p / "candidate.json").is_file() and (p / "model.json").is_file():
-        return p
-    return None
+    from llmopt.rundir.best import NoBestError
+    from llmopt.rundir.best import find_best as read_best
+
+    try:
+        best = read_best(Path(model).expanduser())
+    except NoBestError as e:
+        raise ServeSourceError(e.message, "look at its report.html, or serve the model folder itself") from e
+    return best.dir if best is not None else None
 
 
 def describe_source(model: str, recipe: str | None,
@@ -55,18 +54,19 @@ def describe_source(model: str, recipe: str | None,
     A run's best brings its verified recipe (`recipe` must agree); a folder or built-in takes
     `recipe`, else `default`.
     """
-    from llmopt.atomic import read_json
-    from llmopt.modelinfo import ModelInfo, inspect_model
+    from llmopt.model.info import inspect_model
+    from llmopt.rundir.best import Best
 
-    best = find_best(model)
-    if best is None:
+    best_dir = find_best(model)
+    if best_dir is None:
         return None, inspect_model(model), recipe or default
-    cand = read_json(best / "candidate.json")
-    if recipe and recipe != cand["recipe"]:
-        raise ServeSourceError(f"{best} was verified with recipe {cand['recipe']!r}, not "
-                               f"{recipe!r}", "drop --recipe, or serve the model folder with that "
-                               "recipe")  # fmt: skip
-    return best, ModelInfo.from_dict(read_json(best / "model.json")), cand["recipe"]
+    best = Best.read(best_dir)
+    if recipe and recipe != best.recipe:
+        raise ServeSourceError(
+            f"{best_dir} was verified with recipe {best.recipe!r}, not {recipe!r}",
+            "drop --recipe, or serve the model folder with that recipe",
+        )
+    return best_dir, best.model, best.recipe
 
 
 def load_context(model: str, settings: ServeSettings, recipe: str | None = None) -> ServerContext:
@@ -95,7 +95,7 @@ def load_context(model: str, settings: ServeSettings, recipe: str | None = None)
 
 def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSettings,
                         metrics: ServeMetrics) -> ServerContext:  # fmt: skip
-    from llmopt.serve.engine_loop import EngineLoop
+    from llmopt.serve.engine.loop import EngineLoop
 
     engine_process, compile_prefill = native_switches(settings)
     gen_kwargs = {"model": str(folder), "recipe": recipe, "device": settings.device,
@@ -108,7 +108,7 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     if engine_process:
         from transformers import AutoTokenizer
 
-        from llmopt.serve.engine_proc import EngineProcess
+        from llmopt.serve.engine.process import EngineProcess
 
         log.info("starting the engine process (model load and warm-up happen there)")
         engine: Any = EngineProcess(
@@ -184,19 +184,19 @@ def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, 
                        settings: ServeSettings, metrics: ServeMetrics) -> ServerContext:  # fmt: skip
     from transformers import AutoTokenizer
 
-    from llmopt.atomic import read_json
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.recipes import get_recipe
-    from llmopt.serve.embeddings import EmbedBatcher
+    from llmopt.rundir.best import Best
+    from llmopt.serve.api.embeddings import EmbedBatcher
 
     if best is not None:
-        cand = read_json(best / "candidate.json")
-        engine = get_engine(cand["engine"])
+        cand = Best.read(best).candidate
+        engine = get_engine(cand.engine)
         if "embedding" not in engine.tasks:
             # Runs written before the engine rename name the transformers engine "torch".
             log.warning("engine %r does not embed; loading the artifact with 'hf'", engine.name)
             engine = get_engine("hf")
-        runner = engine.load(best / "artifact", info, get_recipe(cand["recipe"]), cand["settings"])
+        runner = engine.load(best / "artifact", info, get_recipe(cand.recipe), cand.settings)
     else:
         engine, rec = get_engine("hf"), get_recipe(recipe)
         why = engine.incompatible(info, rec, settings.device)
@@ -281,7 +281,7 @@ def run_server(ctx: ServerContext, log_level: str = "info") -> None:
     """Serve `ctx` on its host and port until SIGTERM/SIGINT (then drain and return)."""
     import uvicorn
 
-    from llmopt.serve.app import create_app
+    from llmopt.serve.api.app import create_app
 
     s = ctx.settings
     config = uvicorn.Config(create_app(ctx), host=s.host, port=s.port, log_level=log_level,

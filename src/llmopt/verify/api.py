@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmopt.schema import VerifyResult
+from llmopt.core.schema import VerifyResult
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import IntegrityError, check_tokenizers, check_weights
 from llmopt.verify.lm import flush_denormals
@@ -70,9 +70,9 @@ def load_runner(model: str | Path, recipe: str | None = None, threads: int | Non
 
     >>> runner, info, folder = load_runner("smollm2-135m")  # doctest: +SKIP
     """
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
-    from llmopt.modelinfo import inspect_model
-    from llmopt.recipes import get_recipe
+    from llmopt.model.info import inspect_model
 
     info = inspect_model(str(model))
     folder = Path(info.path)
@@ -133,7 +133,7 @@ def verify_models(
         cand_runner = client.embedding_runner() if info.task == "embedding" else client
     else:
         assert candidate is not None, "give a candidate folder or an endpoint"
-        from llmopt.modelinfo import inspect_model
+        from llmopt.model.info import inspect_model
 
         cinfo = inspect_model(str(candidate))
         cand_name = cinfo.path

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from llmopt.core.schema import Metric, VerifyResult
 from llmopt.engines.base import EmbeddingRunner
-from llmopt.schema import Metric, VerifyResult
 from llmopt.verify.gates import Gates
 from llmopt.verify.retrieval import (
     recalibrate_threshold,

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmopt.errors import LlmoptError
-from llmopt.schema import Metric, VerifyResult
+from llmopt.core.errors import LlmoptError
+from llmopt.core.schema import Metric, VerifyResult
 from llmopt.verify.gates import Gates
 from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from llmopt.schema import Metric, VerifyResult
+from llmopt.core.schema import Metric, VerifyResult
 
 __all__ = ["Gates", "GATE_PRESETS", "gate_rows", "failures"]
 
@@ -73,7 +73,7 @@ GATE_PRESETS: dict[str, Gates] = {
 def gate_rows(result: VerifyResult) -> list[dict[str, Any]]:
     """One row per metric: metric, reference, candidate, delta, CI, noise, threshold, pass/fail.
 
-    >>> from llmopt.schema import Metric, VerifyResult
+    >>> from llmopt.core.schema import Metric, VerifyResult
     >>> r = VerifyResult("c", "causal-lm", [Metric("perplexity", 10.0, 10.05, False, 10.1, True)],
     ...                  True, 0.005)
     >>> gate_rows(r)[0]["status"]

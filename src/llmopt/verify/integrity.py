@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from llmopt.errors import LlmoptError
+from llmopt.core.errors import LlmoptError
 
 __all__ = [
     "IntegrityError",

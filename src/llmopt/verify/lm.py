@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmopt.schema import Metric, VerifyResult
+from llmopt.core.schema import Metric, VerifyResult
 from llmopt.verify.gates import Gates
 from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
 
@@ -151,7 +151,7 @@ class ReferenceOutputs:
 
     def save(self, path: Path) -> None:
         """Write atomically (a `.npz` of plain arrays; loaded without pickle)."""
-        from llmopt.atomic import atomic_file
+        from llmopt.core.atomic import atomic_file
 
         with atomic_file(path) as f:
             np.savez(f, nll=self.nll, argmax=self.argmax, top_ids=self.top_ids,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from llmopt.errors import EngineUnavailableError
-from llmopt.schema import Metric
+from llmopt.core.errors import EngineUnavailableError
+from llmopt.core.schema import Metric
 
 __all__ = ["lm_eval_available", "run_lm_eval"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from llmopt.schema import Metric
+from llmopt.core.schema import Metric
 from llmopt.verify.gates import Gates
 from llmopt.verify.stats import DEFAULT_SEED, is_noise, paired_bootstrap
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmopt.errors import UnsupportedModelError
+from llmopt.core.errors import UnsupportedModelError
 
 __all__ = ["NativeConfig", "UnsupportedModel", "FAMILIES"]
 

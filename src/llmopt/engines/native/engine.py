@@ -18,8 +18,8 @@ from llmopt.engines.base import Engine
 if TYPE_CHECKING:
     import torch
 
-    from llmopt.modelinfo import ModelInfo
-    from llmopt.recipes import Recipe
+    from llmopt.core.recipes import Recipe
+    from llmopt.model.info import ModelInfo
 
 __all__ = ["NativeEngine", "NativeCausalLMRunner", "load_generator"]
 
@@ -149,9 +149,9 @@ def load_generator(
     from transformers import AutoTokenizer
 
     from llmopt.assets.models import resolve_model
+    from llmopt.core.recipes import get_recipe
     from llmopt.engines.native.generator import Generator
     from llmopt.engines.native.weights import load_model
-    from llmopt.recipes import get_recipe
 
     folder, _ = resolve_model(model)
     rec = get_recipe(recipe)

@@ -1,0 +1,1 @@
+"""What a model is: `ModelInfo`, read from a folder (config and safetensors headers) or a config."""

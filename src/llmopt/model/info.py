@@ -1,0 +1,477 @@
+"""Inspect a model folder: what it is, how big it is, and whether its files are intact.
+
+`inspect_model` is the first stage of every run. It reads config.json and the safetensors
+headers only (never the tensors), so it takes milliseconds even for large models, and it turns
+every way a folder can be unusable into a typed error that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmopt.assets.models import Progress, resolve_model
+from llmopt.core.errors import (
+    CorruptWeightsError,
+    NotAModelFolderError,
+    PickleWeightsError,
+    UnsupportedModelError,
+)
+from llmopt.core.schema import SCHEMA_VERSION, Task, _Serializable
+
+__all__ = [
+    "ModelInfo",
+    "SUPPORTED_ARCHITECTURES",
+    "inspect_model",
+    "check_weights",
+    "config_shape",
+    "kv_bytes_per_token",
+]
+
+log = logging.getLogger(__name__)
+
+# Architecture (config.json "architectures"[0]) -> task. Only architectures whose code ships with
+# transformers: a folder that needs trust_remote_code runs the author's Python, which llmopt
+# never enables on its own.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "causal-lm",
+    "MistralForCausalLM": "causal-lm",
+    "Qwen2ForCausalLM": "causal-lm",
+    "Qwen3ForCausalLM": "causal-lm",
+    "GemmaForCausalLM": "causal-lm",
+    "Gemma2ForCausalLM": "causal-lm",
+    "Gemma3ForCausalLM": "causal-lm",
+    "Phi3ForCausalLM": "causal-lm",
+    "BertModel": "embedding",
+    "RobertaModel": "embedding",
+    "XLMRobertaModel": "embedding",
+    "MPNetModel": "embedding",
+    "Qwen2Model": "embedding",
+    "Qwen3Model": "embedding",
+}
+# Masked-LM heads are embedders only when sentence-transformers files say so.
+_EMBEDDER_IF_ST = {
+    "BertForMaskedLM",
+    "RobertaForMaskedLM",
+    "XLMRobertaForMaskedLM",
+    "MPNetForMaskedLM",
+}
+_ENCODERS = {"bert", "roberta", "xlm-roberta", "mpnet"}  # model_type; others are decoders
+_ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+_NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
+# Persistent buffers some checkpoints store; they are not parameters.
+_BUFFER_SUFFIXES = ("position_ids", "token_type_ids", "inv_freq")
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+    "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}  # fmt: skip
+_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+# KV-cache element sizes worth planning for; bf16 and fp16 cost the same.
+_KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+
+
+@dataclass
+class ModelInfo(_Serializable):
+    """What `inspect_model` learned about a model folder. Sizes in bytes, counts in elements."""
+
+    name: str  # built-in name, else the folder name
+    path: str
+    builtin: str | None
+    task: Task
+    architecture: str
+    model_type: str
+    num_parameters: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int | None
+    vocab_size: int
+    max_context: int | None
+    dtype: str  # what the config says the model runs in, else the stored dtype
+    weights_dtype: str  # dominant dtype (by bytes) of the stored tensors
+    bytes_on_disk: int
+    weight_files: list[str]
+    weight_format: str  # "safetensors" | "pickle"
+    tied_embeddings: bool
+    kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # empty for embedders
+    pooling: str | None = None  # "mean" | "cls" | "last" for embedders
+    normalize: bool = False  # embedders: L2-normalize the pooled vector
+    max_seq_length: int | None = None  # sentence-transformers' truncation length, if set
+    fingerprint: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelInfo:
+        if d.get("schema_version", SCHEMA_VERSION) > SCHEMA_VERSION:
+            raise ValueError(f"ModelInfo written by a newer llmopt (schema {d['schema_version']})")
+        return super().from_dict(d)
+
+
+def _corrupt(path: Path, what: str) -> CorruptWeightsError:
+    return CorruptWeightsError(
+        f"{path.name} is damaged: {what}",
+        hint=f"copy or download {path} again (it is incomplete or overwritten)",
+    )
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    """Parse and validate one safetensors header without reading any tensor data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _corrupt(path, f"{size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)  # little-endian u64: length of the JSON header
+        if n > min(_MAX_HEADER, size - 8):
+            raise _corrupt(path, f"header length {n} does not fit in a file of {size} bytes")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _corrupt(path, f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "header is not a JSON object")
+    spans = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(x) for x in t["data_offsets"])
+            numel = math.prod(int(d) for d in t["shape"])
+            dtype = t["dtype"]
+        except (KeyError, TypeError, ValueError):
+            raise _corrupt(path, f"entry {name!r} lacks dtype/shape/data_offsets") from None
+        width = _DTYPE_BYTES.get(dtype)  # sub-byte dtypes (F4, F6) are not size-checked
+        if start < 0 or end < start or (width and end - start != numel * width):
+            raise _corrupt(
+                path, f"tensor {name!r} has offsets {start}..{end} for shape {t['shape']}"
+            )
+        spans.append((start, end))
+    # Tensors must tile the data area exactly, as the safetensors library itself requires.
+    spans.sort()
+    pos = 0
+    for start, end in spans:
+        if start != pos:
+            raise _corrupt(path, f"tensor data has a gap or overlap at byte {pos}")
+        pos = end
+    expected = 8 + n + pos
+    if size != expected:
+        what = "truncated" if size < expected else "has trailing bytes"
+        raise _corrupt(path, f"{what}: expected {expected} bytes, found {size}")
+    return header
+
+
+def _index_shards(folder: Path, index_name: str) -> list[Path] | None:
+    index = folder / index_name
+    if not index.is_file():
+        return None
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _corrupt(index, f"not a valid index ({e})") from None
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise CorruptWeightsError(
+                f"{index_name} names the shard {shard}, which is missing from {folder}",
+                hint=f"copy {shard} into the folder (the download or copy was incomplete)",
+            )
+    return [folder / s for s in shards]
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    shards = _index_shards(folder, "model.safetensors.index.json")
+    return shards if shards is not None else sorted(folder.glob("*.safetensors"))
+
+
+def check_weights(folder: str | os.PathLike) -> list[Path]:
+    """Validate every safetensors file of a model folder; return their paths.
+
+    Checks each header (valid JSON, consistent offsets, file size = 8 + header + data) and that
+    a sharded index names no missing shard. Reads headers only, so it is fast.
+
+    Args:
+        folder: a Hugging Face model folder.
+
+    Raises:
+        CorruptWeightsError: a file is truncated or damaged, or a shard is missing.
+
+    >>> [p.name for p in check_weights(prepare_builtin("minilm-l6"))]  # doctest: +SKIP
+    ['model.safetensors']
+    """
+    return [f for f, _ in _checked_headers(Path(folder))]
+
+
+def _checked_headers(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    return [(f, _read_header(f)) for f in _safetensors_files(folder)]
+
+
+def _pickle_files(folder: Path) -> list[Path]:
+    shards = _index_shards(folder, "pytorch_model.bin.index.json")
+    if shards is not None:
+        return shards
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.suffix in _PICKLE_SUFFIXES and p.is_file() and not p.name.startswith(_NOT_WEIGHTS)
+    )
+
+
+def _pickle_tensors(files: list[Path]) -> list[tuple[str, str, int, int]]:
+    import torch
+
+    out, seen = [], set()
+    for f in files:
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise _corrupt(f, f"torch.load failed ({type(e).__name__}: {e})") from None
+        for name, t in sd.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key in seen:  # tied weights share storage: count once, as stored
+                continue
+            seen.add(key)
+            dtype = str(t.dtype).removeprefix("torch.")
+            out.append((name, dtype, t.numel(), t.numel() * t.element_size()))
+    return out
+
+
+def _get(config: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    return None
+
+
+def _embedding_head(folder: Path, model_type: str) -> tuple[str, bool, int | None]:
+    """(pooling, normalize, max_seq_length) from sentence-transformers files, else defaults."""
+    pooling = "mean" if model_type in _ENCODERS else "last"
+    normalize, max_len = False, None
+    modules = []
+    if (folder / "modules.json").is_file():
+        modules = json.loads((folder / "modules.json").read_text())
+    for m in modules:
+        kind = m.get("type", "")
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling") and (folder / m.get("path", "") / "config.json").is_file():
+            cfg = json.loads((folder / m["path"] / "config.json").read_text())
+            modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
+            mode = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "last"}
+            picked = [mode.get(k.removeprefix("pooling_mode_")) for k in modes]
+            if len(picked) != 1 or picked[0] is None:
+                raise UnsupportedModelError(
+                    f"pooling {modes} in {folder / m['path']} is not supported",
+                    hint="llmopt supports one of mean, cls or last-token pooling",
+                )
+            pooling = picked[0]
+    if (folder / "sentence_bert_config.json").is_file():
+        max_len = json.loads((folder / "sentence_bert_config.json").read_text()).get(
+            "max_seq_length"
+        )
+    return pooling, normalize, max_len
+
+
+def _unsupported(arch: str, config: dict[str, Any]) -> UnsupportedModelError:
+    remote = " It ships custom code (auto_map)," if "auto_map" in config else ""
+    return UnsupportedModelError(
+        f"architecture {arch!r} is not supported.{remote}",
+        hint=f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Models that need custom code "
+        "(trust_remote_code) run the author's Python; llmopt does not enable that by default.",
+    )
+
+
+def _read_config(folder: Path) -> tuple[dict[str, Any], bytes]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise NotAModelFolderError(
+            f"{folder} has no config.json, so it is not a Hugging Face model folder",
+            hint="pass the folder that holds config.json (save a model with save_pretrained)",
+        )
+    raw = path.read_bytes()
+    try:
+        config = json.loads(raw)
+    except ValueError as e:
+        config, error = None, str(e)
+    else:
+        error = "not a JSON object"
+    if not isinstance(config, dict):
+        raise NotAModelFolderError(
+            f"{path} is not valid JSON ({error})", hint="repair or re-download config.json"
+        )
+    return config, raw
+
+
+def _task(folder: Path, config: dict[str, Any]) -> str:
+    arch = (config.get("architectures") or [""])[0]
+    has_st = any((folder / f).is_file() for f in _ST_FILES)
+    if arch in SUPPORTED_ARCHITECTURES or (has_st and arch in _EMBEDDER_IF_ST):
+        # sentence-transformers files make any supported model an embedder (decoder embedders
+        # such as e5-mistral ship a CausalLM architecture).
+        return "embedding" if has_st else SUPPORTED_ARCHITECTURES[arch]
+    raise _unsupported(arch or f"(none; model_type {config.get('model_type')!r})", config)
+
+
+Tensors = list[tuple[str, str, int, int]]  # (name, dtype, numel, bytes) per stored tensor
+
+
+def _stored_tensors(folder: Path, allow_pickle: bool) -> tuple[list[Path], str, Tensors]:
+    headers = _checked_headers(folder)
+    if headers:
+        # Tied weights are stored once, so this counts them once.
+        tensors = [
+            (name, _DTYPE_NAMES.get(t["dtype"], t["dtype"]), math.prod(t["shape"]), hi - lo)
+            for _, header in headers
+            for name, t in header.items()
+            if name != "__metadata__"
+            for lo, hi in [t["data_offsets"]]
+        ]
+        return [f for f, _ in headers], "safetensors", tensors
+    files = _pickle_files(folder)
+    if not files:
+        gguf = (
+            " It holds a .gguf file; llmopt reads HF folders." if any(folder.glob("*.gguf")) else ""
+        )
+        raise NotAModelFolderError(
+            f"{folder} has config.json but no weights (*.safetensors).{gguf}",
+            hint="save the model into the folder with save_pretrained (safetensors)",
+        )
+    if not allow_pickle:
+        raise PickleWeightsError(
+            f"{folder} has only pickled weights ({', '.join(p.name for p in files)}); "
+            "loading a pickle can run arbitrary code hidden in the file",
+            hint="convert them to safetensors (load once, save_pretrained), or pass "
+            "--allow-pickle if you trust the source",
+        )
+    return files, "pickle", _pickle_tensors(files)
+
+
+def config_shape(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The sizes `ModelInfo` needs, read from a config.json dict (no weights).
+
+    Multimodal configs nest the language model under `text_config`; GPT-2 style key names are
+    accepted too. Shared by `inspect_model` and config-only planning (`llmopt.model.config`).
+
+    Args:
+        config: the parsed config.json.
+        source: named in the error when a required size is missing.
+
+    >>> config_shape({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+    ...               "vocab_size": 100})["head_dim"]
+    16
+    """
+    cfg = config.get("text_config") or config
+
+    def need(*keys: str) -> int:
+        value = _get(cfg, *keys)
+        if value is None:
+            raise NotAModelFolderError(
+                f"{source} has no {keys[0]}", hint="repair or re-download config.json"
+            )
+        return int(value)
+
+    hidden, heads = need("hidden_size", "n_embd", "d_model"), need("num_attention_heads", "n_head")
+    return {
+        "num_layers": need("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": int(_get(cfg, "num_key_value_heads", "num_kv_heads") or heads),
+        "head_dim": int(_get(cfg, "head_dim") or hidden // heads),
+        "intermediate_size": _get(cfg, "intermediate_size", "n_inner", "ffn_dim"),
+        "vocab_size": need("vocab_size"),
+        "max_context": _get(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
+    }
+
+
+def kv_bytes_per_token(shape: dict[str, Any]) -> dict[str, int]:
+    """KV-cache bytes per token for each KV dtype: K and V, layers x kv_heads x head_dim each."""
+    elems = shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2
+    return {k: elems * b for k, b in _KV_DTYPES.items()}
+
+
+def inspect_model(
+    model: str | os.PathLike, *, allow_pickle: bool = False, progress: Progress = None
+) -> ModelInfo:
+    """Describe a model folder or built-in from config.json and the weight headers.
+
+    Args:
+        model: a built-in name ("smollm2-135m", "minilm-l6") or a Hugging Face model folder.
+        allow_pickle: accept .bin/.pt weights when no safetensors exist. Loading pickle can run
+            code hidden in the file, so this is off unless the user passes --allow-pickle.
+        progress: optional callable(str), used when a built-in is prepared for the first time.
+
+    Raises:
+        ModelNotFoundError, NotAModelFolderError, UnsupportedModelError, CorruptWeightsError,
+        PickleWeightsError: each with a `hint` saying how to fix it.
+
+    >>> info = inspect_model("smollm2-135m")  # doctest: +SKIP
+    >>> info.num_layers, info.num_kv_heads, info.kv_bytes_per_token["bfloat16"]  # doctest: +SKIP
+    (30, 3, 23040)
+    """
+    folder, builtin = resolve_model(model, progress=progress)
+    config, config_bytes = _read_config(folder)
+    task = _task(folder, config)
+    files, weight_format, tensors = _stored_tensors(folder, allow_pickle)
+
+    by_bytes: Counter[str] = Counter()
+    for _, dtype, _, nbytes in tensors:
+        by_bytes[dtype] += nbytes
+    weights_dtype = by_bytes.most_common(1)[0][0] if by_bytes else "unknown"
+    num_parameters = sum(n for name, _, n, _ in tensors if not name.endswith(_BUFFER_SUFFIXES))
+
+    shape = config_shape(config, str(folder / "config.json"))
+    cfg = config.get("text_config") or config  # multimodal configs nest the LM
+    tied, kv, pooling, normalize, max_len = False, {}, None, False, None
+    if task == "causal-lm":
+        # config.json may omit the flag (it is then the class default, which varies by model);
+        # the weights tell the truth: a tied model stores no separate LM head.
+        explicit = _get(cfg, "tie_word_embeddings")
+        stored_head = any(name.endswith("lm_head.weight") for name, *_ in tensors)
+        tied = bool(explicit) if explicit is not None else not stored_head
+        kv = kv_bytes_per_token(shape)
+    else:
+        pooling, normalize, max_len = _embedding_head(folder, str(config.get("model_type", "")))
+
+    # Cheap identity: config bytes plus weight names and sizes (no hashing of gigabytes).
+    digest = hashlib.sha256(config_bytes)
+    for f in files:
+        digest.update(f"\0{f.name}\0{f.stat().st_size}".encode())
+    return ModelInfo(
+        name=builtin or folder.name,
+        path=str(folder),
+        builtin=builtin,
+        task=task,  # type: ignore[arg-type]
+        architecture=(config.get("architectures") or [""])[0],
+        model_type=str(config.get("model_type", "")),
+        num_parameters=num_parameters,
+        **shape,
+        dtype=str(_get(config, "dtype", "torch_dtype") or weights_dtype),
+        weights_dtype=weights_dtype,
+        bytes_on_disk=sum(f.stat().st_size for f in files),
+        weight_files=[str(f.relative_to(folder)) for f in files],
+        weight_format=weight_format,
+        tied_embeddings=tied,
+        kv_bytes_per_token=kv,
+        pooling=pooling,
+        normalize=normalize,
+        max_seq_length=max_len,
+        fingerprint=digest.hexdigest(),
+    )

@@ -1,0 +1,287 @@
+"""The search loop: which candidate tasks run, at which fidelity, in which order, within budget.
+
+    rung 0   the reference, fully (build, screen, full): every score is relative to it
+    rung 1   build and screen (short verification and benchmark) each other candidate, in waves
+             as wide as the executor, while the budget allows
+    cut      `halving.screen`: quality, dominated by the reference, successive halving
+    rung 2   full verification and benchmark for the survivors, best screen score first, in
+             waves as wide as the executor; before each task the early stop ("cannot improve")
+             and the time budget are checked, and a task that does not start is recorded as cut
+
+`exhaustive` skips the screen: every candidate is fully verified and benchmarked (budget checked).
+Everything a rung needs that exists already (a resumed run) is skipped by the tasks themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmopt.core.atomic import read_json
+from llmopt.core.schema import BenchResult, Candidate, VerifyResult
+from llmopt.optimize.budget import Budget
+from llmopt.optimize.executor import Task
+from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
+from llmopt.optimize.objective import Objective
+from llmopt.rundir.paths import RunDir
+
+__all__ = ["SearchState", "run_search", "MODES"]
+
+MODES = ("halving", "exhaustive")
+SCREEN = [("verify", "screen"), ("bench", "screen")]
+FULL = [("verify", "full"), ("bench", "full")]
+
+
+@dataclass
+class SearchState:
+    """What the search did: cut candidates with reasons, screen scores, task records, events."""
+
+    cut: dict[str, str] = field(default_factory=dict)
+    screen_scores: dict[str, float | None] = field(default_factory=dict)
+    full_scores: dict[str, float | None] = field(default_factory=dict)
+    survivors: list[str] = field(default_factory=list)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    stopped_early: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cut": self.cut, "screen_scores": self.screen_scores,
+                "full_scores": self.full_scores, "survivors": self.survivors,
+                "events": self.events, "stopped_early": self.stopped_early,
+                "tasks": [{k: t.get(k) for k in ("cid", "rung", "ok", "error", "seconds", "host",
+                                                  "pid", "node_id")} for t in self.tasks]}  # fmt: skip
+
+
+def _steps_seconds(run: RunDir, cid: str, rung: str) -> float | None:
+    from llmopt.optimize.executor import task_seconds
+
+    return task_seconds(run, cid, rung)
+
+
+def _value(run: RunDir, cid: str, fid: str, obj: Objective, ctx: dict[str, Any]):
+    b = run.candidate(cid).read("bench", fid)
+    return obj.value(BenchResult.from_dict(b), ctx) if b else None
+
+
+def _score(run: RunDir, cid: str, ref: str, fid: str, obj: Objective, ctx: dict[str, Any]):
+    return obj.score(_value(run, cid, fid, obj, ctx), _value(run, ref, fid, obj, ctx))
+
+
+def run_search(
+    run: RunDir,
+    cands: list[Candidate],
+    executor: Any,
+    budget: Budget,
+    obj: Objective,
+    max_quality_drop: float,
+    mode: str = "halving",
+    context: dict[str, Any] | None = None,
+) -> SearchState:
+    """Run the search over `cands` (reference first) and return what it did.
+
+    Args:
+        run: the run directory (plan, model and candidate.json files written).
+        cands: planned candidates, the reference first.
+        executor: LocalExecutor or RayExecutor.
+        budget: wall-clock budget of this invocation.
+        obj: the objective the screen and the early stop rank by.
+        max_quality_drop: the quality budget.
+        mode: "halving" (screen then full for survivors) or "exhaustive" (full for all).
+        context: objective context (price_per_hour).
+    """
+    assert mode in MODES, f"unknown search mode {mode!r}; use one of {MODES}"
+    ctx = context or {}
+    st = SearchState()
+    ref, others = cands[0], cands[1:]
+    assert ref.reference, "the reference must be the first candidate"
+
+    def run_tasks(tasks: list[Task]) -> list[dict[str, Any]]:
+        for t in tasks:  # every candidate but the reference stops at the budget's end
+            t.deadline = None if t.cid == ref.id else budget.deadline
+        recs = executor.run(str(run.root), tasks) if tasks else []
+        st.tasks += recs
+        for r in recs:
+            if r.get("out_of_time"):
+                st.cut[r["cid"]] = r["out_of_time"]
+        return recs
+
+    # ---- rung 0: the reference (always fully), then the other builds ----
+    # An LM candidate's verify scores the reference itself (same windows, KL needs its logits),
+    # so the reference's own screen verify is needed only for embedders (shared embeddings file).
+    task = read_json(run.model_json).get("task")
+    ref_screen = SCREEN if task == "embedding" else [("bench", "screen")]
+    ref_steps = [("build", "full")] + (ref_screen if mode == "halving" else []) + FULL
+    run_tasks([Task(ref.id, ref_steps, "full")])
+    if not run.candidate(ref.id).done("bench", "full"):
+        for c in others:
+            st.cut[c.id] = "the reference failed, nothing to compare against"
+        st.events.append("stopped: the reference failed")
+        return st
+    ref_full_s = _steps_seconds(run, ref.id, "full") or 0.0
+    ref_build_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/build", 0.0)
+
+    if mode == "exhaustive":
+        _full_rung(run, others, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
+                   max_quality_drop, early_stop=False)  # fmt: skip
+        return st
+
+    # ---- rung 1: build and screen each candidate, in waves, while the budget allows ----
+    ref_screen_s = _screen_seconds(run, ref.id, ref_full_s)
+    ref_verify_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/verify", 0.0)
+    # Before any candidate has screened: the reference's build and screen bench, plus a screen
+    # verify of two models on an eighth of the tokens, no generation (~a quarter of its full verify).
+    first_est = ref_build_s + ref_screen_s + (0.25 * ref_verify_s if task != "embedding" else 0.0)
+    # What candidate screens actually took, by cost class (calibrated builds take minutes where
+    # the others take seconds); the longest one so far is the estimate (a mean under-estimates
+    # the next expensive build, and a screen cut off by the deadline is time lost).
+    observed: dict[bool, list[float]] = {False: [], True: []}
+    # Screening stops while there is still time to fully verify the survivors (halving keeps 2).
+    keep = min(2, len(others))
+    reserve = keep * _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
+    # Cheap candidates first: their screens decide what is worth the expensive ones' time.
+    queue = sorted(others, key=lambda c: _calibrated(c.recipe))
+    recipe_of = {c.id: c.recipe for c in others}
+    while queue:
+        wave = []
+        while queue and len(wave) < executor.parallel:
+            c = queue.pop(0)
+            cls = _calibrated(c.recipe)
+            seen = observed[cls] or observed[not cls]
+            est = max(seen) if seen else first_est
+            cd = run.candidate(c.id)
+            if all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN]) or budget.fits(
+                est + reserve, executor.parallel
+            ):
+                wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
+            else:
+                st.cut[c.id] = _exhausted(
+                    f"the build and screen (keeping time for {keep} full verification"
+                    f"{'s' if keep > 1 else ''})",
+                    est + reserve, budget,
+                )  # fmt: skip
+        for r in run_tasks(wave):
+            if r.get("ran") and r.get("seconds"):
+                observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
+    built = [c for c in others if run.candidate(c.id).done("build")]
+
+    entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]
+    for c in built:
+        v = run.candidate(c.id).read("verify", "screen")
+        if v is None or not run.candidate(c.id).done("bench", "screen"):
+            continue  # failed (error.json) or cut above
+        vr = VerifyResult.from_dict(v)
+        score = _score(run, c.id, ref.id, "screen", obj, ctx)
+        st.screen_scores[c.id] = score
+        entries.append(ScreenEntry(c.id, vr.quality_drop, vr.passed, score,
+                                   quality_name=_quality_name(vr)))  # fmt: skip
+    survivors, cut = screen(entries, max_quality_drop, obj.name)
+    st.cut.update(cut)
+    st.survivors = survivors
+    st.events.append(
+        f"screen: {len(entries) - 1} screened, {len(survivors) - 1} go on to full fidelity"
+    )
+
+    # ---- rung 2: full fidelity for the survivors ----
+    order = [c for s in survivors[1:] for c in others if c.id == s]
+    _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
+               max_quality_drop, early_stop=True)  # fmt: skip
+    return st
+
+
+def _calibrated(recipe_name: str) -> bool:
+    """Whether the recipe's build runs the calibration pipeline (minutes per build, not seconds):
+    4-bit weights, AWQ/GPTQ/SmoothQuant, FP8."""
+    from llmopt.core.recipes import get_recipe
+
+    r = get_recipe(recipe_name)
+    bits = getattr(r, "weight_bits", None)
+    return (
+        bits == 4
+        or getattr(r, "algorithm", "rtn") != "rtn"
+        or (bits is not None and getattr(r, "weight_type", "int") == "float")
+    )
+
+
+def _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
+               max_quality_drop, early_stop: bool) -> None:  # fmt: skip
+    st.full_scores[ref.id] = 1.0
+    ref_screen_s = _screen_seconds(run, ref.id, ref_full_s)
+    queue = list(order)
+    confirmed = {ref.id: 1.0}  # passed at full fidelity -> its screen score (same fidelity as
+    while queue:  # the scores it is compared with, so one run-to-run noise margin applies)
+        best_id = max(confirmed, key=confirmed.get)
+        best = confirmed[best_id]
+        wave: list[Task] = []
+        while queue and len(wave) < executor.parallel:
+            c = queue.pop(0)
+            done = all(run.candidate(c.id).done(s, f) for s, f in FULL)
+            scr = st.screen_scores.get(c.id)
+            if not done and early_stop and cannot_improve(scr, best):
+                st.cut[c.id] = (
+                    f"stopped early: screen {obj.name} {scr:.2f}x the reference cannot beat "
+                    f"{best_id} ({best:.2f}x at the screen, passed at full fidelity) "
+                    "even with 10% noise"
+                )
+                st.stopped_early = True
+                continue
+            est = _full_estimate(run, c.id, ref_full_s, ref_screen_s)
+            if not done and not budget.fits(est, executor.parallel):
+                st.cut[c.id] = _exhausted("full verification", est, budget)
+                continue
+            wave.append(Task(c.id, ([("build", "full")] if not early_stop else []) + FULL,
+                             "full", ref.id))  # fmt: skip
+        for rec in run_tasks(wave):
+            cdir = run.candidate(rec["cid"])
+            v = cdir.read("verify")
+            if rec["ok"] and v and VerifyResult.from_dict(v).passed:
+                st.full_scores[rec["cid"]] = _score(run, rec["cid"], ref.id, "full", obj, ctx)
+                if (sc := st.screen_scores.get(rec["cid"])) is not None:
+                    confirmed[rec["cid"]] = sc
+    if st.stopped_early:
+        st.events.append("stopped early: no remaining candidate could improve the objective")
+
+
+def _step_seconds(run: RunDir, cid: str, rung: str) -> dict[str, float]:
+    from llmopt.core.atomic import read_json
+
+    f = run.candidate(cid).task_file(rung)
+    return (read_json(f).get("step_seconds") or {}) if f.exists() else {}
+
+
+def _screen_seconds(run: RunDir, ref_id: str, ref_full_s: float) -> float:
+    """The reference's screen time, from its timed steps (else a quarter of its task)."""
+    s = sum(v for k, v in _step_seconds(run, ref_id, "full").items() if k.endswith("@screen"))
+    return s or ref_full_s / 4
+
+
+def _full_estimate(run: RunDir, cid: str, ref_full_s: float, ref_screen_s: float) -> float:
+    """The reference's full verify+bench time, scaled by how this candidate's screen compared
+    with the reference's (clipped to 0.3x-3x)."""
+    ref_steps = _step_seconds(run, run_ref_id(run), "full")
+    full_only = sum(v for k, v in ref_steps.items() if "@" not in k and "/build" not in k)
+    full_only = full_only or max(ref_full_s - ref_screen_s, 1.0)
+    ref_id = run_ref_id(run)
+    # Like with like: the candidate's screen bench against the reference's.
+    mine = _step_seconds(run, cid, "screen").get(f"{cid}/bench@screen")
+    theirs = ref_steps.get(f"{ref_id}/bench@screen")
+    ratio = min(3.0, max(0.3, mine / theirs)) if mine and theirs else 1.0
+    return full_only * ratio
+
+
+def run_ref_id(run: RunDir) -> str:
+    from llmopt.core.atomic import read_json
+
+    return next(c["id"] for c in read_json(run.plan_json)["candidates"] if c.get("reference"))
+
+
+def _exhausted(what: str, est: float, budget: Budget) -> str:
+    left = budget.left or 0.0
+    return (
+        f"time budget exhausted: {what} needs ~{est:.0f} s, {max(0.0, left):.0f} s left "
+        f"of {budget.seconds:.0f} s"
+    )
+
+
+def _quality_name(v: VerifyResult) -> str:
+    names = [m.name for m in v.metrics]
+    return "ppl" if "perplexity" in names else "1 - cosine" if "cosine_mean" in names else "quality"

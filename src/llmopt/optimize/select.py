@@ -1,0 +1,187 @@
+"""Selection: the best candidate for the objective among those whose verified quality loss is
+within the budget, from full-fidelity results only.
+
+Every candidate gets a one-line reason (chosen / kept / dropped / failed / cut by the search), so
+the report can say why each one did not win. Differences smaller than the measured run-to-run
+spread are called out as noise rather than treated as a real ranking. Two Pareto fronts are kept:
+quality vs speed (the primary bench metric), and quality vs speed vs peak memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
+
+__all__ = ["select", "pareto_front", "pareto_front_nd"]
+
+
+def pareto_front_nd(points: dict[str, tuple[float, ...]]) -> list[str]:
+    """Ids not dominated when every coordinate is to be minimized (ids in input order).
+
+    >>> pareto_front_nd({"a": (1, 1), "b": (0, 2), "c": (2, 2)})
+    ['a', 'b']
+    """
+
+    def dominates(p: tuple[float, ...], q: tuple[float, ...]) -> bool:
+        return all(x <= y for x, y in zip(p, q, strict=True)) and p != q
+
+    return [i for i, p in points.items() if not any(dominates(q, p) for j, q in points.items()
+                                                  if j != i)]  # fmt: skip
+
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Ids not dominated on (speed: higher is better, quality_drop: lower is better).
+
+    >>> pareto_front({"a": (10, 0.0), "b": (20, 0.01), "c": (15, 0.02)})
+    ['a', 'b']
+    """
+    front = pareto_front_nd({i: (-s, q) for i, (s, q) in points.items()})
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def _fmt(v: float, unit: str) -> str:
+    if unit == "bytes":
+        return f"{v / 2**20:.0f} MiB"
+    return f"{v:.4g} {unit}".strip()
+
+
+def select(
+    candidates: list[Candidate],
+    verify: dict[str, VerifyResult],
+    bench: dict[str, BenchResult],
+    errors: dict[str, str],
+    max_quality_drop: float,
+    objective: str = "throughput",
+    context: dict[str, Any] | None = None,
+    cut: dict[str, str] | None = None,
+    screen_bench: dict[str, BenchResult] | None = None,
+) -> Selection:
+    """Choose the best candidate for `objective` among those that pass verification.
+
+    Args:
+        candidates: all planned candidates.
+        verify, bench: full-fidelity results by candidate id (missing ids are incomplete).
+        errors: candidate id -> "stage: message" for candidates whose stage failed.
+        max_quality_drop: the budget the gates were set from (recorded in the selection).
+        objective: latency | throughput | memory | cost (llmopt.optimize.objective).
+        context: objective context (price_per_hour for cost).
+        cut: candidate id -> why the search stopped it before full fidelity.
+        screen_bench: screen-fidelity bench results by id; they never rank anything, but when the
+            chosen candidate's eager `hf` twin was cut at the screen, the reason compares the
+            two there (both measured alike, in this run).
+
+    Example:
+        >>> sel = select(cands, verify, bench, {}, 0.01, "latency")   # doctest: +SKIP
+        >>> sel.chosen, sel.reasons[sel.chosen]                        # doctest: +SKIP
+    """
+    from llmopt.optimize.objective import get_objective
+
+    obj = get_objective(objective)
+    cut = cut or {}
+    reasons: dict[str, str] = {}
+    eligible: list[str] = []
+    values: dict[str, float] = {}
+    for c in candidates:
+        v, b = verify.get(c.id), bench.get(c.id)
+        if b is not None and (val := obj.value(b, context)) is not None:
+            values[c.id] = val
+        if c.id in errors:
+            reasons[c.id] = f"failed at {errors[c.id]}"
+        elif c.id in cut and (v is None or b is None):
+            reasons[c.id] = f"cut: {cut[c.id]}"
+        elif v is None or b is None:
+            reasons[c.id] = "incomplete: " + ("not verified" if v is None else "not benchmarked")
+        elif not v.passed:
+            failed = [m for m in v.metrics if m.passed is False]
+            why = "; ".join(
+                f"{m.name} {m.candidate:.4g} vs limit {m.threshold:.4g}" for m in failed
+            )
+            reasons[c.id] = f"dropped: quality gate failed ({why or 'integrity check'})"
+        elif c.id not in values:
+            reasons[c.id] = f"incomplete: bench has no {obj.name} numbers"
+        else:
+            eligible.append(c.id)
+
+    sign = -1 if obj.higher_is_better else 1
+    # Best first; equal objective goes to the smaller quality drop.
+    ranking = sorted(eligible, key=lambda i: (sign * values[i], verify[i].quality_drop))
+    chosen = ranking[0] if ranking else None
+    task = next(iter(bench.values())).task if bench else ""
+    unit = obj.unit_for(task)
+    if chosen:
+        ref = next((c.id for c in candidates if c.reference), None)
+        vs = obj.score(values[chosen], values.get(ref)) if ref else None
+        vs_ref = f", {vs:.2f}x the reference" if vs and chosen != ref else ""
+        reasons[chosen] = (
+            f"chosen: best {obj.name} within the quality budget ({_fmt(values[chosen], unit)}"
+            f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
+            + _vs_eager(chosen, candidates, bench, screen_bench or {})
+        )
+        best_noise = _noise(bench[chosen], obj.name)
+        for i in ranking[1:]:
+            ratio = obj.score(values[i], values[chosen]) or 0.0
+            noise = max(_noise(bench[i], obj.name), best_noise)
+            tag = " (within run-to-run noise of the chosen one)" if 1 - ratio <= noise else ""
+            reasons[i] = (
+                f"kept: passes the gates, {obj.name} {ratio:.2f}x the chosen "
+                f"({_fmt(values[i], unit)}){tag}"
+            )
+    full = [i for i in verify if i in bench]
+    speed = {i: bench[i].primary_value for i in full}
+    return Selection(
+        objective=obj.name,
+        chosen=chosen,
+        max_quality_drop=max_quality_drop,
+        reasons=reasons,
+        ranking=ranking,
+        pareto=pareto_front({i: (speed[i], verify[i].quality_drop) for i in full}),
+        pareto_memory=pareto_front_nd(
+            {i: (-speed[i], verify[i].quality_drop, bench[i].peak_rss_bytes) for i in full}
+        ),
+        objective_unit=unit,
+        objective_values={i: values[i] for i in full if i in values},
+        higher_is_better=obj.higher_is_better,
+        cut={i: r for i, r in cut.items()},
+    )
+
+
+def _vs_eager(
+    chosen: str,
+    candidates: list[Candidate],
+    bench: dict[str, BenchResult],
+    screen: dict[str, BenchResult],
+) -> str:
+    """The chosen candidate's batch-1 decode against the same recipe run eagerly by transformers
+    (the `hf` engine), when both were benchmarked in this run: what the engine itself bought.
+
+    Full-fidelity numbers when the twin has them; otherwise both at the screen (the search may
+    cut a slow eager twin there), said so in the text.
+    """
+    c = next(o for o in candidates if o.id == chosen)
+    if c.engine == "hf":
+        return ""
+    # A plain twin: same recipe and device, no engine settings beyond where it runs.
+    twins = [o.id for o in candidates if o.engine == "hf" and o.recipe == c.recipe
+             and set(o.settings) <= {"threads", "device"}
+             and o.settings.get("device") == c.settings.get("device")]  # fmt: skip
+    key = "decode_tokens_per_s"
+    for results, where in ((bench, "measured in this run"),
+                           (screen, "both at the screen fidelity, in this run")):  # fmt: skip
+        twin = next((t for t in twins if t in results), None)
+        if twin is None or chosen not in results:
+            continue
+        mine, theirs = results[chosen].metrics.get(key), results[twin].metrics.get(key)
+        if mine and theirs and theirs.median:
+            return (f"; batch-1 decode {mine.median / theirs.median:.1f}x {twin} "
+                    f"({mine.median:.4g} vs {theirs.median:.4g} tokens/s; the same recipe in "
+                    f"eager transformers, {where})")  # fmt: skip
+    return ""
+
+
+def _noise(b: BenchResult, objective: str) -> float:
+    """The run-to-run spread behind an objective value (memory is measured once: 0)."""
+    if objective == "memory":
+        return 0.0
+    s = b.metrics.get(b.primary)
+    return s.spread if s is not None else 0.0

@@ -1,0 +1,277 @@
+"""One stage of one candidate, in its own process:
+`python -m llmopt.optimize.worker RUN CANDIDATE STAGE [FIDELITY]`.
+
+FIDELITY is "full" (default: the run's profile), "screen" (the search's cheap first rung: the
+sizes in `settings["fidelities"]["screen"]`) or "reverify" (full sizes, separate files). The sizes
+used are recorded in the result's `fidelity` field.
+
+Why a process per stage: peak memory is then the candidate's own (not the sum of everything loaded
+before it), a crash or an out-of-memory kill in one candidate cannot take the run down, and the
+run directory stays the only channel between stages, which is what makes resuming exact.
+The stage's JSON is written atomically at the very end; on failure `error.json` is written instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from llmopt.core.atomic import atomic_dir, read_json, write_json
+from llmopt.core.schema import BenchResult, Candidate
+from llmopt.rundir.paths import CandidateDir, RunDir
+
+log = logging.getLogger("llmopt.optimize.worker")
+
+__all__ = ["run_stage", "main"]
+
+
+def _context(run: RunDir, cid: str):
+    from llmopt.core.recipes import get_recipe
+    from llmopt.engines import get_engine
+    from llmopt.model.info import ModelInfo
+
+    meta = read_json(run.run_json)
+    info = ModelInfo.from_dict(read_json(run.model_json))
+    cand = Candidate.from_dict(read_json(run.candidate(cid).stage_file("candidate")))
+    return meta, info, cand, get_engine(cand.engine), get_recipe(cand.recipe)
+
+
+def stage_settings(meta: dict[str, Any], fidelity: str) -> dict[str, Any]:
+    """The run's settings with the sizes of `fidelity` applied (full: the profile as is)."""
+    s = dict(meta["settings"])
+    over = (s.pop("fidelities", None) or {}).get(fidelity, {})
+    return {**s, **over}
+
+
+def _fidelity(s: dict[str, Any], fidelity: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    rung = {"screen": 1, "full": 2}.get(fidelity)
+    return {"level": fidelity, "rung": rung, **{k: s[k] for k in keys if k in s}}
+
+
+_VERIFY_KEYS = ("eval_windows", "window", "sentences", "generation_prompts")
+_BENCH_KEYS = ("bench_sentences", "bench_repeats", "prompt_tokens", "new_tokens",
+               "bench_batch_sizes")  # fmt: skip
+
+
+def _reference_id(run: RunDir) -> str:
+    plan = read_json(run.plan_json)
+    return next(c["id"] for c in plan["candidates"] if c.get("reference"))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def build(run: RunDir, cid: str) -> dict[str, Any]:
+    meta, info, cand, engine, recipe = _context(run, cid)
+    cdir = run.candidate(cid)
+    t0 = time.perf_counter()
+    with atomic_dir(cdir.artifact) as tmp:
+        facts = engine.build(Path(meta["model_path"]), info, recipe, tmp)
+    facts.update(seconds=time.perf_counter() - t0, artifact_bytes=_dir_bytes(cdir.artifact))
+    return facts
+
+
+def verify(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
+    out = _verify(run, cid, fidelity)
+    out["fidelity"] = _fidelity(stage_settings(read_json(run.run_json), fidelity), fidelity,
+                                _VERIFY_KEYS)  # fmt: skip
+    return out
+
+
+def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
+    from llmopt.verify.gates import Gates
+    from llmopt.verify.integrity import check_weights, raise_on_problems
+
+    meta, info, cand, engine, recipe = _context(run, cid)
+    s = stage_settings(meta, fidelity)
+    # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
+    raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
+    # Runs written before `--gates` existed used the default preset.
+    gates = Gates.preset(s.get("gates", "default"), max_quality_drop=s["max_quality_drop"])
+    runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
+    if info.task == "embedding":
+        return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
+    from llmopt.assets.text import evaluation_text
+    from llmopt.verify.lm import ReferenceOutputs, token_windows, verify_causal_lm
+
+    window = min(s["window"], info.max_context or s["window"])  # never past the model's context
+    windows = token_windows(runner.tokenizer, evaluation_text(), window, s["eval_windows"])
+    prompts, new = s.get("generation_prompts", 2), 32  # the screen skips generation
+    # The reference's outputs on these windows are computed once per fidelity and kept beside it:
+    # later candidates compare against the file instead of loading and running the reference.
+    ref_id = _reference_id(run)
+    cache = run.candidate(ref_id).root / f"reference-outputs.{fidelity}.npz"
+    reference = None
+    if not cand.reference:
+        reference = ReferenceOutputs.load(cache, windows, prompts, new)
+        if reference is None:
+            _, _, rc, re, rr = _context(run, ref_id)
+            ref_runner = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
+            reference = ReferenceOutputs.from_runner(ref_runner, windows, prompts, new)
+            reference.save(cache)
+            del ref_runner
+    return verify_causal_lm(
+        cid,
+        runner,
+        windows,
+        reference,
+        s["max_quality_drop"],
+        gates=gates,
+        generation_prompts=prompts,
+        generation_tokens=new,
+        keep_reference=cache if cand.reference else None,
+    ).to_dict()
+
+
+def _verify_embedding(
+    run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any], gates, fidelity: str
+):
+    import numpy as np
+
+    from llmopt.assets.text import evaluation_sentences, simlex999, wordsim353
+    from llmopt.verify.embedding import reference_outputs, verify_embedding
+
+    sentences = evaluation_sentences(s["sentences"])
+    # Reference outputs are computed once per fidelity and shared by every candidate.
+    ref_file = run.reference / (
+        "embeddings.npy" if fidelity == "full" else f"embeddings.{fidelity}.npy"
+    )
+    if cand.reference:
+        emb = reference_outputs(runner, sentences)
+        run.reference.mkdir(parents=True, exist_ok=True)
+        tmp = ref_file.with_name(f".tmp-{ref_file.name}")
+        np.save(tmp, emb, allow_pickle=False)
+        tmp.replace(ref_file)
+        ref_emb, ref_spearman, scores = None, None, None
+    else:
+        ref_emb = np.load(ref_file, allow_pickle=False)
+        ref_verify = run.candidate(_reference_id(run)).read("verify", fidelity)
+        scores = {m["name"]: m["candidate"] for m in ref_verify["metrics"]}
+        ref_spearman = scores["wordsim353_spearman"]
+    return verify_embedding(
+        cid,
+        runner,
+        sentences,
+        ref_emb,
+        wordsim353(),
+        ref_spearman,
+        1.0 - s["max_quality_drop"],
+        gates=gates,
+        simlex_pairs=simlex999(),
+        reference_scores=scores,
+    )
+
+
+def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
+    from llmopt.bench.timing import environment, peak_rss_bytes, rss_bytes
+
+    meta, info, cand, engine, recipe = _context(run, cid)
+    s = stage_settings(meta, fidelity)
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
+    load_s = time.perf_counter() - t0
+    roofline: dict[str, Any] = {}
+    if info.task == "embedding":
+        from llmopt.assets.text import evaluation_sentences
+        from llmopt.bench.embedding import bench_embedding
+
+        sentences = evaluation_sentences(s["sentences"])[: s["bench_sentences"]]
+        metrics, warm = bench_embedding(runner, sentences, repeats=s["bench_repeats"])
+        primary, settings = (
+            "sentences_per_s_b32",
+            {"sentences": len(sentences), "batch_sizes": [1, 32]},
+        )
+    else:
+        import torch
+
+        from llmopt.assets.text import evaluation_text
+        from llmopt.bench.lm import bench_causal_lm
+        from llmopt.bench.lm_run import lm_roofline
+        from llmopt.bench.roofline import measure_ceilings
+
+        ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
+        ctx = info.max_context or 2048
+        new = min(s["new_tokens"], ctx // 2)
+        prompt = torch.tensor([ids[: min(s["prompt_tokens"], ctx - new)]], dtype=torch.long)
+        batches = tuple(s.get("bench_batch_sizes", (1,)))
+        metrics, warm = bench_causal_lm(
+            runner, prompt, new, s["bench_repeats"], batch_sizes=batches
+        )
+        primary = "decode_tokens_per_s"
+        settings = {
+            "batch": 1,
+            "batch_sizes": list(batches),
+            "prompt_tokens": prompt.shape[1],
+            "new_tokens": new,
+        }
+    peak = peak_rss_bytes()  # before the ceilings below: their buffers are not the model's
+    if info.task == "causal-lm" and fidelity != "screen":  # the screen only ranks candidates
+        # The machine's ceilings, measured in this process right after the phases, so each
+        # phase's achieved bandwidth and FLOP/s read as a share of what the machine does now.
+        ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
+        roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
+    settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
+    return BenchResult(
+        candidate_id=cid,
+        task=info.task,
+        metrics=metrics,
+        primary=primary,
+        peak_rss_bytes=peak,
+        model_rss_bytes=max(0, peak - before),
+        artifact_bytes=_dir_bytes(run.candidate(cid).artifact),
+        load_seconds=load_s,
+        warmup_seconds=warm,
+        settings=settings,
+        env=environment(),
+        roofline=roofline,
+        fidelity=_fidelity(s, fidelity, _BENCH_KEYS),
+    ).to_dict()
+
+
+STAGE_FUNCS = {"build": build, "verify": verify, "bench": bench}
+
+
+def run_stage(run: RunDir, cid: str, stage: str, fidelity: str = "full") -> None:
+    """Run `stage` at `fidelity` for candidate `cid` in this process and write its JSON (or error.json)."""
+    cdir: CandidateDir = run.candidate(cid)
+    err = cdir.stage_file("error")
+    err.unlink(missing_ok=True)
+    try:
+        args = (run, cid) if stage == "build" else (run, cid, fidelity)
+        result = STAGE_FUNCS[stage](*args)
+    except Exception as e:
+        log.exception("%s of %s failed", stage, cid)
+        write_json(
+            err,
+            {
+                "stage": stage,
+                "fidelity": fidelity,
+                "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
+                "traceback": traceback.format_exc(),
+            },
+        )
+        raise SystemExit(1) from None
+    write_json(cdir.stage_file(stage, fidelity), result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    assert len(argv) in (3, 4), (
+        "usage: python -m llmopt.optimize.worker RUN_DIR CANDIDATE_ID STAGE [FIDELITY]"
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Per-tensor loading bars from transformers would flood log.txt; the parent shows progress.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    run_stage(RunDir(argv[0]), argv[1], argv[2], argv[3] if len(argv) == 4 else "full")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP surface: routes, typed requests and responses, streaming."""

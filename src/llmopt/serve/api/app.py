@@ -1,0 +1,212 @@
+"""The FastAPI application: routes, OpenAI error bodies, and the guard in front of them.
+
+The guard (pure ASGI middleware, so it also covers streamed responses to their end):
+- refuses new `/v1` requests with 503 while the server drains on shutdown;
+- checks `Authorization: Bearer <key>` when the server has an API key (401);
+- bounds the request body (413), also for bodies sent without Content-Length;
+- counts requests in flight (what draining waits for);
+- when a request ends for any reason, closes its generations, so a sequence never outlives
+  the request that started it (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from llmopt.serve.api.completions import chat_completions, completions
+from llmopt.serve.api.context import ServerContext
+from llmopt.serve.api.embeddings import embeddings
+from llmopt.serve.api.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    error_body,
+)
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                 413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+
+
+async def _send_error(send: Any, status: int, message: str, type: str, code: str | None = None,
+                      headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    resp = JSONResponse(error_body(message, type, None, code), status, headers=headers)
+    await resp({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+class Guard:
+    """Draining, API key, body size, in-flight count and generation cleanup (see module doc)."""
+
+    def __init__(self, app: Any, ctx: ServerContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            return await self.app(scope, receive, send)
+        ctx, s = self.ctx, self.ctx.settings
+        if ctx.draining:
+            ctx.metrics.rejected.labels("draining").inc()
+            return await _send_error(send, 503, "the server is shutting down; retry on another "
+                                     "replica", "service_unavailable", "shutting_down")  # fmt: skip
+        headers = dict(scope.get("headers") or [])
+        if s.api_key and not _authorized(headers.get(b"authorization", b""), s.api_key):
+            ctx.metrics.rejected.labels("unauthorized").inc()
+            return await _send_error(send, 401, "missing or wrong API key: send "
+                                     "`Authorization: Bearer <key>`", "authentication_error",
+                                     "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+        body = b""
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            declared = headers.get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > s.max_body_bytes:
+                return await self._too_large(send)
+            chunks, size, more = [], 0, True
+            while more:  # read it all here, bounded, then replay it to the app
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return None
+                chunk = msg.get("body", b"")
+                size += len(chunk)
+                if size > s.max_body_bytes:
+                    return await self._too_large(send)
+                chunks.append(chunk)
+                more = msg.get("more_body", False)
+            body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: waits for http.disconnect
+
+        scope.setdefault("state", {})["llmopt_generations"] = gens = []
+        ctx.inflight_http += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            ctx.inflight_http -= 1
+            for g in gens:
+                g.close()
+
+    async def _too_large(self, send: Any) -> None:
+        self.ctx.metrics.rejected.labels("too_large").inc()
+        limit = self.ctx.settings.max_body_bytes
+        await _send_error(send, 413, f"request body larger than {limit} bytes (server "
+                          "--max-body-bytes)", "invalid_request_error", "request_too_large")  # fmt: skip
+
+
+def _authorized(header: bytes, key: str) -> bool:
+    scheme, _, token = header.decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
+
+
+def create_app(ctx: ServerContext) -> Any:
+    """The ASGI app serving `ctx`'s model (engine threads start and stop with its lifespan).
+
+    Example:
+        >>> app = create_app(load_context("smollm2-135m", ServeSettings()))  # doctest: +SKIP
+    """
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        import asyncio
+
+        if ctx.engine is not None:
+            ctx.engine.start(asyncio.get_running_loop())
+        if ctx.embedder is not None:
+            ctx.embedder.start()
+        yield
+        if ctx.engine is not None:
+            ctx.engine.stop()
+        if ctx.embedder is not None:
+            ctx.embedder.stop()
+
+    app = FastAPI(title="llmopt serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_r: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_r: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            msg = "the request body is not valid JSON"
+        else:
+            msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(msg, "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:
+        t = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(e.detail), t), e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _crash(_r: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = "draining" if ctx.draining else "ok"
+        body = {"status": status, "model": ctx.served_name, "task": ctx.task,
+                "in_flight": ctx.outstanding, "settings": ctx.effective}  # fmt: skip
+        if ctx.engine is not None:
+            body["engine"] = ctx.engine.describe()
+            if not body["engine"]["alive"]:  # nothing can be served: route elsewhere
+                body["status"] = "engine_dead"
+        return JSONResponse(body, 200 if body["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": ctx.served_name, "object": "model", "created": ctx.created,
+                "owned_by": "llmopt", "max_model_len": ctx.max_seq_len}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        ctx.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def _completions(req: CompletionRequest, request: Request) -> Response:
+        return await completions(ctx, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(req: ChatRequest, request: Request) -> Response:
+        return await chat_completions(ctx, req, request)
+
+    @app.post("/v1/embeddings")
+    async def _embeddings(req: EmbeddingRequest) -> Response:
+        return await embeddings(ctx, req)
+
+    app.add_middleware(Guard, ctx=ctx)
+    return app

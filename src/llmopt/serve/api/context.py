@@ -1,0 +1,123 @@
+"""What every request handler needs: the loaded model, the engine loop, limits and counters.
+
+The server serves one model, either a causal LM (through the native engine's generator and the
+scheduler) or an embedding model (through an `EmbeddingRunner` behind the dynamic batcher).
+Everything here runs on the event loop thread, so the counters need no lock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmopt.serve.api.protocol import APIError
+from llmopt.serve.metrics import ServeMetrics
+from llmopt.serve.settings import ServeSettings
+
+__all__ = ["ServerContext"]
+
+
+@dataclass
+class ServerContext:
+    settings: ServeSettings
+    served_name: str
+    task: str  # "causal-lm" | "embedding"
+    tokenizer: Any
+    metrics: ServeMetrics
+    max_seq_len: int
+    engine: Any = None  # EngineLoop (causal-lm)
+    embedder: Any = None  # EmbedBatcher (embedding)
+    num_blocks: int = 0  # usable KV blocks (the engine keeps one as scratch)
+    block_size: int = 16
+    # The scheduler/cache settings in effect: {name: {"value", "source"}} (shown by /health).
+    effective: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outstanding: int = 0  # sequences / embedding requests accepted and not finished
+    draining: bool = False
+    inflight_http: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    _latency_ema: float = 0.0
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    # -- checks that become 400/404/429 -------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.served_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.served_name}` (GET /v1/models)", param="model",
+                           code="model_not_found")  # fmt: skip
+
+    def require(self, task: str, endpoint: str) -> None:
+        if self.task != task:
+            what = "an embedding model" if self.task == "embedding" else "a generative model"
+            raise APIError(400, f"{endpoint} is not available: this server serves {what} "
+                           f"(`{self.served_name}`)", code="unsupported_endpoint")  # fmt: skip
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        total = prompt_len + max_tokens
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if total > self.max_seq_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_seq_len} "
+                           f"tokens. However, you requested {total} tokens ({prompt_len} in the "
+                           f"prompt, {max_tokens} for the completion). Please reduce the prompt "
+                           "or max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")  # fmt: skip
+        blocks = math.ceil(total / self.block_size)
+        if self.num_blocks and blocks > self.num_blocks:
+            raise APIError(400, f"{total} tokens need {blocks} KV-cache blocks; the server has "
+                           f"{self.num_blocks} in all (start it with more --num-blocks)",
+                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+
+    def admit(self, n: int, endpoint: str) -> None:
+        """Take `n` places in the bounded queue, or answer 429 with Retry-After."""
+        cap = self.settings.capacity
+        if self.outstanding + n > cap:
+            self.metrics.rejected.labels("capacity").inc()
+            retry = self.retry_after()
+            raise APIError(429, f"server at capacity: {self.outstanding} requests in flight "
+                           f"(max-num-seqs {self.settings.max_num_seqs} + max-queue "
+                           f"{self.settings.max_queue}); retry after {retry} s",
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(retry)})  # fmt: skip
+
+    def retry_after(self) -> int:
+        # About one request latency per full batch queued ahead, at least 1 s.
+        waves = max(1.0, self.outstanding / self.settings.max_num_seqs)
+        return (
+            int(min(60, max(1, math.ceil(self._latency_ema * waves)))) if self._latency_ema else 1
+        )
+
+    def note_latency(self, seconds: float) -> None:
+        a = 0.2
+        self._latency_ema = (
+            seconds if not self._latency_ema else (1 - a) * self._latency_ema + a * seconds
+        )
+
+    # -- token helpers ------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        vocab = len(self.tokenizer)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}",
+                           param="prompt")  # fmt: skip
+        return ids
+
+    def sampling_params(self, req: Any, max_tokens: int, logprobs: int, seed: int | None,
+                        prompt_logprobs: int | None = None) -> Any:  # fmt: skip
+        from llmopt.engines.native import SamplingParams
+
+        # The engine stops at the model's EOS ids itself unless ignore_eos.
+        return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature),
+                              top_p=float(req.top_p), top_k=int(req.top_k), seed=seed,
+                              ignore_eos=bool(req.ignore_eos), logprobs=int(logprobs),
+                              prompt_logprobs=prompt_logprobs)  # fmt: skip

@@ -1,0 +1,1 @@
+"""The serving engine side: continuous-batching scheduler, engine thread and engine process."""

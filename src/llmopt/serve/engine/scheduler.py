@@ -1,0 +1,347 @@
+"""Continuous batching over the native engine's paged KV cache.
+
+The scheduler owns three queues: `waiting` (new requests, by priority then arrival: FIFO when
+every priority is equal), `running` (sequences in the engine's batch) and `preempted` (evicted
+to make room; re-admitted before any waiting request). Each `step()`:
+
+1. admits sequences while the batch has a free slot, the step's token budget
+   (`max_num_batched_tokens`: prompt tokens to prefill plus one per running decode) allows, and
+   the engine has the KV blocks for the whole prompt while keeping one block per running
+   sequence plus a small watermark free (so admitting does not force a preemption next step);
+2. runs one engine step (prefills, or prefill chunks, of the admitted; one decode for every
+   running sequence);
+3. when the engine reports that running sequences need a new block and none is free
+   (`OutOfBlocks`), preempts the latest-arrived, lowest-priority running sequences (their blocks
+   freed): by swap, when `swap_space_bytes` has room for the victim's KV cache and swapping beats
+   recomputing for this model and device (`serve/swap.py`): its cache waits in host memory and
+   comes back into any free blocks, sampling state included; otherwise by recompute: queued again
+   with prompt + generated tokens as its new prompt. Either way no generated token is lost and
+   none is produced twice.
+
+With chunked prefill (`chunked_prefill=True`, the default) the budget is split as vLLM splits
+it: one token per running decode first; what is left goes to prefill chunks, first to the
+sequences already being prefilled (oldest first), then to new ones. A new sequence is admitted
+while any budget is left (its first chunk runs in the same step); a prompt longer than what is
+left is prefilled over several steps (`Generator.step(prefill_budget=...)`), so no step computes
+more than `max_num_batched_tokens` tokens (unless the running decodes alone do) and running
+decodes never wait for a long prefill. A sequence being prefilled holds its batch slot and its
+whole prompt's KV blocks, and is preempted like any other (its prompt is prefilled again from
+the start). Without chunking, a step prefills the admitted prompts whole (a lone prompt longer
+than the budget too).
+
+It is single-threaded by design: only the engine thread (`engine_loop.py`) calls it.
+
+>>> sched = Scheduler(gen, max_num_seqs=8, max_num_batched_tokens=2048)   # doctest: +SKIP
+>>> sched.submit(Sequence(1, [1, 2, 3], SamplingParams(max_tokens=4)))    # doctest: +SKIP
+>>> sched.step()                                                           # doctest: +SKIP
+[(Sequence(seq_id=1, ...), TokenEvent(seq_id=1, token_id=..., finish_reason=None))]
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["Sequence", "Scheduler", "SchedulerStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation request as the scheduler sees it.
+
+    `tokens` is what the engine prefills on admission: the prompt, or after a preemption the
+    prompt plus everything generated so far. `generated` counts tokens across preemptions.
+    """
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: Any  # llmopt.engines.native.SamplingParams
+    priority: int = 0  # lower is served first (vLLM's convention)
+    sink: Any = None  # where the engine loop delivers this sequence's events
+    tokens: list[int] = field(default_factory=list)
+    generated: int = 0
+    preemptions: int = 0
+    status: str = "new"  # waiting | running | preempted | finished | aborted | failed
+    order: int = 0  # arrival order, the FIFO tie-break
+    swapped: Any = None  # the engine's Swapped (KV cache in host memory) while preempted by swap
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.priority, self.order)
+
+    def engine_params(self) -> Any:
+        """The sampling params for (re)admission: what is left of max_tokens.
+
+        After a preemption the prompt is prompt + generated tokens; its prompt log-probabilities
+        were already delivered with the first token, so they are not asked for again.
+        """
+        if self.generated == 0:
+            return self.params
+        extra = {"prompt_logprobs": None} if hasattr(self.params, "prompt_logprobs") else {}
+        return replace(self.params, max_tokens=self.params.max_tokens - self.generated, **extra)
+
+
+@dataclass
+class SchedulerStats:
+    waiting: int
+    running: int
+    preempted: int
+    free_blocks: int
+    num_blocks: int
+    preemptions_total: int
+    swapped: int = 0  # preempted sequences whose KV cache waits in host memory
+    swap_used_bytes: int = 0
+    engine_time: Any = None  # the generator's cumulative EngineTime, where it keeps one
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+def _out_of_blocks_ids(exc: BaseException) -> list[int]:
+    ids = getattr(exc, "seq_ids", None)
+    if ids is None and exc.args and isinstance(exc.args[0], list | tuple | set):
+        ids = exc.args[0]
+    return list(ids or [])
+
+
+class Scheduler:
+    """Waiting / running / preempted queues over an engine with the native generator's API.
+
+    Args:
+        gen: the engine (`llmopt.engines.native.load_generator(...)`).
+        max_num_seqs: sequences in the batch at most (capped by the engine's `max_batch`).
+        max_num_batched_tokens: tokens per step (prefill tokens + one per running decode).
+        out_of_blocks: the engine's OutOfBlocks exception class.
+        watermark: blocks kept free at admission while other sequences run (default: 1% of the
+            cache, at least 1).
+        chunked_prefill: split prompts into chunks that fit the step's budget (see above); an
+            attribute, so a server may switch it before the first step.
+        swap_space_bytes: host memory for swapped-out KV caches (0: preempt by recompute only).
+            A decoding victim is swapped when its cache fits in what is left and the engine
+            says moving it beats recomputing it (`swap_pays`); otherwise it is recomputed.
+        swap_pays: the engine's verdict (default: `llmopt.serve.engine.swap.swap_pays(gen)`).
+    """
+
+    def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
+                 out_of_blocks: type[BaseException] | None = None,
+                 watermark: int | None = None, chunked_prefill: bool = True,
+                 swap_space_bytes: int = 0, swap_pays: bool | None = None):  # fmt: skip
+        if out_of_blocks is None:
+            from llmopt.engines.native import OutOfBlocks as out_of_blocks
+        self.gen = gen
+        self.max_num_seqs = min(max_num_seqs, int(gen.max_batch))
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.OutOfBlocks = out_of_blocks
+        self.watermark = watermark if watermark is not None else max(1, gen.num_blocks // 100)
+        self.running: dict[int, Sequence] = {}
+        self._queued: dict[int, Sequence] = {}  # waiting + preempted, by id
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap by (priority, order)
+        self._preempted: list[tuple[int, int, Sequence]] = []  # heap by (priority, order)
+        self._order = itertools.count()
+        self.preemptions_total = 0
+        self.chunked_prefill = chunked_prefill
+        self.capacity_blocks = int(gen.free_blocks)  # usable blocks (the engine may keep scratch)
+        self.swap_space_bytes = int(swap_space_bytes)
+        self.swap_used_bytes = 0
+        self.swaps_total = 0
+        if self.swap_space_bytes and swap_pays is None:
+            from llmopt.serve.engine.swap import swap_pays as verdict
+
+            swap_pays, why = verdict(gen)
+            log.info("swap preemption %s: %s", "on" if swap_pays else "off", why)
+        self.swap = bool(self.swap_space_bytes and swap_pays)
+        self._kv_token = int(gen.kv_bytes_per_token()) if self.swap else 0
+
+    # -- requests in and out ------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        assert seq.seq_id not in self._queued and seq.seq_id not in self.running, "duplicate id"
+        seq.order, seq.status = next(self._order), "waiting"
+        self._queued[seq.seq_id] = seq
+        heapq.heappush(self._waiting, (seq.priority, seq.order, seq))
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a sequence wherever it is; its KV blocks are freed. None if unknown/finished."""
+        seq = self.running.pop(seq_id, None)
+        if seq is not None:
+            self.gen.remove(seq_id)
+        else:
+            seq = self._queued.pop(seq_id, None)  # its heap entry is skipped when reached
+        if seq is not None:
+            seq.status = "aborted"
+            self._drop_swap(seq)
+        return seq
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        if seq.swapped is not None:
+            self.swap_used_bytes -= seq.swapped.nbytes
+            seq.swapped = None
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._queued)
+
+    def stats(self) -> SchedulerStats:
+        pre = sum(s.status == "preempted" for s in self._queued.values())
+        swapped = sum(s.swapped is not None for s in self._queued.values())
+        return SchedulerStats(len(self._queued) - pre, len(self.running), pre,
+                              int(self.gen.free_blocks), self.capacity_blocks,
+                              self.preemptions_total, swapped, self.swap_used_bytes,
+                              getattr(self.gen, "time", None))  # fmt: skip
+
+    # -- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, Any]]:
+        """Admit, run one engine step, handle finishes and preemption.
+
+        Returns (sequence, TokenEvent) pairs, and (sequence, ValueError) for sequences the engine
+        refused at admission. A finished sequence (event.finish_reason set) is already removed
+        from the engine.
+        """
+        out: list[tuple[Sequence, Any]] = self._admit()
+        if not self.running:
+            return out
+        try:
+            if self.chunked_prefill:
+                events = self.gen.step(prefill_budget=self._prefill_budget())
+            else:
+                events = self.gen.step()
+        except self.OutOfBlocks as e:
+            self._preempt(_out_of_blocks_ids(e))
+            return out
+        for ev in events:
+            seq = self.running.get(ev.seq_id)
+            if seq is None:  # not ours any more (cannot happen single-threaded; be safe)
+                log.warning("event for unknown sequence %s dropped", ev.seq_id)
+                continue
+            seq.generated += 1
+            if ev.finish_reason is not None:
+                self.gen.remove(ev.seq_id)
+                del self.running[ev.seq_id]
+                seq.status = "finished"
+            out.append((seq, ev))
+        return out
+
+    def fail_all(self) -> list[Sequence]:
+        """After an engine error: drop every sequence (running and queued) and return them."""
+        seqs = list(self.running.values()) + list(self._queued.values())
+        for sid in list(self.running):
+            try:
+                self.gen.remove(sid)
+            except Exception:  # the engine is already in trouble; the blocks are its problem
+                log.exception("remove(%s) failed after an engine error", sid)
+        for q in self._queued.values():
+            self._drop_swap(q)
+        self.running.clear()
+        self._queued.clear()
+        self._waiting.clear()
+        self._preempted.clear()
+        for s in seqs:
+            s.status = "failed"
+        return seqs
+
+    # -- internals ----------------------------------------------------------------------------
+    def _peek(self) -> tuple[list, Sequence] | None:
+        for heap in (self._preempted, self._waiting):
+            while heap and heap[0][2].seq_id not in self._queued:
+                heapq.heappop(heap)  # aborted while queued
+            if heap:
+                return heap, heap[0][2]
+        return None
+
+    def _prefill_budget(self) -> int:
+        """This step's tokens for prefill chunks: the budget less one per running decode."""
+        decodes = sum(self.gen.prefill_pending(sid) == 0 for sid in self.running)
+        return max(0, self.max_num_batched_tokens - decodes)
+
+    def _admit(self) -> list[tuple[Sequence, Any]]:
+        failed: list[tuple[Sequence, Any]] = []
+        if self.chunked_prefill:  # chunks of the prompts already being prefilled come first
+            budget = self._prefill_budget()
+            budget -= sum(self.gen.prefill_pending(sid) for sid in self.running)
+        else:
+            budget = self.max_num_batched_tokens - len(self.running)  # decode tokens this step
+        prefilled = False
+        while len(self.running) < self.max_num_seqs:
+            head = self._peek()
+            if head is None:
+                break
+            heap, seq = head
+            if seq.swapped is not None:  # back from host memory: no prefill, one decode token
+                if not self._swap_in(seq, heap):
+                    break
+                budget -= 1
+                continue
+            n = len(seq.tokens)
+            if self.chunked_prefill and budget <= 0:
+                break  # no room for a first chunk this step
+            if not self.chunked_prefill and prefilled and n > budget:
+                break  # the next step has room; a lone long prompt is still admitted
+            # Keep one block per running sequence (its next decode may need one) plus the
+            # watermark: admitting into that room would only force a preemption next step, and
+            # re-admitting a just-preempted sequence into it would repeat forever.
+            reserve = len(self.running) + self.watermark if self.running else 0
+            if self.gen.blocks_needed(n) > self.gen.free_blocks - reserve:
+                break  # strict order: a later, smaller request does not overtake
+            try:
+                self.gen.add(seq.seq_id, seq.tokens, seq.engine_params())
+            except self.OutOfBlocks:
+                break
+            except ValueError as e:
+                heapq.heappop(heap)
+                del self._queued[seq.seq_id]
+                seq.status = "failed"
+                failed.append((seq, e))
+                continue
+            heapq.heappop(heap)
+            del self._queued[seq.seq_id]
+            self.running[seq.seq_id] = seq
+            seq.status = "running"
+            budget -= n
+            prefilled = True
+        return failed
+
+    def _swap_in(self, seq: Sequence, heap: list) -> bool:
+        reserve = len(self.running) + self.watermark if self.running else 0
+        if seq.swapped.num_blocks > self.gen.free_blocks - reserve:
+            return False  # strict order, as for prompts
+        try:
+            self.gen.swap_in(seq.seq_id, seq.swapped)
+        except (self.OutOfBlocks, ValueError):
+            return False
+        heapq.heappop(heap)
+        del self._queued[seq.seq_id]
+        self._drop_swap(seq)
+        self.running[seq.seq_id] = seq
+        seq.status = "running"
+        return True
+
+    def _preempt(self, needing: list[int]) -> None:
+        # Victims: lowest priority, then latest arrival first (vLLM's recompute policy).
+        victims = sorted(self.running.values(), key=lambda s: s.key, reverse=True)
+        need = {sid for sid in needing if sid in self.running} or set(self.running)
+        while victims and self.gen.free_blocks < len(need & set(self.running)):
+            v = victims.pop(0)
+            how = "recompute"
+            nbytes = len(self.gen.seqs[v.seq_id].blocks) * self.gen.block_size * self._kv_token
+            if (self.swap and self.gen.prefill_pending(v.seq_id) == 0
+                    and self.swap_used_bytes + nbytes <= self.swap_space_bytes):  # fmt: skip
+                v.swapped = self.gen.swap_out(v.seq_id)
+                self.swap_used_bytes += v.swapped.nbytes
+                self.swaps_total += 1
+                how = "swapped to host"
+            else:
+                v.tokens = list(self.gen.remove(v.seq_id))
+            del self.running[v.seq_id]
+            v.status, v.preemptions = "preempted", v.preemptions + 1
+            self._queued[v.seq_id] = v
+            heapq.heappush(self._preempted, (v.priority, v.order, v))
+            self.preemptions_total += 1
+            log.info("preempted sequence %s (%s, %d tokens)", v.seq_id, how, len(v.tokens))
