@@ -100,7 +100,11 @@ async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list
     """The SSE body: `first`, then one `chunk(choices=[choice(i, delta)])` per delta (with
     `usage: null` when the client asked for usage), then the usage chunk, then `[DONE]`."""
     outcome = "ok"
-    usage_kw: dict[str, Any] = {"usage": None} if include_usage else {}
+
+    def event(i: int, d: Delta) -> str:
+        c = [choice(i, d)]
+        return sse_event(chunk(choices=c, usage=None) if include_usage else chunk(choices=c))
+
     try:
         for c in first:
             yield sse_event(c)
@@ -108,7 +112,7 @@ async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list
         # behind the engine (many streams), a socket send per token is what it spends most on.
         pending: list[str] = []
         async for i, d in merge(gens):
-            pending.append(sse_event(chunk(choices=[choice(i, d)], **usage_kw)))
+            pending.append(event(i, d))
             if not any(g.ready() for g in gens):
                 yield "".join(pending)
                 pending = []
