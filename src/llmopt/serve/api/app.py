@@ -24,12 +24,13 @@ from starlette.responses import JSONResponse, Response
 from llmopt.serve.api.completions import chat_completions, completions
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.embeddings import embeddings
-from llmopt.serve.api.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    EmbeddingRequest,
+from llmopt.serve.api.protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest
+from llmopt.serve.api.protocol_responses import (
+    HealthResponse,
+    ModelCard,
+    ModelList,
     error_body,
+    json_response,
 )
 
 __all__ = ["create_app"]
@@ -42,7 +43,7 @@ _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "inva
 
 async def _send_error(send: Any, status: int, message: str, type: str, code: str | None = None,
                       headers: dict[str, str] | None = None) -> None:  # fmt: skip
-    resp = JSONResponse(error_body(message, type, None, code), status, headers=headers)
+    resp = json_response(error_body(message, type, None, code), status, headers)
     await resp({"type": "http"}, _no_receive, send)
 
 
@@ -142,7 +143,7 @@ def create_app(ctx: ServerContext) -> Any:
 
     @app.exception_handler(APIError)
     async def _api_error(_r: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status, headers=e.headers)
+        return json_response(e.body(), e.status, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_r: Request, e: RequestValidationError) -> JSONResponse:
@@ -154,28 +155,29 @@ def create_app(ctx: ServerContext) -> Any:
             msg = "the request body is not valid JSON"
         else:
             msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
-        return JSONResponse(error_body(msg, "invalid_request_error", param), 400)
+        return json_response(error_body(msg, "invalid_request_error", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:
         t = _STATUS_TYPES.get(e.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(e.detail), t), e.status_code, headers=e.headers)
+        return json_response(error_body(str(e.detail), t), e.status_code, e.headers)
 
     @app.exception_handler(Exception)
     async def _crash(_r: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         status = "draining" if ctx.draining else "ok"
-        body = {"status": status, "model": ctx.served_name, "task": ctx.task,
-                "in_flight": ctx.outstanding, "settings": ctx.effective}  # fmt: skip
+        extra: dict[str, Any] = {}
         if ctx.engine is not None:
-            body["engine"] = ctx.engine.describe()
-            if not body["engine"]["alive"]:  # nothing can be served: route elsewhere
-                body["status"] = "engine_dead"
-        return JSONResponse(body, 200 if body["status"] == "ok" else 503)
+            extra["engine"] = ctx.engine.describe()
+            if not extra["engine"]["alive"]:  # nothing can be served: route elsewhere
+                status = "engine_dead"
+        body = HealthResponse(status=status, model=ctx.served_name, task=ctx.task,
+                              in_flight=ctx.outstanding, settings=ctx.effective, **extra)  # fmt: skip
+        return json_response(body, 200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -183,18 +185,17 @@ def create_app(ctx: ServerContext) -> Any:
 
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": ctx.served_name, "object": "model", "created": ctx.created,
-                "owned_by": "llmopt", "max_model_len": ctx.max_seq_len}  # fmt: skip
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.served_name, created=ctx.created, max_model_len=ctx.max_seq_len)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+    async def models() -> JSONResponse:
+        return json_response(ModelList(data=[model_card()]))
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
+    async def model(model_id: str) -> JSONResponse:
         ctx.check_model(model_id)
-        return model_card()
+        return json_response(model_card())
 
     @app.post("/v1/completions")
     async def _completions(req: CompletionRequest, request: Request) -> Response:

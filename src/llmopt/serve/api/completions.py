@@ -10,18 +10,37 @@ for the client going away and cancel their sequences when it does.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.generation import Delta, Generation, merge
 from llmopt.serve.api.protocol import APIError, ChatRequest, CompletionRequest, new_id, now
+from llmopt.serve.api.protocol_responses import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    SparseWireModel,
+    UsageInfo,
+    json_response,
+    sse_event,
+)
 
 __all__ = ["completions", "chat_completions"]
 
@@ -68,42 +87,42 @@ async def _until_done_or_gone(request: Request, coro: Any) -> Any:
 
 
 def _usage(prompts: list[list[int]], gens: list[Generation],
-           generated: bool = True) -> dict[str, int]:  # fmt: skip
+           generated: bool = True) -> UsageInfo:  # fmt: skip
     p = sum(len(x) for x in prompts)
     c = sum(g.n_tokens for g in gens) if generated else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list[int]],
-                  include_usage: bool, first: list[dict[str, Any]], chunk: Any,
+                  include_usage: bool, first: list[SparseWireModel],
+                  chunk: Callable[..., SparseWireModel], choice: Callable[[int, Delta], Any],
                   endpoint: str, generated: bool = True) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE body: `first`, then one `chunk(choices=[choice(i, delta)])` per delta (with
+    `usage: null` when the client asked for usage), then the usage chunk, then `[DONE]`."""
     outcome = "ok"
+
+    def event(i: int, d: Delta) -> str:
+        c = [choice(i, d)]
+        return sse_event(chunk(choices=c, usage=None) if include_usage else chunk(choices=c))
+
     try:
         for c in first:
-            yield _sse(c)
+            yield sse_event(c)
         # Events that are already waiting go out in one write: when the event loop falls
         # behind the engine (many streams), a socket send per token is what it spends most on.
         pending: list[str] = []
         async for i, d in merge(gens):
-            c = chunk(i, d)
-            if include_usage:
-                c["usage"] = None
-            pending.append(_sse(c))
+            pending.append(event(i, d))
             if not any(g.ready() for g in gens):
                 yield "".join(pending)
                 pending = []
         if pending:
             yield "".join(pending)
         if include_usage:
-            usage = _usage(prompts, gens, generated)
-            yield _sse(chunk(None, None) | {"choices": [], "usage": usage})
+            yield sse_event(chunk(choices=[], usage=_usage(prompts, gens, generated)))
     except APIError as e:  # headers are sent: report in-band, as vLLM does
         outcome = "error"
-        yield _sse(e.body())
+        yield sse_event(e.body())
     except asyncio.CancelledError:
         outcome = "disconnected"
         raise
@@ -127,55 +146,52 @@ async def _collect(gens: list[Generation]) -> list[list[Delta]]:
 
 
 # -- logprobs in both formats -----------------------------------------------------------------
-def _completion_logprobs(ctx: ServerContext, deltas: list[Delta], offset: int) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
+def _completion_logprobs(ctx: ServerContext, deltas: list[Delta], offset: int) -> CompletionLogprobs:
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     for d in deltas:
         for tid, lp, tops in d.logprobs:
             s = ctx.token_text(tid)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lp)
+            tokens.append(s)
+            token_logprobs.append(lp)
             top = {ctx.token_text(t): v for t, v in tops}
             top.setdefault(s, lp)
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
+            top_logprobs.append(top)
+            text_offset.append(offset)
             offset += len(s)
-    return out
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs,
+                              top_logprobs=top_logprobs, text_offset=text_offset)  # fmt: skip
 
 
-def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) -> dict[str, Any]:
+def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) -> CompletionLogprobs:
     """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format): the first
     token has none (`null`), every later one its log-probability given the tokens before it and
     the top-N alternatives (`plp`: the engine's prompt log-probabilities, computed in prefill)."""
     toks = [ctx.token_text(t) for t in ids]
-    out: dict[str, Any] = {"tokens": toks, "token_logprobs": [], "top_logprobs": [],
-                           "text_offset": []}  # fmt: skip
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     offset = 0
     for i, s in enumerate(toks):
         entry = plp[i] if plp is not None and i < len(plp) else None
         if entry is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
         else:
             lp, alts = entry
             top = {ctx.token_text(t): v for t, v in alts}
             top.setdefault(s, lp)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
+            token_logprobs.append(lp)
+            top_logprobs.append(top)
+        text_offset.append(offset)
         offset += len(s)
-    return out
+    return CompletionLogprobs(tokens=toks, token_logprobs=token_logprobs,
+                              top_logprobs=top_logprobs, text_offset=text_offset)  # fmt: skip
 
 
-def _join(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {k: v + b[k] for k, v in a.items()}
-
-
-def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> dict[str, Any]:
+def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> ChatLogprobs:
     def entry(t: int, v: float) -> dict[str, Any]:
         s = ctx.token_text(t)
         return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
@@ -183,8 +199,9 @@ def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> dict[str,
     content = []
     for d in deltas:
         for tid, lp, tops in d.logprobs:
-            content.append(entry(tid, lp) | {"top_logprobs": [entry(t, v) for t, v in tops[:k]]})
-    return {"content": content}
+            tops_k = [ChatLogprob(**entry(t, v)) for t, v in tops[:k]]
+            content.append(ChatLogprobToken(**entry(tid, lp), top_logprobs=tops_k))
+    return ChatLogprobs(content=content)
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -207,34 +224,30 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     echo = [ctx.tokenizer.decode(p) for p in prompts] if req.echo else None
     echoed: set[int] = set()  # streamed choices whose prompt has been sent
 
-    def choice(i: int, text: str, reason: str | None, lp: Any) -> dict[str, Any]:
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-
     def shown(d: Delta) -> Delta:
         if not score_only:
             return d
         return replace(d, text="", token_ids=[], logprobs=[], finish_reason="length")
 
-    def chunk(i: int | None, d: Delta | None) -> dict[str, Any]:
-        c = {"id": cid, "object": "text_completion", "created": created, "model": ctx.served_name}
-        if d is not None:
-            assert i is not None
-            d = shown(d)
-            text, prefix = d.text, ""
-            if echo and i not in echoed:  # the prompt goes out with the choice's first token
-                echoed.add(i)
-                prefix = echo[i // n]
-            lp = None
-            if req.logprobs is not None:
-                lp = _completion_logprobs(ctx, [d], len(prefix))
-                if prefix:
-                    lp = _join(_echo_logprobs(ctx, prompts[i // n], d.prompt_logprobs), lp)
-            c["choices"] = [choice(i, prefix + text, d.finish_reason, lp)]
-        return c
+    def stream_choice(i: int, d: Delta) -> CompletionChoice:
+        d = shown(d)
+        text, prefix = d.text, ""
+        if echo and i not in echoed:  # the prompt goes out with the choice's first token
+            echoed.add(i)
+            prefix = echo[i // n]
+        lp = None
+        if req.logprobs is not None:
+            lp = _completion_logprobs(ctx, [d], len(prefix))
+            if prefix:
+                lp = _echo_logprobs(ctx, prompts[i // n], d.prompt_logprobs) + lp
+        return CompletionChoice(index=i, text=prefix + text, logprobs=lp,
+                                finish_reason=d.finish_reason)  # fmt: skip
 
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(ctx, gens, prompts, include, [], chunk, "completions", not score_only)
+        chunk = partial(CompletionStreamResponse, id=cid, created=created, model=ctx.served_name)
+        body = _stream(ctx, gens, prompts, include, [], chunk, stream_choice, "completions",
+                       not score_only)  # fmt: skip
         return _streaming(body)
 
     result = await _until_done_or_gone(request, _collect(gens))
@@ -249,12 +262,14 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
         lp = _completion_logprobs(ctx, deltas, len(prefix)) if req.logprobs is not None else None
         if lp is not None and echo:
             plp = deltas[0].prompt_logprobs if deltas else None
-            lp = _join(_echo_logprobs(ctx, prompts[i // n], plp), lp)
-        choices.append(choice(i, text, deltas[-1].finish_reason if deltas else "stop", lp))
+            lp = _echo_logprobs(ctx, prompts[i // n], plp) + lp
+        choices.append(CompletionChoice(index=i, text=text, logprobs=lp,
+                                        finish_reason=deltas[-1].finish_reason if deltas
+                                        else "stop"))  # fmt: skip
     ctx.metrics.requests.labels("completions", "ok").inc()
-    return JSONResponse({"id": cid, "object": "text_completion", "created": created,
-                         "model": ctx.served_name, "choices": choices,
-                         "usage": _usage(prompts, gens, not score_only)})  # fmt: skip
+    return json_response(CompletionResponse(id=cid, created=created, model=ctx.served_name,
+                                            choices=choices,
+                                            usage=_usage(prompts, gens, not score_only)))  # fmt: skip
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -283,22 +298,20 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
     gens = _start(ctx, request, req, [ids], max_tokens, k if req.logprobs else 0)
     cid, created = new_id("chatcmpl"), now()
 
-    def chunk(i: int | None, d: Delta | None) -> dict[str, Any]:
-        c = {"id": cid, "object": "chat.completion.chunk", "created": created,
-             "model": ctx.served_name}  # fmt: skip
-        if d is not None:
-            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            lp = _chat_logprobs(ctx, [d], k) if req.logprobs else None
-            c["choices"] = [{"index": i, "delta": delta, "logprobs": lp,
-                             "finish_reason": d.finish_reason}]  # fmt: skip
-        return c
+    def stream_choice(i: int, d: Delta) -> ChatStreamChoice:
+        # A final delta with no text carries only the finish reason: no `content` at all.
+        delta = DeltaMessage(content=d.text) if d.text or d.finish_reason is None else DeltaMessage()
+        lp = _chat_logprobs(ctx, [d], k) if req.logprobs else None
+        return ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=d.finish_reason)
 
     if req.stream:
-        first = [chunk(None, None) | {"choices": [{"index": i, "delta": {"role": "assistant",
-                 "content": ""}, "logprobs": None, "finish_reason": None}]}
+        chunk = partial(ChatCompletionStreamResponse, id=cid, created=created,
+                        model=ctx.served_name)  # fmt: skip
+        first = [chunk(choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                             content=""))])
                  for i in range(len(gens))]  # fmt: skip
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return _streaming(_stream(ctx, gens, [ids], include, first, chunk, "chat"))
+        return _streaming(_stream(ctx, gens, [ids], include, first, chunk, stream_choice, "chat"))
 
     result = await _until_done_or_gone(request, _collect(gens))
     if isinstance(result, Response):
@@ -306,11 +319,10 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
         return result
     choices = []
     for i, deltas in enumerate(result):
-        msg = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        choices.append({"index": i, "message": msg,
-                        "logprobs": _chat_logprobs(ctx, deltas, k) if req.logprobs else None,
-                        "finish_reason": deltas[-1].finish_reason if deltas else "stop"})  # fmt: skip
+        msg = ChatMessageOut(content="".join(d.text for d in deltas))
+        choices.append(ChatChoice(index=i, message=msg,
+                                  logprobs=_chat_logprobs(ctx, deltas, k) if req.logprobs else None,
+                                  finish_reason=deltas[-1].finish_reason if deltas else "stop"))  # fmt: skip
     ctx.metrics.requests.labels("chat", "ok").inc()
-    return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
-                         "model": ctx.served_name, "choices": choices,
-                         "usage": _usage([ids], gens)})  # fmt: skip
+    return json_response(ChatCompletionResponse(id=cid, created=created, model=ctx.served_name,
+                                                choices=choices, usage=_usage([ids], gens)))  # fmt: skip

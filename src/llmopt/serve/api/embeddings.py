@@ -21,6 +21,12 @@ from starlette.responses import JSONResponse
 
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.protocol import APIError, EmbeddingRequest
+from llmopt.serve.api.protocol_responses import (
+    EmbeddingData,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    json_response,
+)
 from llmopt.serve.metrics import ServeMetrics
 
 __all__ = ["EmbedBatcher", "embeddings"]
@@ -147,6 +153,6 @@ async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
     for i, v in enumerate(vecs):
         emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
                     if req.encoding_format == "base64" else [float(x) for x in v])  # fmt: skip
-        data.append({"object": "embedding", "index": i, "embedding": emb})
-    return JSONResponse({"object": "list", "data": data, "model": ctx.served_name,
-                         "usage": {"prompt_tokens": sum(lens), "total_tokens": sum(lens)}})  # fmt: skip
+        data.append(EmbeddingData(index=i, embedding=emb))
+    usage = EmbeddingUsage(prompt_tokens=sum(lens), total_tokens=sum(lens))
+    return json_response(EmbeddingResponse(data=data, model=ctx.served_name, usage=usage))

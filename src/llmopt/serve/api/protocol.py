@@ -1,9 +1,10 @@
-"""The OpenAI wire format: request models (pydantic), error bodies, and response helpers.
+"""The OpenAI wire format, requests: request models (pydantic) and the error they raise.
 
 Requests are validated here, so every malformed request becomes a 400 with OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}`. Fields OpenAI defines that this server does not
 implement are refused with a 400 naming the field when set to a non-default value, instead of
-being silently ignored; unknown extra fields are ignored (as vLLM does).
+being silently ignored; unknown extra fields are ignored (as vLLM does). The response models
+are in `protocol_responses`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmopt.serve.api.protocol_responses import ErrorResponse, error_body
+
 __all__ = [
     "APIError",
-    "error_body",
     "CompletionRequest",
     "ChatRequest",
     "EmbeddingRequest",
@@ -36,13 +38,8 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorResponse:
         return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def new_id(prefix: str) -> str:
