@@ -56,11 +56,24 @@ def _dir_bytes(path: Path) -> int:
 
 
 def build(run: RunDir, cid: str) -> dict[str, Any]:
+    """The candidate's artifact. A calibrated recipe is quantized here first (`llmopt.quant`);
+    the engine then takes in that checkpoint (engines only load checkpoints, never quantize)."""
     meta, info, cand, engine, recipe = _context(run, cid)
     cdir = run.candidate(cid)
+    source = Path(meta["model_path"])
     t0 = time.perf_counter()
     with atomic_dir(cdir.artifact) as tmp:
-        facts = engine.build(Path(meta["model_path"]), info, recipe, tmp)
+        if recipe.calibrated:
+            import tempfile
+
+            from llmopt.quant import build_checkpoint
+
+            # Beside the artifact (same filesystem): the engine hard-links the files it keeps.
+            with tempfile.TemporaryDirectory(dir=cdir.root, prefix=".quant-") as q:
+                facts = build_checkpoint(source, recipe, Path(q) / "checkpoint")
+                facts.update(engine.build(Path(q) / "checkpoint", info, recipe, tmp))
+        else:
+            facts = engine.build(source, info, recipe, tmp)
     facts.update(seconds=time.perf_counter() - t0, artifact_bytes=_dir_bytes(cdir.artifact))
     return facts
 
@@ -84,8 +97,8 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
         return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
-    from llmopt.assets.text import evaluation_text
-    from llmopt.verify.lm import ReferenceOutputs, token_windows, verify_causal_lm
+    from llmopt.assets.text import evaluation_text, token_windows
+    from llmopt.verify.lm import ReferenceOutputs, verify_causal_lm
 
     z = s.sizes
     window = min(z.window, info.max_context or z.window)  # never past the model's context
@@ -158,7 +171,8 @@ def _verify_embedding(
 
 
 def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
-    from llmopt.bench.timing import environment, peak_rss_bytes, rss_bytes
+    from llmopt.bench.timing import environment
+    from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
 
     meta, info, cand, engine, recipe = _context(run, cid)
     z = stage_settings(meta, fidelity).sizes
