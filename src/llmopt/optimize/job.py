@@ -40,6 +40,8 @@ Progress = Callable[[str, str, str, str], None]
 
 @dataclass
 class OptimizeResult:
+    """What one `optimize` call did: where, what it chose, and which stages ran or were reused."""
+
     run_dir: Path
     selection: Selection
     resumed: bool
@@ -106,6 +108,8 @@ def optimize(
     _check(max_quality_drop, gates, profile, search)
     obj = get_objective(objective)
     budget = Budget.since(parse_duration(time_budget), budget_started_at)
+    ctx = {"price_per_hour": price_per_hour}
+    # inspect: the model and the machine; the run directory opens (or resumes) on them
     info, tgt = _inspect(model, target, threads)
     stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
     run = RunDir(out)
@@ -113,19 +117,19 @@ def optimize(
                        force=force)  # fmt: skip
     write_json(run.model_json, info.to_dict())
     write_doctor(run, target)
+    # plan -> search -> select -> best/
     plan = _plan(run, info, tgt, candidates)
-    ctx = {"price_per_hour": price_per_hour}
     state, where = _search(run, plan, budget, obj, max_quality_drop, search, ctx, ray_address,
                            progress)  # fmt: skip
-    result = OptimizeResult(run.root, selection=_select(run, plan, max_quality_drop, obj, ctx,
-                                                        state), resumed=resumed)  # fmt: skip
-    for rec in state.tasks:
-        result.ran += rec.get("ran", [])
-        result.skipped += rec.get("skipped", [])
-    if result.selection.chosen:
-        chosen = next(c for c in plan.candidates if c.id == result.selection.chosen)
+    selection = _select(run, plan, max_quality_drop, obj, ctx, state)
+    if selection.chosen:
+        chosen = next(c for c in plan.candidates if c.id == selection.chosen)
         _write_best(run, chosen, tgt.threads, deploy)
-    result.search = _search_record(obj, search, budget, where, profile, state)
+    # search.json and the report
+    result = OptimizeResult(run.root, selection, resumed,
+                            ran=[k for rec in state.tasks for k in rec.get("ran", [])],
+                            skipped=[k for rec in state.tasks for k in rec.get("skipped", [])],
+                            search=_search_record(obj, search, budget, where, profile, state))  # fmt: skip
     write_json(run.search_json, result.search)
     from llmopt.report import write_report
 
