@@ -48,7 +48,7 @@ RECIPES = [
 def _peak(device: str) -> int:
     import torch
 
-    from llmopt.bench.timing import peak_rss_bytes
+    from llmopt.hardware.runtime import peak_rss_bytes
 
     if device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated())
@@ -59,10 +59,10 @@ def worker_model(args) -> dict:
     import torch
 
     from llmopt.assets import resolve_model
+    from llmopt.assets.text import token_windows
     from llmopt.core.recipes import get_recipe
     from llmopt.quant import CalibrationConfig, fake_quantized_model
     from llmopt.quant.api import _nll
-    from llmopt.verify.lm import token_windows
 
     torch.manual_seed(0)
     source, _ = resolve_model(args.model)

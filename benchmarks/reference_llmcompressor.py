@@ -256,11 +256,10 @@ def worker(args) -> dict:
     import torch
 
     from llmopt.assets import resolve_model
-    from llmopt.assets.text import evaluation_text
-    from llmopt.bench.timing import peak_rss_bytes
+    from llmopt.assets.text import evaluation_text, token_windows
+    from llmopt.hardware.runtime import peak_rss_bytes
     from llmopt.quant.api import _nll
     from llmopt.quant.calibration import CalibrationConfig, calibration_windows
-    from llmopt.verify.lm import token_windows
 
     torch.manual_seed(0)
     source, _ = resolve_model(args.model)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from llmopt.assets import prepare_builtin
-from llmopt.assets.text import evaluation_text
+from llmopt.assets.text import evaluation_text, token_windows
 from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine
 from llmopt.model.info import inspect_model
-from llmopt.verify.lm import token_windows, verify_causal_lm
+from llmopt.verify.lm import verify_causal_lm
 
 pytestmark = pytest.mark.integration
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from llmopt.assets import prepare_builtin
-from llmopt.assets.text import evaluation_sentences, evaluation_text, wordsim353
+from llmopt.assets.text import evaluation_sentences, evaluation_text, token_windows, wordsim353
 from llmopt.verify.api import load_runner
 from llmopt.verify.attribution import layer_sqnr
 from llmopt.verify.embedding import reference_outputs, verify_embedding
 from llmopt.verify.gates import Gates, failures, gate_rows
 from llmopt.verify.integrity import check_tokenizers, check_weights
-from llmopt.verify.lm import token_windows, verify_causal_lm
+from llmopt.verify.lm import verify_causal_lm
 
 pytestmark = pytest.mark.integration
 

@@ -317,12 +317,18 @@ def test_calibrated_candidates_are_calibrated_on_the_gpu_when_there_is_one(
 ):
     from llmopt.core.recipes import get_recipe
     from llmopt.model.info import inspect_model
+    from llmopt.quant import build_checkpoint
 
-    facts = get_engine("torch").build(
-        tiny_llama_dir, inspect_model(tiny_llama_dir), get_recipe("w4a16-gptq-g32"), tmp_path / "q"
-    )
+    recipe = get_recipe("w4a16-gptq-g32")
+    facts = build_checkpoint(tiny_llama_dir, recipe, tmp_path / "q")
     assert facts["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert facts["recipe"]["dtype"] == "float32"  # the recipe's, wherever it was built
+    # The engine only takes the calibrated checkpoint in; it refuses to build one itself.
+    info = inspect_model(tiny_llama_dir)
+    built = get_engine("torch").build(tmp_path / "q", info, recipe, tmp_path / "artifact")
+    assert built["kernel"] == "int4" and (tmp_path / "artifact" / "config.json").exists()
+    with pytest.raises(ValueError, match="calibrated checkpoints"):
+        get_engine("torch").build(tiny_llama_dir, info, recipe, tmp_path / "raw")
 
 
 def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(tiny_llama_dir):

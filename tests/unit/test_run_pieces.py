@@ -10,8 +10,9 @@ from llmopt.core.atomic import atomic_dir, write_json
 from llmopt.core.errors import RunDirError
 from llmopt.core.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
 from llmopt.model.info import inspect_model
-from llmopt.optimize.plan import Target, make_plan
-from llmopt.optimize.select import pareto_front, select
+from llmopt.optimize.plan import Target
+from llmopt.optimize.select import SelectionInput, pareto_front, select
+from llmopt.optimize.space import make_plan
 from llmopt.rundir.paths import RunDir
 
 CPU = Target(device="cpu", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
@@ -126,7 +127,8 @@ def test_select_fastest_within_budget_with_reasons():
         "fast-ok": _bench("fast-ok", [20, 21, 22]),
         "same": _bench("same", [19, 20.5, 23]),
     }
-    sel = select(cands, verify, bench, {"broken": "build: OSError: disk full"}, 0.01)
+    sel = select(SelectionInput(cands, verify, bench, 0.01,
+                                 errors={"broken": "build: OSError: disk full"}))
     assert sel.chosen == "fast-ok"
     assert sel.ranking == ["fast-ok", "same", "ref"]
     assert (
@@ -142,7 +144,7 @@ def test_select_fastest_within_budget_with_reasons():
 
 def test_select_nothing_passes():
     cands = [Candidate("ref", "torch", "fp32", reference=True)]
-    sel = select(cands, {}, {}, {"ref": "verify: boom"}, 0.01)
+    sel = select(SelectionInput(cands, {}, {}, 0.01, errors={"ref": "verify: boom"}))
     assert sel.chosen is None and sel.ranking == [] and "boom" in sel.reasons["ref"]
 
 
@@ -154,12 +156,12 @@ def test_peak_rss_is_the_process_own_not_inherited():
     import subprocess
     import sys
 
-    from llmopt.bench.timing import peak_rss_bytes
+    from llmopt.hardware.runtime import peak_rss_bytes
 
     ballast = bytearray(400 * 2**20)  # the parent touches 400 MiB
     ballast[::4096] = b"x" * len(ballast[::4096])
     assert peak_rss_bytes() > 400 * 2**20
-    code = "from llmopt.bench.timing import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from llmopt.hardware.runtime import peak_rss_bytes; print(peak_rss_bytes())"
     child = int(
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True
@@ -183,7 +185,7 @@ def test_select_says_what_the_engine_bought_over_eager_transformers():
         "hf-bf16": _bench("hf-bf16", [16, 16, 16]),
         "torch-bf16": _bench("torch-bf16", [190, 194, 196]),
     }
-    sel = select(cands, verify, bench, {}, 0.01)
+    sel = select(SelectionInput(cands, verify, bench, 0.01))
     assert sel.chosen == "torch-bf16"
     assert "batch-1 decode 12.1x hf-bf16" in sel.reasons["torch-bf16"]
     assert "measured in this run" in sel.reasons["torch-bf16"]
@@ -192,13 +194,36 @@ def test_select_says_what_the_engine_bought_over_eager_transformers():
         "torch-bf16": _bench("torch-bf16", [149] * 3),
     }
     del bench["hf-bf16"]  # no eager twin measured: nothing claimed
-    assert "hf-bf16" not in select(cands, verify, bench, {}, 0.01).reasons["torch-bf16"]
+    assert "hf-bf16" not in select(SelectionInput(cands, verify, bench, 0.01)).reasons["torch-bf16"]
     # The twin cut at the screen: both compared there, and the reason says so.
-    reason = select(cands, verify, bench, {}, 0.01, screen_bench=screen).reasons["torch-bf16"]
+    at_screen = SelectionInput(cands, verify, bench, 0.01, screen_bench=screen)
+    reason = select(at_screen).reasons["torch-bf16"]
     assert "batch-1 decode 5.0x hf-bf16 (149 vs 30 tokens/s" in reason
     assert "at the screen fidelity" in reason
     del screen["torch-bf16"]  # the chosen one has no screen numbers: no mixed-fidelity ratio
-    assert (
-        "hf-bf16"
-        not in select(cands, verify, bench, {}, 0.01, screen_bench=screen).reasons["torch-bf16"]
-    )
+    at_screen = SelectionInput(cands, verify, bench, 0.01, screen_bench=screen)
+    assert "hf-bf16" not in select(at_screen).reasons["torch-bf16"]
+
+
+def test_stage_settings_read_back_the_run_json_they_write():
+    from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
+
+    # The JSON form is what run.json and search.json held before the sizes were typed.
+    assert PROFILES["full"].to_dict() == {
+        "eval_windows": 16, "window": 512, "sentences": 2000, "bench_sentences": 512,
+        "bench_repeats": 3, "prompt_tokens": 100, "new_tokens": 64, "bench_batch_sizes": [1, 4],
+    }  # fmt: skip
+    assert SCREEN["quick"].to_dict()["generation_prompts"] == 0
+    settings = StageSettings.for_run("quick", 0.02, "loose", 2).run_json("quick")
+    assert settings["profile"] == "quick" and settings["threads"] == 2
+    assert "generation_prompts" not in settings  # full fidelity: the verifier's default
+    for fidelity, sizes in (("full", PROFILES["quick"]), ("screen", SCREEN["quick"]),
+                            ("reverify", PROFILES["quick"])):  # fmt: skip
+        got = StageSettings.from_run_json(settings, fidelity)
+        assert got.sizes == sizes and got.max_quality_drop == 0.02 and got.gates == "loose"
+    # A run written before --gates existed reads as the default preset.
+    older = {k: v for k, v in settings.items() if k != "gates"}
+    assert StageSettings.from_run_json(older).gates == "default"
+    record = SCREEN["full"].fidelity_record("screen", SCREEN["full"].VERIFY_FIELDS)
+    assert record == {"level": "screen", "rung": 1, "eval_windows": 4, "window": 256,
+                      "sentences": 500, "generation_prompts": 0}  # fmt: skip

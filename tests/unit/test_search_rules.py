@@ -9,9 +9,9 @@ from llmopt.model.info import inspect_model
 from llmopt.optimize.budget import Budget, parse_duration
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import get_objective
-from llmopt.optimize.plan import Target, make_plan
-from llmopt.optimize.select import pareto_front_nd, select
-from llmopt.optimize.space import candidate_space, settings_suffix, task_rule
+from llmopt.optimize.plan import Target
+from llmopt.optimize.select import SelectionInput, pareto_front_nd, select
+from llmopt.optimize.space import candidate_space, make_plan, settings_suffix, task_rule
 from llmopt.rundir.paths import RunDir
 
 CPU = Target(device="cpu", threads=2, cpu="test cpu", memory_bytes=8 * 2**30)
@@ -189,13 +189,13 @@ def test_select_by_objective_and_cut_reasons():
     }  # fmt: skip
     bench["small"].peak_rss_bytes = 40 * 2**20
     cut = {"cut": "screened out at fidelity 1 (screen): ppl +7.0% > budget 1.0%"}
-    tp = select(cands, verify, bench, {}, 0.01, "throughput", cut=cut)
+    tp = select(SelectionInput(cands, verify, bench, 0.01, "throughput", cut=cut))
     assert tp.chosen == "fast" and "3.00x the reference" in tp.reasons["fast"]
     assert tp.reasons["cut"].startswith("cut: screened out")
     assert tp.objective == "throughput" and tp.objective_unit == "tokens/s"
-    mem = select(cands, verify, bench, {}, 0.01, "memory", cut=cut)
+    mem = select(SelectionInput(cands, verify, bench, 0.01, "memory", cut=cut))
     assert mem.chosen == "small" and mem.ranking[0] == "small"
-    lat = select(cands, verify, bench, {}, 0.01, "latency")
+    lat = select(SelectionInput(cands, verify, bench, 0.01, "latency"))
     # fast: 100/300 s + 10 x 33 ms = 663 ms; small: 50 + 500 = 550 ms -> small wins latency
     assert lat.chosen == "small"
     assert set(tp.pareto) == {"fast", "small", "ref"}

@@ -21,10 +21,14 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmopt.assets.models import llmopt_home
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.errors import AssetMissingError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Article",
@@ -38,6 +42,7 @@ __all__ = [
     "evaluation_sentences",
     "wordsim353",
     "simlex999",
+    "token_windows",
     "strip_wiki_markup",
 ]
 
@@ -384,3 +389,27 @@ def simlex999() -> list[tuple[str, str, float]]:
     ('old', 'new', 1.58)
     """
     return _word_pairs("simlex999.txt")
+
+
+def token_windows(tokenizer, text: str, window: int = 512, count: int = 16) -> torch.Tensor:
+    """Cut `text` into `count` non-overlapping windows of `window` tokens, in order: the unit
+    quantization calibrates and evaluates on, and verification scores perplexity over.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        text: held-out prose (`evaluation_text()`).
+        window: tokens per window (the context each token is predicted from is at most this).
+        count: number of windows; fewer are returned if the text runs out (never padded).
+
+    Returns:
+        (N, window) int64 tensor.
+    """
+    import torch  # heavy: only the callers that tokenize pay for it
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = min(count, len(ids) // window)
+    if n == 0:
+        raise ValueError(
+            f"evaluation text has {len(ids)} tokens, fewer than one window of {window}"
+        )
+    return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)

@@ -64,6 +64,7 @@ def bench_lm_model(
     new_tokens: int = 32,
     repeats: int = 3,
     threads: int | None = None,
+    checkpoint: Path | None = None,
 ) -> dict[str, Any]:
     """Build (when the recipe changes the weights), load and benchmark one causal LM candidate.
 
@@ -74,6 +75,9 @@ def bench_lm_model(
         prompt_tokens / new_tokens: the full prompt and decode steps per repeat.
         repeats: timed repetitions per point (warm-up excluded and reported).
         threads: CPU threads.
+        checkpoint: for a calibrated recipe (`Recipe.calibrated`), the compressed-tensors folder
+            `llmopt.quant.build_checkpoint` wrote from `model`; the caller quantizes (bench sits
+            beside quant and does not import it), the engine only takes the folder in.
 
     Returns:
         {"metrics": {name: Stat dict}, "warmup_seconds", "ceilings", "roofline": [rows], "settings",
@@ -88,9 +92,10 @@ def bench_lm_model(
     from llmopt.assets.text import evaluation_text
     from llmopt.bench.lm import bench_causal_lm
     from llmopt.bench.roofline import measure_ceilings
-    from llmopt.bench.timing import environment, peak_rss_bytes
+    from llmopt.bench.timing import environment
     from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
+    from llmopt.hardware.runtime import peak_rss_bytes
     from llmopt.model.info import inspect_model
 
     folder, _ = resolve_model(model)
@@ -101,11 +106,14 @@ def bench_lm_model(
     why = eng.missing() or eng.incompatible(info, rec, "cpu")
     if why:
         raise ValueError(f"{engine}/{recipe} cannot run {model}: {why}")
+    if rec.calibrated and checkpoint is None:
+        raise ValueError(f"{recipe} is a calibrated recipe: quantize {model} first and pass the "
+                         "folder as `checkpoint` (`llmopt bench lm` does this)")  # fmt: skip
     settings = {"threads": threads} if threads else {}
     with tempfile.TemporaryDirectory(prefix="llmopt-bench-") as tmp:
         artifact = Path(tmp) / "artifact"
         artifact.mkdir()
-        eng.build(folder, info, rec, artifact)
+        eng.build(Path(checkpoint) if rec.calibrated else folder, info, rec, artifact)
         t0 = time.perf_counter()
         runner = eng.load(artifact, info, rec, settings)
         load_s = time.perf_counter() - t0

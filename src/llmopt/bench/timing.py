@@ -1,4 +1,4 @@
-"""Timing and memory primitives shared by the benchmarks.
+"""Timing primitives shared by the benchmarks (memory: `llmopt.hardware.runtime`).
 
 Rules (STYLE.md, "benchmark honestly"): synchronize the device before reading the clock, run
 warm-up iterations that are timed separately and excluded, repeat, and summarize with the median
@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["device_sync", "time_repeated", "rss_bytes", "peak_rss_bytes", "environment"]
+__all__ = ["device_sync", "time_repeated", "environment"]
 
 
 def device_sync(device: str = "cpu") -> None:
@@ -51,30 +49,6 @@ def time_repeated(
         device_sync(device)
         out.append(time.perf_counter() - t)
     return out, warm
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process."""
-    import psutil
-
-    return int(psutil.Process(os.getpid()).memory_info().rss)
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far.
-
-    On Linux this reads VmHWM from /proc: `ru_maxrss` survives exec(), so a worker started by a
-    parent that once held a large model would report the parent's peak, not its own.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def environment() -> dict[str, Any]:

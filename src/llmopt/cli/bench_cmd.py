@@ -213,11 +213,23 @@ def lm(
     as_json: JsonOpt = False,
 ) -> None:
     """In-process prefill/decode sweep of one engine+recipe, with roofline attribution."""
-    from llmopt.bench.lm_run import bench_lm_model
+    import tempfile
+    from pathlib import Path
 
-    res = bench_lm_model(model, engine, recipe, [int(b) for b in batch_sizes.split(",") if b],
-                         [int(p) for p in prompt_lengths.split(",") if p], prompt_tokens,
-                         new_tokens, repeats, threads)  # fmt: skip
+    from llmopt.bench.lm_run import bench_lm_model
+    from llmopt.core.recipes import get_recipe
+
+    with tempfile.TemporaryDirectory(prefix="llmopt-quant-") as tmp:
+        checkpoint = None
+        if get_recipe(recipe).calibrated:  # quantized first; the engine only loads checkpoints
+            from llmopt.assets import resolve_model
+            from llmopt.quant import build_checkpoint
+
+            checkpoint = Path(tmp) / "checkpoint"
+            build_checkpoint(resolve_model(model)[0], recipe, checkpoint)
+        res = bench_lm_model(model, engine, recipe, [int(b) for b in batch_sizes.split(",") if b],
+                             [int(p) for p in prompt_lengths.split(",") if p], prompt_tokens,
+                             new_tokens, repeats, threads, checkpoint=checkpoint)  # fmt: skip
     if as_json:
         _emit(res)
         return

@@ -147,7 +147,7 @@ def optimize(
     from llmopt.cli.render import OptimizeProgress, render_reverify
     from llmopt.optimize.budget import Budget
     from llmopt.optimize.job import optimize as run_optimize
-    from llmopt.optimize.job import reverify
+    from llmopt.optimize.reverify import reverify
 
     address = ray_address or ("local" if ray else None)
     if address:

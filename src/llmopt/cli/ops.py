@@ -165,7 +165,8 @@ def plan(
     from llmopt.cli.render import render_plan
     from llmopt.cli.render_ops import render_serving
     from llmopt.model.config import load_model_info
-    from llmopt.optimize.plan import Target, detect_target, make_plan
+    from llmopt.optimize.plan import Target, detect_target
+    from llmopt.optimize.space import make_plan
     from llmopt.planning.serving import plan_serving
 
     info, source = load_model_info(model, params=params)

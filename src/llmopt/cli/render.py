@@ -11,7 +11,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
     from llmopt.optimize.job import OptimizeResult
-    from llmopt.optimize.plan import Plan
+    from llmopt.optimize.space import Plan
 
 console = Console(stderr=False)
 # Errors go to stderr, so `--json > facts.json` never holds an error message instead of JSON.

@@ -178,6 +178,22 @@ class Recipe:
     def quantized(self) -> bool:
         return self.weight_bits is not None or self.kv_cache_dtype is not None
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the checkpoint comes from the quantization pipeline (`llmopt.quant`: minutes
+        per build, not seconds) rather than an engine's own writer: 4-bit weights, AWQ, GPTQ,
+        SmoothQuant, FP8, a calibrated KV cache. The build stage runs it before the engine.
+
+        >>> get_recipe("w4a16").calibrated, get_recipe("w8a16").calibrated
+        (True, False)
+        """
+        return (
+            self.weight_bits == 4
+            or self.algorithm != "rtn"
+            or self.weight_type == "float"
+            or self.kv_cache_dtype is not None
+        )
+
     def with_changes(self, **changes: Any) -> Recipe:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -11,86 +11,28 @@ a finished one returns at once.
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import json
 import logging
-import os
-import platform
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmopt import __version__
 from llmopt.core.atomic import read_json, write_json
-from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
+from llmopt.core.schema import Candidate, Selection
+from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
+from llmopt.optimize.runmeta import run_meta, write_doctor
 from llmopt.rundir.best import write_best
 from llmopt.rundir.paths import RunDir
 
-__all__ = ["optimize", "reverify", "OptimizeResult", "PROFILES", "SCREEN", "versions"]
+if TYPE_CHECKING:
+    from llmopt.optimize.budget import Budget
+    from llmopt.optimize.loop import SearchState
+    from llmopt.optimize.objective import Objective
+    from llmopt.optimize.space import Plan
+
+__all__ = ["optimize", "OptimizeResult"]
 
 log = logging.getLogger(__name__)
-
-
-def reverify(run_dir: str | Path, progress: Progress | None = None, ray_address: str | None = None):
-    """Re-check a finished run's choice with today's libraries (`llmopt.optimize.reverify`)."""
-    from llmopt.optimize.reverify import reverify as _reverify
-
-    return _reverify(run_dir, progress, ray_address)
-
-
-# Sizes of the verification and benchmark work. "full" is the default; "quick" is for tests and
-# smoke runs (still >= 1000 sentences for embeddings, so the cosine statistics mean something).
-PROFILES: dict[str, dict[str, Any]] = {
-    "full": {
-        "eval_windows": 16,
-        "window": 512,
-        "sentences": 2000,
-        "bench_sentences": 512,
-        "bench_repeats": 3,  # x (1 + 1 warm-up); 3 keeps a 15-minute search within budget
-        "prompt_tokens": 100,
-        "new_tokens": 64,
-        "bench_batch_sizes": [1, 4],  # throughput vs concurrency for the throughput objective
-    },
-    "quick": {
-        "eval_windows": 4,
-        "window": 256,
-        "sentences": 1000,
-        "bench_sentences": 128,
-        "bench_repeats": 3,
-        "prompt_tokens": 64,
-        "new_tokens": 32,
-        "bench_batch_sizes": [1],
-    },
-}
-# The search's cheap first rung (fidelity 1) for each profile: a quarter of the evaluation
-# tokens or sentences, short benchmarks. Full fidelity (2) is the profile itself.
-SCREEN: dict[str, dict[str, Any]] = {
-    "full": {
-        "eval_windows": 4,
-        "window": 256,
-        "sentences": 500,
-        "bench_sentences": 128,
-        "bench_repeats": 2,
-        "prompt_tokens": 64,
-        "new_tokens": 24,
-        "generation_prompts": 0,  # greedy-match generation is left to full fidelity
-        "bench_batch_sizes": [1],
-    },
-    "quick": {
-        "eval_windows": 2,
-        "window": 128,
-        "sentences": 250,
-        "bench_sentences": 64,
-        "bench_repeats": 2,
-        "prompt_tokens": 32,
-        "new_tokens": 12,
-        "generation_prompts": 0,  # greedy-match generation is left to full fidelity
-        "bench_batch_sizes": [1],
-    },
-}
 
 # progress(event, candidate_id, stage, detail): event is "start", "done", "skip" or "fail".
 Progress = Callable[[str, str, str, str], None]
@@ -98,6 +40,8 @@ Progress = Callable[[str, str, str, str], None]
 
 @dataclass
 class OptimizeResult:
+    """What one `optimize` call did: where, what it chose, and which stages ran or were reused."""
+
     run_dir: Path
     selection: Selection
     resumed: bool
@@ -158,75 +102,34 @@ def optimize(
         >>> r.selection.chosen                                             # doctest: +SKIP
         'onnxruntime-w8a8-dynamic'
     """
-    from llmopt.model.info import inspect_model
     from llmopt.optimize.budget import Budget, parse_duration
-    from llmopt.optimize.executor import make_executor
-    from llmopt.optimize.loop import MODES, run_search
     from llmopt.optimize.objective import get_objective
-    from llmopt.optimize.plan import detect_target, make_plan
 
-    if not 0 <= max_quality_drop < 1:
-        raise ValueError(f"--max-quality-drop must be a fraction in [0, 1), got {max_quality_drop}")
-    from llmopt.verify.gates import GATE_PRESETS
-
-    if gates not in GATE_PRESETS:
-        raise ValueError(f"unknown gate preset {gates!r}; choose one of {', '.join(GATE_PRESETS)}")
-    if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    if search not in MODES:
-        raise ValueError(f"unknown search {search!r}; choose one of {', '.join(MODES)}")
+    _check(max_quality_drop, gates, profile, search)
     obj = get_objective(objective)
     budget = Budget.since(parse_duration(time_budget), budget_started_at)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
-    info = inspect_model(model)  # resolves (and prepares) a built-in name; keeps the name
-    path = Path(info.path)
-    tgt = detect_target(target, threads)
-    settings = {
-        **PROFILES[profile],
-        "profile": profile,
-        "max_quality_drop": max_quality_drop,
-        "gates": gates,
-        "threads": tgt.threads,
-        "fidelities": {"screen": SCREEN[profile]},
-    }  # part of the run's identity: a resume must not mix them
-    run = RunDir(out)
-    resumed = run.open(_run_meta(model, path, info, tgt, settings), force=force)
-    write_json(run.model_json, info.to_dict())
-    _doctor(run, target)
-    plan = make_plan(info, tgt, only=candidates, settings={"threads": tgt.threads})
-    write_json(run.plan_json, plan.to_dict())
-    for cand in plan.candidates:
-        f = run.candidate(cand.id).stage_file("candidate")
-        if not f.exists():
-            write_json(f, cand.to_dict())
-
     ctx = {"price_per_hour": price_per_hour}
-    executor = make_executor(ray_address, tgt.threads, progress)
-    try:
-        state = run_search(run, plan.candidates, executor, budget, obj, max_quality_drop,
-                           search, ctx)  # fmt: skip
-        where = executor.describe()
-    finally:
-        executor.close()
-    result = OptimizeResult(run.root, selection=None, resumed=resumed)  # type: ignore[arg-type]
-    for rec in state.tasks:
-        result.ran += rec.get("ran", [])
-        result.skipped += rec.get("skipped", [])
-    result.selection = _select(run, plan.candidates, max_quality_drop, obj.name, ctx, state.cut)
-    if result.selection.chosen:
-        chosen = next(c for c in plan.candidates if c.id == result.selection.chosen)
+    # inspect: the model and the machine; the run directory opens (or resumes) on them
+    info, tgt = _inspect(model, target, threads)
+    stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
+    run = RunDir(out)
+    resumed = run.open(run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)),
+                       force=force)  # fmt: skip
+    write_json(run.model_json, info.to_dict())
+    write_doctor(run, target)
+    # plan -> search -> select -> best/
+    plan = _plan(run, info, tgt, candidates)
+    state, where = _search(run, plan, budget, obj, max_quality_drop, search, ctx, ray_address,
+                           progress)  # fmt: skip
+    selection = _select(run, plan, max_quality_drop, obj, ctx, state)
+    if selection.chosen:
+        chosen = next(c for c in plan.candidates if c.id == selection.chosen)
         _write_best(run, chosen, tgt.threads, deploy)
-    result.search = {
-        "objective": obj.name,
-        "search": search,
-        "budget": budget.to_dict(),
-        "executor": where,
-        "profile": profile,
-        "fidelities": {"1 (screen)": SCREEN[profile], "2 (full)": PROFILES[profile]},
-        **state.to_dict(),
-    }
+    # search.json and the report
+    result = OptimizeResult(run.root, selection, resumed,
+                            ran=[k for rec in state.tasks for k in rec.get("ran", [])],
+                            skipped=[k for rec in state.tasks for k in rec.get("skipped", [])],
+                            search=_search_record(obj, search, budget, where, profile, state))  # fmt: skip
     write_json(run.search_json, result.search)
     from llmopt.report import write_report
 
@@ -234,99 +137,86 @@ def optimize(
     return result
 
 
-def _run_meta(model, path: Path, info, tgt, settings: dict[str, Any]) -> dict[str, Any]:
-    """run.json: identity (model fingerprint, target, settings) plus what reproduces the run."""
-    argv = " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "llmopt" else None
-    from llmopt.verify.stats import DEFAULT_SEED
+def _check(max_quality_drop: float, gates: str, profile: str, search: str) -> None:
+    """Refuse bad arguments before any work."""
+    from llmopt.optimize.loop import MODES
+    from llmopt.verify.gates import GATE_PRESETS
 
-    return {
-        "llmopt_version": __version__,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": f"llmopt {argv}" if argv else f"optimize({str(model)!r}, target={tgt.device!r})",
-        "model": str(model),
-        "model_path": str(path),
-        "model_fingerprint": info.fingerprint,
-        "target": tgt.device,
-        "max_quality_drop": settings["max_quality_drop"],
-        "settings": settings,
-        "versions": versions(),
-        "seeds": {
-            "bootstrap": DEFAULT_SEED,
-            "data": "fixed article split (llmopt.assets.text)",
-            "decoding": "greedy",
-        },  # fmt: skip
-        "hardware": hardware_fingerprint(tgt),
-    }
+    if not 0 <= max_quality_drop < 1:
+        raise ValueError(f"--max-quality-drop must be a fraction in [0, 1), got {max_quality_drop}")
+    if gates not in GATE_PRESETS:
+        raise ValueError(f"unknown gate preset {gates!r}; choose one of {', '.join(GATE_PRESETS)}")
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    if search not in MODES:
+        raise ValueError(f"unknown search {search!r}; choose one of {', '.join(MODES)}")
 
 
-def versions() -> dict[str, str | None]:
-    """Versions of llmopt, Python and every library a candidate's numbers depend on."""
-    from importlib import metadata
+def _inspect(model: str | Path, target: str, threads: int | None):
+    """The model (a built-in name is resolved and prepared; the name is kept) and the target."""
+    from transformers.utils import logging as hf_logging
 
-    out: dict[str, str | None] = {"llmopt": __version__, "python": platform.python_version()}
-    for dist in ("torch", "transformers", "numpy", "onnxruntime", "onnx", "safetensors",
-                 "llama-cpp-python", "vllm", "ray"):  # fmt: skip
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
+    from llmopt.model.info import inspect_model
+    from llmopt.optimize.plan import detect_target
+
+    hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
+    return inspect_model(model), detect_target(target, threads)
 
 
-def hardware_fingerprint(tgt) -> dict[str, Any]:
-    """The facts that make two machines comparable, and a short hash of them."""
-    facts = {"device": tgt.device, "cpu": tgt.cpu, "threads": tgt.threads,
-             "cores": os.cpu_count(), "memory_gib": round(tgt.memory_bytes / 2**30),
-             "features": sorted(tgt.features), "gpu": (tgt.gpu or {}).get("name"),
-             "machine": platform.machine()}  # fmt: skip
-    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-    return {**facts, "fingerprint": digest}
+def _plan(run: RunDir, info, tgt, only: list[str] | None) -> Plan:
+    """plan.json, and candidates/<id>/candidate.json for each planned candidate."""
+    from llmopt.optimize.space import make_plan
+
+    plan = make_plan(info, tgt, only=only, settings={"threads": tgt.threads})
+    write_json(run.plan_json, plan.to_dict())
+    for cand in plan.candidates:
+        f = run.candidate(cand.id).stage_file("candidate")
+        if not f.exists():
+            write_json(f, cand.to_dict())
+    return plan
 
 
-def _doctor(run: RunDir, target: str) -> None:
-    """doctor.json once per run: the environment section of the report."""
-    if run.doctor_json.exists():
-        return
+def _search(run: RunDir, plan: Plan, budget: Budget, obj: Objective, max_quality_drop: float,
+            search: str, ctx: dict[str, Any], ray_address: str | None,
+            progress: Progress | None) -> tuple[SearchState, dict[str, Any]]:  # fmt: skip
+    """Run the search on this machine's workers or on Ray; return what it did and where."""
+    from llmopt.optimize.executor import make_executor
+    from llmopt.optimize.loop import run_search
+
+    executor = make_executor(ray_address, plan.target.threads, progress)
     try:
-        from llmopt.doctor import run_doctor
-
-        write_json(run.doctor_json, run_doctor(target if target in ("cpu", "cuda") else "auto")
-                   .to_dict())  # fmt: skip
-    except Exception as e:  # the report says the environment is unknown; the run goes on
-        log.warning("doctor failed: %s", e)
-        write_json(run.doctor_json, {"error": f"{type(e).__name__}: {e}", "findings": []})
+        state = run_search(run, plan.candidates, executor, budget, obj, max_quality_drop,
+                           search, ctx)  # fmt: skip
+        return state, executor.describe()
+    finally:
+        executor.close()
 
 
-def _results(run: RunDir, cands: list[Candidate], fidelity: str = "full"):
-    """verify, bench and errors ("stage (fidelity): message") by candidate id at `fidelity`
-    (the full selection also counts failures at the screen)."""
-    allowed = (fidelity,) if fidelity == "reverify" else ("full", "screen")
-    verify, bench, errors = {}, {}, {}
-    for c in cands:
-        cdir = run.candidate(c.id)
-        e = cdir.read("error")
-        if e is not None and e.get("fidelity", "full") in allowed:
-            fid = e.get("fidelity", "full")
-            errors[c.id] = (
-                f"{e['stage']}" + ("" if fid == "full" else f" ({fid})") + f": {e['error']}"
-            )
-        if (v := cdir.read("verify", fidelity)) is not None:
-            verify[c.id] = VerifyResult.from_dict(v)
-        if (b := cdir.read("bench", fidelity)) is not None:
-            bench[c.id] = BenchResult.from_dict(b)
-    return verify, bench, errors
+def _select(run: RunDir, plan: Plan, max_quality_drop: float, obj: Objective,
+            ctx: dict[str, Any], state: SearchState) -> Selection:  # fmt: skip
+    """selection.json: the choice from the full-fidelity results, with a reason per candidate."""
+    from llmopt.optimize.select import SelectionInput, select
 
-
-def _select(run: RunDir, cands: list[Candidate], max_quality_drop: float, objective: str,
-            ctx: dict[str, Any], cut: dict[str, str]) -> Selection:  # fmt: skip
-    from llmopt.optimize.select import select
-
-    verify, bench, errors = _results(run, cands)
-    screen = {c.id: BenchResult.from_dict(b) for c in cands
-              if (b := run.candidate(c.id).read("bench", "screen")) is not None}  # fmt: skip
-    sel = select(cands, verify, bench, errors, max_quality_drop, objective, ctx, cut, screen)
+    inp = SelectionInput.from_run(run, plan.candidates, max_quality_drop, obj.name, ctx,
+                                  state.cut)  # fmt: skip
+    sel = select(inp)
     write_json(run.selection_json, sel.to_dict())
     return sel
+
+
+def _search_record(obj: Objective, search: str, budget: Budget, where: dict[str, Any],
+                   profile: str, state: SearchState) -> dict[str, Any]:  # fmt: skip
+    """What search.json holds: how the search was set up and what it did."""
+    return {
+        "objective": obj.name,
+        "search": search,
+        "budget": budget.to_dict(),
+        "executor": where,
+        "profile": profile,
+        "fidelities": {"1 (screen)": SCREEN[profile].to_dict(),
+                       "2 (full)": PROFILES[profile].to_dict()},  # fmt: skip
+        **state.to_dict(),
+    }
 
 
 def _write_best(run: RunDir, cand: Candidate, threads: int, deploy: bool) -> None:

@@ -189,17 +189,10 @@ def run_search(
 
 
 def _calibrated(recipe_name: str) -> bool:
-    """Whether the recipe's build runs the calibration pipeline (minutes per build, not seconds):
-    4-bit weights, AWQ/GPTQ/SmoothQuant, FP8."""
+    """Whether the recipe's build runs the calibration pipeline (`Recipe.calibrated`)."""
     from llmopt.core.recipes import get_recipe
 
-    r = get_recipe(recipe_name)
-    bits = getattr(r, "weight_bits", None)
-    return (
-        bits == 4
-        or getattr(r, "algorithm", "rtn") != "rtn"
-        or (bits is not None and getattr(r, "weight_type", "int") == "float")
-    )
+    return get_recipe(recipe_name).calibrated
 
 
 def _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,

@@ -1,8 +1,6 @@
-"""Planning: the target machine, the memory math, and which candidates to try (and which not, why).
+"""The target machine a plan is for, and the memory math (weights, KV cache, what fits).
 
-Every registered recipe x engine x engine settings is considered (`llmopt.optimize.space`); a
-combination that cannot run here (task rule, not installed, wrong task, wrong device) is listed in
-`skipped` with the reason and never attempted. The reference candidate (hf, fp32) is always first.
+The candidate list itself (`Plan`, `make_plan`) is built in `llmopt.optimize.space`.
 """
 
 from __future__ import annotations
@@ -12,13 +10,10 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmopt.core.schema import SCHEMA_VERSION, Candidate
-from llmopt.optimize.space import REFERENCE  # (hf, fp32): what every candidate is compared against
-
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
 
-__all__ = ["Target", "Plan", "detect_target", "make_plan", "REFERENCE"]
+__all__ = ["Target", "detect_target", "memory_math"]
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 
@@ -87,25 +82,6 @@ def detect_target(device: str = "cpu", threads: int | None = None) -> Target:
     )
 
 
-@dataclass
-class Plan:
-    target: Target
-    memory: dict[str, Any]
-    candidates: list[Candidate]
-    skipped: list[dict[str, str]]
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "target": self.target.to_dict(),
-            "memory": self.memory,
-            "candidates": [c.to_dict() for c in self.candidates],
-            "skipped": self.skipped,
-            "notes": self.notes,
-        }
-
-
 def memory_math(info: ModelInfo, target: Target, context: int | None = None) -> dict[str, Any]:
     """Weights per precision, KV cache per token, and how many full-context sequences fit."""
     weights = {dt: info.num_parameters * b for dt, b in BYTES.items() if dt != "float16"}
@@ -131,30 +107,3 @@ def memory_math(info: ModelInfo, target: Target, context: int | None = None) -> 
         )
     out["notes"] = notes
     return out
-
-
-def make_plan(
-    info: ModelInfo,
-    target: Target,
-    only: list[str] | None = None,
-    settings: dict[str, Any] | None = None,
-) -> Plan:
-    """List the candidates to build for `info` on `target`, and those skipped with the reason.
-
-    Args:
-        info: from `inspect_model`.
-        target: from `detect_target`.
-        only: restrict to these candidate ids (the reference is always kept).
-        settings: engine settings given to every candidate (e.g. {"threads": 2}).
-    """
-    from llmopt.optimize.space import candidate_space
-
-    cands, skipped = candidate_space(info, target, only, settings)
-    unknown = sorted(set(only or []) - {c.id for c in cands} - {s["id"] for s in skipped})
-    if unknown:
-        raise ValueError(
-            f"unknown candidate id(s) {unknown}; known: "
-            f"{sorted([c.id for c in cands] + [s['id'] for s in skipped])}"
-        )
-    assert cands and cands[0].reference, "the hf fp32 reference must be runnable"
-    return Plan(target, memory_math(info, target), cands, skipped)

@@ -35,9 +35,10 @@ def reverify(run_dir: str | Path, progress: Any = None,
     """
     from llmopt.core.errors import RunDirError
     from llmopt.optimize.executor import Task, make_executor
-    from llmopt.optimize.job import _results, hardware_fingerprint, versions
     from llmopt.optimize.objective import get_objective
     from llmopt.optimize.plan import detect_target
+    from llmopt.optimize.runmeta import hardware_fingerprint, versions
+    from llmopt.optimize.select import read_results
 
     run = RunDir(run_dir)
     if not run.selection_json.exists():
@@ -66,8 +67,9 @@ def reverify(run_dir: str | Path, progress: Any = None,
         executor.close()
     obj = get_objective(sel.objective)
     by_id = {c.id: c for c in cands}
-    v_now, b_now, errors = _results(run, [by_id[i] for i in ids], "reverify")
-    _, b_then, _ = _results(run, [by_id[i] for i in ids], "full")
+    now_res = read_results(run, [by_id[i] for i in ids], "reverify")
+    v_now, b_now, errors = now_res.verify, now_res.bench, now_res.errors
+    b_then = read_results(run, [by_id[i] for i in ids], "full").bench
 
     def score(b: dict[str, BenchResult]) -> float | None:
         if sel.chosen not in b or ref.id not in b:

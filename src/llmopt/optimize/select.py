@@ -9,11 +9,83 @@ quality vs speed (the primary bench metric), and quality vs speed vs peak memory
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
+from llmopt.rundir.paths import RunDir
 
-__all__ = ["select", "pareto_front", "pareto_front_nd"]
+__all__ = ["select", "SelectionInput", "StageResults", "read_results", "pareto_front",
+           "pareto_front_nd"]  # fmt: skip
+
+
+@dataclass
+class StageResults:
+    """Verify and bench results of one fidelity by candidate id, and the failures
+    (candidate id -> "stage (fidelity): message")."""
+
+    verify: dict[str, VerifyResult] = field(default_factory=dict)
+    bench: dict[str, BenchResult] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def read_results(run: RunDir, cands: list[Candidate], fidelity: str = "full") -> StageResults:
+    """The results of `cands` at `fidelity` in the run directory. A failure counts at its own
+    fidelity; the full selection also counts failures at the screen (a candidate that failed
+    there never reached full fidelity)."""
+    allowed = (fidelity,) if fidelity == "reverify" else ("full", "screen")
+    out = StageResults()
+    for c in cands:
+        cdir = run.candidate(c.id)
+        e = cdir.read("error")
+        if e is not None and e.get("fidelity", "full") in allowed:
+            fid = e.get("fidelity", "full")
+            out.errors[c.id] = (
+                f"{e['stage']}" + ("" if fid == "full" else f" ({fid})") + f": {e['error']}"
+            )
+        if (v := cdir.read("verify", fidelity)) is not None:
+            out.verify[c.id] = VerifyResult.from_dict(v)
+        if (b := cdir.read("bench", fidelity)) is not None:
+            out.bench[c.id] = BenchResult.from_dict(b)
+    return out
+
+
+@dataclass
+class SelectionInput:
+    """Everything selection decides from.
+
+    Attributes:
+        candidates: all planned candidates.
+        verify, bench: full-fidelity results by candidate id (missing ids are incomplete).
+        max_quality_drop: the budget the gates were set from (recorded in the selection).
+        objective: latency | throughput | memory | cost (llmopt.optimize.objective).
+        errors: candidate id -> "stage: message" for candidates whose stage failed.
+        context: objective context (price_per_hour for cost).
+        cut: candidate id -> why the search stopped it before full fidelity.
+        screen_bench: screen-fidelity bench results by id; they never rank anything, but when the
+            chosen candidate's eager `hf` twin was cut at the screen, the reason compares the
+            two there (both measured alike, in this run).
+    """
+
+    candidates: list[Candidate]
+    verify: dict[str, VerifyResult]
+    bench: dict[str, BenchResult]
+    max_quality_drop: float
+    objective: str = "throughput"
+    errors: dict[str, str] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+    cut: dict[str, str] = field(default_factory=dict)
+    screen_bench: dict[str, BenchResult] = field(default_factory=dict)
+
+    @classmethod
+    def from_run(cls, run: RunDir, cands: list[Candidate], max_quality_drop: float,
+                 objective: str, context: dict[str, Any] | None = None,
+                 cut: dict[str, str] | None = None) -> SelectionInput:  # fmt: skip
+        """The full-fidelity results (and screen benchmarks) the run directory holds."""
+        full = read_results(run, cands)
+        screen = read_results(run, cands, "screen").bench
+        return cls(cands, full.verify, full.bench, max_quality_drop, objective, full.errors,
+                   dict(context or {}), dict(cut or {}), screen)  # fmt: skip
 
 
 def pareto_front_nd(points: dict[str, tuple[float, ...]]) -> list[str]:
@@ -46,39 +118,18 @@ def _fmt(v: float, unit: str) -> str:
     return f"{v:.4g} {unit}".strip()
 
 
-def select(
-    candidates: list[Candidate],
-    verify: dict[str, VerifyResult],
-    bench: dict[str, BenchResult],
-    errors: dict[str, str],
-    max_quality_drop: float,
-    objective: str = "throughput",
-    context: dict[str, Any] | None = None,
-    cut: dict[str, str] | None = None,
-    screen_bench: dict[str, BenchResult] | None = None,
-) -> Selection:
-    """Choose the best candidate for `objective` among those that pass verification.
-
-    Args:
-        candidates: all planned candidates.
-        verify, bench: full-fidelity results by candidate id (missing ids are incomplete).
-        errors: candidate id -> "stage: message" for candidates whose stage failed.
-        max_quality_drop: the budget the gates were set from (recorded in the selection).
-        objective: latency | throughput | memory | cost (llmopt.optimize.objective).
-        context: objective context (price_per_hour for cost).
-        cut: candidate id -> why the search stopped it before full fidelity.
-        screen_bench: screen-fidelity bench results by id; they never rank anything, but when the
-            chosen candidate's eager `hf` twin was cut at the screen, the reason compares the
-            two there (both measured alike, in this run).
+def select(inp: SelectionInput) -> Selection:
+    """Choose the best candidate for `inp.objective` among those that pass verification.
 
     Example:
-        >>> sel = select(cands, verify, bench, {}, 0.01, "latency")   # doctest: +SKIP
-        >>> sel.chosen, sel.reasons[sel.chosen]                        # doctest: +SKIP
+        >>> sel = select(SelectionInput(cands, verify, bench, 0.01, "latency"))  # doctest: +SKIP
+        >>> sel.chosen, sel.reasons[sel.chosen]                                 # doctest: +SKIP
     """
     from llmopt.optimize.objective import get_objective
 
-    obj = get_objective(objective)
-    cut = cut or {}
+    candidates, verify, bench, errors = inp.candidates, inp.verify, inp.bench, inp.errors
+    context, cut = inp.context, inp.cut
+    obj = get_objective(inp.objective)
     reasons: dict[str, str] = {}
     eligible: list[str] = []
     values: dict[str, float] = {}
@@ -116,7 +167,7 @@ def select(
         reasons[chosen] = (
             f"chosen: best {obj.name} within the quality budget ({_fmt(values[chosen], unit)}"
             f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
-            + _vs_eager(chosen, candidates, bench, screen_bench or {})
+            + _vs_eager(chosen, candidates, bench, inp.screen_bench)
         )
         best_noise = _noise(bench[chosen], obj.name)
         for i in ranking[1:]:
@@ -132,7 +183,7 @@ def select(
     return Selection(
         objective=obj.name,
         chosen=chosen,
-        max_quality_drop=max_quality_drop,
+        max_quality_drop=inp.max_quality_drop,
         reasons=reasons,
         ranking=ranking,
         pareto=pareto_front({i: (speed[i], verify[i].quality_drop) for i in full}),

@@ -1,4 +1,6 @@
-"""The search space: every compatible (recipe, engine, engine settings), filtered before any work.
+"""The search space and the plan: every compatible (recipe, engine, engine settings), filtered
+before any work; `make_plan` turns it into the run's candidate list (reference first) and the list
+of what is skipped, each with its reason.
 
 Recipes come from the registry (`llmopt.core.recipes.RECIPES`) and engines from theirs
 (`llmopt.engines.ENGINES`), so a newly registered recipe or engine is searched without touching
@@ -20,18 +22,18 @@ with an `opt_in` entry (its reason) is listed as skipped unless named in `--cand
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.core.recipes import Recipe
-from llmopt.core.schema import Candidate
+from llmopt.core.schema import SCHEMA_VERSION, Candidate
+from llmopt.optimize.plan import Target, memory_math
 
 if TYPE_CHECKING:
     from llmopt.engines.base import Engine
     from llmopt.model.info import ModelInfo
-    from llmopt.optimize.plan import Target
 
-__all__ = ["REFERENCE", "candidate_space", "task_rule", "settings_suffix"]
+__all__ = ["REFERENCE", "Plan", "make_plan", "candidate_space", "task_rule", "settings_suffix"]
 
 REFERENCE = ("hf", "fp32")  # (engine, recipe) every other candidate is compared against
 # A settings variation holding this key is searched only when named in --candidates; the value
@@ -200,3 +202,50 @@ def candidate_space(
                 cands.append(Candidate(vid, engine.name, recipe.name, {**base, **var}, ref, desc))
     cands.sort(key=lambda c: not c.reference)
     return cands, skipped
+
+
+@dataclass
+class Plan:
+    """plan.json: the target, its memory math, the candidates (reference first) and what was
+    ruled out with the reason."""
+
+    target: Target
+    memory: dict[str, Any]
+    candidates: list[Candidate]
+    skipped: list[dict[str, str]]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "target": self.target.to_dict(),
+            "memory": self.memory,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "skipped": self.skipped,
+            "notes": self.notes,
+        }
+
+
+def make_plan(
+    info: ModelInfo,
+    target: Target,
+    only: list[str] | None = None,
+    settings: dict[str, Any] | None = None,
+) -> Plan:
+    """List the candidates to build for `info` on `target`, and those skipped with the reason.
+
+    Args:
+        info: from `inspect_model`.
+        target: from `detect_target`.
+        only: restrict to these candidate ids (the reference is always kept).
+        settings: engine settings given to every candidate (e.g. {"threads": 2}).
+    """
+    cands, skipped = candidate_space(info, target, only, settings)
+    unknown = sorted(set(only or []) - {c.id for c in cands} - {s["id"] for s in skipped})
+    if unknown:
+        raise ValueError(
+            f"unknown candidate id(s) {unknown}; known: "
+            f"{sorted([c.id for c in cands] + [s['id'] for s in skipped])}"
+        )
+    assert cands and cands[0].reference, "the hf fp32 reference must be runnable"
+    return Plan(target, memory_math(info, target), cands, skipped)

@@ -22,6 +22,7 @@ from typing import Any
 
 from llmopt.core.atomic import atomic_dir, read_json, write_json
 from llmopt.core.schema import BenchResult, Candidate
+from llmopt.optimize.profiles import StageProfile, StageSettings
 from llmopt.rundir.paths import CandidateDir, RunDir
 
 log = logging.getLogger("llmopt.optimize.worker")
@@ -40,21 +41,9 @@ def _context(run: RunDir, cid: str):
     return meta, info, cand, get_engine(cand.engine), get_recipe(cand.recipe)
 
 
-def stage_settings(meta: dict[str, Any], fidelity: str) -> dict[str, Any]:
+def stage_settings(meta: dict[str, Any], fidelity: str) -> StageSettings:
     """The run's settings with the sizes of `fidelity` applied (full: the profile as is)."""
-    s = dict(meta["settings"])
-    over = (s.pop("fidelities", None) or {}).get(fidelity, {})
-    return {**s, **over}
-
-
-def _fidelity(s: dict[str, Any], fidelity: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    rung = {"screen": 1, "full": 2}.get(fidelity)
-    return {"level": fidelity, "rung": rung, **{k: s[k] for k in keys if k in s}}
-
-
-_VERIFY_KEYS = ("eval_windows", "window", "sentences", "generation_prompts")
-_BENCH_KEYS = ("bench_sentences", "bench_repeats", "prompt_tokens", "new_tokens",
-               "bench_batch_sizes")  # fmt: skip
+    return StageSettings.from_run_json(meta["settings"], fidelity)
 
 
 def _reference_id(run: RunDir) -> str:
@@ -67,19 +56,32 @@ def _dir_bytes(path: Path) -> int:
 
 
 def build(run: RunDir, cid: str) -> dict[str, Any]:
+    """The candidate's artifact. A calibrated recipe is quantized here first (`llmopt.quant`);
+    the engine then takes in that checkpoint (engines only load checkpoints, never quantize)."""
     meta, info, cand, engine, recipe = _context(run, cid)
     cdir = run.candidate(cid)
+    source = Path(meta["model_path"])
     t0 = time.perf_counter()
     with atomic_dir(cdir.artifact) as tmp:
-        facts = engine.build(Path(meta["model_path"]), info, recipe, tmp)
+        if recipe.calibrated:
+            import tempfile
+
+            from llmopt.quant import build_checkpoint
+
+            # Beside the artifact (same filesystem): the engine hard-links the files it keeps.
+            with tempfile.TemporaryDirectory(dir=cdir.root, prefix=".quant-") as q:
+                facts = build_checkpoint(source, recipe, Path(q) / "checkpoint")
+                facts.update(engine.build(Path(q) / "checkpoint", info, recipe, tmp))
+        else:
+            facts = engine.build(source, info, recipe, tmp)
     facts.update(seconds=time.perf_counter() - t0, artifact_bytes=_dir_bytes(cdir.artifact))
     return facts
 
 
 def verify(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     out = _verify(run, cid, fidelity)
-    out["fidelity"] = _fidelity(stage_settings(read_json(run.run_json), fidelity), fidelity,
-                                _VERIFY_KEYS)  # fmt: skip
+    sizes = stage_settings(read_json(run.run_json), fidelity).sizes
+    out["fidelity"] = sizes.fidelity_record(fidelity, StageProfile.VERIFY_FIELDS)
     return out
 
 
@@ -91,17 +93,18 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     s = stage_settings(meta, fidelity)
     # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
     raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
-    # Runs written before `--gates` existed used the default preset.
-    gates = Gates.preset(s.get("gates", "default"), max_quality_drop=s["max_quality_drop"])
+    gates = Gates.preset(s.gates, max_quality_drop=s.max_quality_drop)
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
         return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
-    from llmopt.assets.text import evaluation_text
-    from llmopt.verify.lm import ReferenceOutputs, token_windows, verify_causal_lm
+    from llmopt.assets.text import evaluation_text, token_windows
+    from llmopt.verify.lm import ReferenceOutputs, verify_causal_lm
 
-    window = min(s["window"], info.max_context or s["window"])  # never past the model's context
-    windows = token_windows(runner.tokenizer, evaluation_text(), window, s["eval_windows"])
-    prompts, new = s.get("generation_prompts", 2), 32  # the screen skips generation
+    z = s.sizes
+    window = min(z.window, info.max_context or z.window)  # never past the model's context
+    windows = token_windows(runner.tokenizer, evaluation_text(), window, z.eval_windows)
+    # Two greedy-match prompts unless the sizes say otherwise (the screen skips generation).
+    prompts, new = (2 if z.generation_prompts is None else z.generation_prompts), 32
     # The reference's outputs on these windows are computed once per fidelity and kept beside it:
     # later candidates compare against the file instead of loading and running the reference.
     ref_id = _reference_id(run)
@@ -120,7 +123,7 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
         runner,
         windows,
         reference,
-        s["max_quality_drop"],
+        s.max_quality_drop,
         gates=gates,
         generation_prompts=prompts,
         generation_tokens=new,
@@ -129,14 +132,14 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
 
 
 def _verify_embedding(
-    run: RunDir, cid: str, cand: Candidate, runner, s: dict[str, Any], gates, fidelity: str
+    run: RunDir, cid: str, cand: Candidate, runner, s: StageSettings, gates, fidelity: str
 ):
     import numpy as np
 
     from llmopt.assets.text import evaluation_sentences, simlex999, wordsim353
     from llmopt.verify.embedding import reference_outputs, verify_embedding
 
-    sentences = evaluation_sentences(s["sentences"])
+    sentences = evaluation_sentences(s.sizes.sentences)
     # Reference outputs are computed once per fidelity and shared by every candidate.
     ref_file = run.reference / (
         "embeddings.npy" if fidelity == "full" else f"embeddings.{fidelity}.npy"
@@ -160,7 +163,7 @@ def _verify_embedding(
         ref_emb,
         wordsim353(),
         ref_spearman,
-        1.0 - s["max_quality_drop"],
+        1.0 - s.max_quality_drop,
         gates=gates,
         simlex_pairs=simlex999(),
         reference_scores=scores,
@@ -168,10 +171,11 @@ def _verify_embedding(
 
 
 def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
-    from llmopt.bench.timing import environment, peak_rss_bytes, rss_bytes
+    from llmopt.bench.timing import environment
+    from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
 
     meta, info, cand, engine, recipe = _context(run, cid)
-    s = stage_settings(meta, fidelity)
+    z = stage_settings(meta, fidelity).sizes
     before = rss_bytes()
     t0 = time.perf_counter()
     runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
@@ -181,8 +185,8 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
         from llmopt.assets.text import evaluation_sentences
         from llmopt.bench.embedding import bench_embedding
 
-        sentences = evaluation_sentences(s["sentences"])[: s["bench_sentences"]]
-        metrics, warm = bench_embedding(runner, sentences, repeats=s["bench_repeats"])
+        sentences = evaluation_sentences(z.sentences)[: z.bench_sentences]
+        metrics, warm = bench_embedding(runner, sentences, repeats=z.bench_repeats)
         primary, settings = (
             "sentences_per_s_b32",
             {"sentences": len(sentences), "batch_sizes": [1, 32]},
@@ -197,12 +201,10 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
 
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
         ctx = info.max_context or 2048
-        new = min(s["new_tokens"], ctx // 2)
-        prompt = torch.tensor([ids[: min(s["prompt_tokens"], ctx - new)]], dtype=torch.long)
-        batches = tuple(s.get("bench_batch_sizes", (1,)))
-        metrics, warm = bench_causal_lm(
-            runner, prompt, new, s["bench_repeats"], batch_sizes=batches
-        )
+        new = min(z.new_tokens, ctx // 2)
+        prompt = torch.tensor([ids[: min(z.prompt_tokens, ctx - new)]], dtype=torch.long)
+        batches = z.bench_batch_sizes
+        metrics, warm = bench_causal_lm(runner, prompt, new, z.bench_repeats, batch_sizes=batches)
         primary = "decode_tokens_per_s"
         settings = {
             "batch": 1,
@@ -216,7 +218,7 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
         # phase's achieved bandwidth and FLOP/s read as a share of what the machine does now.
         ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
         roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
-    settings.update(repeats=s["bench_repeats"], threads=cand.settings.get("threads"))
+    settings.update(repeats=z.bench_repeats, threads=cand.settings.get("threads"))
     return BenchResult(
         candidate_id=cid,
         task=info.task,
@@ -230,7 +232,7 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
         settings=settings,
         env=environment(),
         roofline=roofline,
-        fidelity=_fidelity(s, fidelity, _BENCH_KEYS),
+        fidelity=z.fidelity_record(fidelity, StageProfile.BENCH_FIELDS),
     ).to_dict()
 
 

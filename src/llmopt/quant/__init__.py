@@ -12,12 +12,13 @@ itself (config objects and the compressors that pack the weights) and write the 
 
 from __future__ import annotations
 
-from llmopt.quant.api import fake_quantized_model, quantize
+from llmopt.quant.api import build_checkpoint, fake_quantized_model, quantize
 from llmopt.quant.calibration import CalibrationConfig, CalibrationDataError
 from llmopt.quant.checks import QuantConfigError, QuantMemoryError
 
 __all__ = [
     "quantize",
+    "build_checkpoint",
     "fake_quantized_model",
     "CalibrationConfig",
     "CalibrationDataError",

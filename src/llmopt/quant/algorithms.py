@@ -15,11 +15,11 @@ import torch
 
 from llmopt.quant.primitives import (
     WeightSpec,
-    _grouped,
     choose_weight_qparams,
     dequantize_weight,
     expand_to_weight,
     fake_quant_weight,
+    grouped,
     quantize_weight,
 )
 
@@ -159,7 +159,7 @@ def _awq_weight_mean(weights: list[torch.Tensor], spec: WeightSpec) -> torch.Ten
     # AutoAWQ's and llm-compressor's "duo scaling" weight term: |W| normalized by each
     # group's absmax (each row's, per channel), averaged over every output row of the linears.
     w = torch.cat([w.detach().float() for w in weights]).abs()  # (sum out, in)
-    wg = _grouped(w, spec)
+    wg = grouped(w, spec)
     return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).view_as(w).mean(0)
 
 

@@ -34,6 +34,7 @@ import torch
 
 __all__ = [
     "WeightSpec",
+    "grouped",
     "FP8_MAX",
     "weight_scale",
     "mse_weight_scale",
@@ -78,7 +79,10 @@ class WeightSpec:
         return -FP8_MAX if self.type == "float" else float(-(2 ** (self.bits - 1)))
 
 
-def _grouped(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+def grouped(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """`w` (out, in) viewed as the groups one scale covers: (out, G, g) per group, (out, 1, in)
+    per channel, (1, 1, n) per tensor. Scales, zero points and the algorithms' weight terms are
+    all computed over this view, so they agree on what a group is."""
     out, inp = w.shape
     if spec.granularity == "group":
         assert inp % spec.group_size == 0, f"group {spec.group_size} does not divide {inp}"
@@ -121,7 +125,7 @@ def weight_qparams(w: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, tor
     >>> s.tolist(), z.tolist()  # 3 / 15 per code; -1 -> code -8, so 0 -> -8 + 5 = -3
     ([[0.20000000298023224]], [[-3]])
     """
-    g = _grouped(w.detach().float(), spec)  # (out, G, g) or (1, 1, n)
+    g = grouped(w.detach().float(), spec)  # (out, G, g) or (1, 1, n)
     if spec.symmetric:
         return _layout(_sym_scale(g.abs().amax(dim=-1), spec), spec), None
     s, z = _asym_qparams(g.amin(dim=-1), g.amax(dim=-1), spec)
@@ -152,7 +156,7 @@ def mse_weight_qparams(
     `spec.scale_dtype` before its error is measured, so the result never has a larger error
     than `weight_qparams` and is exactly what is stored. Same layout as `weight_qparams`.
     """
-    g = _grouped(w.detach().float(), spec)  # (O, G, g)
+    g = grouped(w.detach().float(), spec)  # (O, G, g)
     amax = g.abs().amax(dim=-1)  # (O, G)
     mn, mx = g.amin(dim=-1), g.amax(dim=-1)
     best_err, best, best_z = None, None, None

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
     from llmopt.core.recipes import Recipe
 
-__all__ = ["QuantizedLinear", "SequentialResult", "decoder_layers", "run_sequential", "kv_fp8"]
+__all__ = ["QuantizedLinear", "SequentialResult", "decoder_layers", "layers_prefix", "run_sequential",
+           "kv_fp8"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ def run_sequential(
     t0 = time.perf_counter()
     layers = decoder_layers(model)
     res = SequentialResult()
-    prefix = _layers_prefix(model, layers)
+    prefix = layers_prefix(model, layers)
     with torch.no_grad(), kv_fp8():
         captured = _capture_layer0(model, layers, windows, device)
         for i, layer in enumerate(layers):
@@ -296,7 +297,9 @@ def run_sequential(
     return res
 
 
-def _layers_prefix(model, layers) -> str:
+def layers_prefix(model, layers) -> str:
+    """The module path of the decoder layer list (`model.layers`, ...): the exporter names every
+    quantized linear from it."""
     for name, mod in model.named_modules():
         if mod is layers:
             return name

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.schema import VerifyResult
+from llmopt.hardware.runtime import flush_denormals
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import IntegrityError, check_tokenizers, check_weights
-from llmopt.verify.lm import flush_denormals
 
 __all__ = ["VerifyReport", "load_runner", "verify_models"]
 
@@ -118,8 +118,13 @@ def verify_models(
     ... # doctest: +SKIP
     True
     """
-    from llmopt.assets.text import evaluation_sentences, evaluation_text, simlex999, wordsim353
-    from llmopt.verify.lm import token_windows
+    from llmopt.assets.text import (
+        evaluation_sentences,
+        evaluation_text,
+        simlex999,
+        token_windows,  # fmt: skip
+        wordsim353,
+    )
 
     gates = gates or Gates()
 

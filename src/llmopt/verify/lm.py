@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmopt.core.schema import Metric, VerifyResult
+from llmopt.hardware.runtime import flush_denormals
 from llmopt.verify.gates import Gates
 from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
 
@@ -34,57 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ReferenceOutputs",
-    "token_windows",
     "verify_causal_lm",
     "greedy_tokens",
     "perplexity_metric",
-    "flush_denormals",
 ]
-
-
-@contextmanager
-def flush_denormals():
-    """Flush denormal floats to zero on CPU while verifying, then restore the previous mode.
-
-    Why: SmolLM2's fp32 forward on CPU produces denormal activations; with them a 32-token greedy
-    decode took 24 s instead of ~1.5 s on our 2-core Xeon. Values below 1.2e-38 do not move any
-    metric, and reference and candidate run under the same mode. The flag is per thread: torch's
-    worker threads inherit it only when it is set before the thread pool starts (the CLI does
-    that first thing); here it covers the calling thread.
-    """
-    import torch
-
-    # set_flush_denormal returns False where unsupported; the previous mode cannot be read, so
-    # restore the default (off).
-    enabled = torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        if enabled:
-            torch.set_flush_denormal(False)
-
-
-def token_windows(tokenizer, text: str, window: int = 512, count: int = 16) -> torch.Tensor:
-    """Cut `text` into `count` non-overlapping windows of `window` tokens, in order.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        text: held-out prose (llmopt.assets.text.evaluation_text()).
-        window: tokens per window (the context each token is predicted from is at most this).
-        count: number of windows; fewer are returned if the text runs out (never padded).
-
-    Returns:
-        (N, window) int64 tensor.
-    """
-    import torch
-
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    n = min(count, len(ids) // window)
-    if n == 0:
-        raise ValueError(
-            f"evaluation text has {len(ids)} tokens, fewer than one window of {window}"
-        )
-    return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)
 
 
 def greedy_tokens(runner: CausalLMRunner, prompt: torch.Tensor, new_tokens: int) -> list[int]:
@@ -292,7 +245,7 @@ def verify_causal_lm(
     Args:
         candidate_id: for the result.
         runner: the candidate.
-        windows: (N, T) token ids from `token_windows`.
+        windows: (N, T) token ids from `llmopt.assets.text.token_windows`.
         reference: the reference runner, or its `ReferenceOutputs` for these windows (computed
             once, e.g. loaded from disk); None when the candidate *is* the reference.
         max_quality_drop: allowed relative perplexity increase (0.01 = +1%); overrides
