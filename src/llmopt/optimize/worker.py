@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from llmopt.core.atomic import atomic_dir, read_json, write_json
+from llmopt.core.atomic import TMP_PREFIX, atomic_dir, read_json, write_json
 from llmopt.core.schema import BenchResult, Candidate
 from llmopt.optimize.profiles import StageProfile, StageSettings
 from llmopt.rundir.paths import CandidateDir, RunDir
@@ -69,7 +69,10 @@ def build(run: RunDir, cid: str) -> dict[str, Any]:
             from llmopt.quant import build_checkpoint
 
             # Beside the artifact (same filesystem): the engine hard-links the files it keeps.
-            with tempfile.TemporaryDirectory(dir=cdir.root, prefix=".quant-") as q:
+            # Named like atomic_dir's temporaries, so a killed build's leftover is cleared by
+            # the next build of this artifact.
+            prefix = f"{TMP_PREFIX}{cdir.artifact.name}.quant-"
+            with tempfile.TemporaryDirectory(dir=cdir.root, prefix=prefix) as q:
                 facts = build_checkpoint(source, recipe, Path(q) / "checkpoint")
                 facts.update(engine.build(Path(q) / "checkpoint", info, recipe, tmp))
         else:
