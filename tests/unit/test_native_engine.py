@@ -234,10 +234,12 @@ def test_loads_compressed_tensors_int4_from_llmopt_quantize(tiny_llama_dir, tmp_
 
     from llmopt.core.recipes import get_recipe
     from llmopt.model.info import inspect_model
+    from llmopt.quant import build_checkpoint
 
     info, rec = inspect_model(tiny_llama_dir), get_recipe("w4a16-rtn-g64")
     out = tmp_path / "w4"
-    get_engine("torch").build(tiny_llama_dir, info, rec, out)
+    build_checkpoint(tiny_llama_dir, rec, tmp_path / "ckpt")  # as the build stage does first
+    get_engine("torch").build(tmp_path / "ckpt", info, rec, out)
     runner = get_engine("torch").load(out, info, rec, {})
     assert type(runner.gen.model.model.layers[0].self_attn.q_proj).__name__ == "Int4Linear"
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
