@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+# Every test shares one optimize run of the built-in model (minutes on 2 cores).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
 STAGES = ("build", "verify", "bench")

@@ -27,6 +27,7 @@ def smollm2():
     return resolve_model("smollm2-135m")[0]
 
 
+@pytest.mark.slow
 def test_w8a16_within_budget_and_loads_in_transformers(smollm2, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -81,6 +82,7 @@ def test_gguf_q8_0_loads_in_llama_cpp(smollm2, tmp_path):
     assert got["perplexity"] == pytest.approx(math.exp(nll), rel=0.05)
 
 
+@pytest.mark.slow
 def test_asymmetric_w4_beats_symmetric_and_loads_in_transformers_and_torch(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig

@@ -55,6 +55,7 @@ def test_greedy_decode_matches_transformers_generate(smollm2):
     assert "dragon" in runner.tokenizer.decode(got).lower()
 
 
+@pytest.mark.slow
 def test_w8a16_keeps_perplexity_within_one_percent(smollm2):
     _, _, runners = smollm2
     windows = token_windows(runners["fp32"].tokenizer, evaluation_text(), 256, 2)

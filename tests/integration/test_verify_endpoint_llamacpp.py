@@ -103,5 +103,5 @@ def test_llama_cpp_endpoint_verifies_like_in_process(server):
         # position's distribution; verify must say so and fail rather than pass garbage.
         assert not r.passed
     else:
-        # Q4_1 costs SmolLM2 a few percent of perplexity (TARGETS.md: Q4_0 +25%, Q4_K_M +6%).
+        # Q4_1 costs SmolLM2 a few percent of perplexity (published llama.cpp figures: Q4_0 +25%, Q4_K_M +6%).
         assert 0.0 < ppl.delta / ppl.reference < 0.5

@@ -40,6 +40,7 @@ def smol():
     return ref, windows
 
 
+@pytest.mark.slow
 def test_smollm2_unmodified_passes(smol):
     ref, windows = smol
     cand = load_runner("smollm2-135m", "fp32")[0]
@@ -50,6 +51,7 @@ def test_smollm2_unmodified_passes(smol):
     assert r.metric("perplexity").noise is True and r.metric("top1_agreement").candidate == 1.0
 
 
+@pytest.mark.slow
 def test_smollm2_scaled_layer_fails_and_is_named(smol):
     ref, windows = smol
     cand = load_runner("smollm2-135m", "fp32")[0]
@@ -64,6 +66,7 @@ def test_smollm2_scaled_layer_fails_and_is_named(smol):
     assert a.first_jump_name == f"model.layers.{FAULT_LAYER}", a.to_dict()
 
 
+@pytest.mark.slow
 def test_smollm2_zeroed_scale_fails_integrity_and_quality(smol, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -99,6 +102,7 @@ def test_smollm2_tokenizer_mismatch(smol):
     assert msg and msg.startswith("tokenizer mismatch")
 
 
+@pytest.mark.slow
 def test_minilm_shuffled_rows_fail_unmodified_passes():
     sentences = evaluation_sentences(400)
     ref = load_runner("minilm-l6", "fp32")[0]

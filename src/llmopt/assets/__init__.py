@@ -1,4 +1,4 @@
-"""Built-in models and text data that install offline from pinned PyPI packages (see ASSETS.md).
+"""Built-in models and text data that install offline from pinned PyPI packages.
 
 >>> from llmopt.assets import BUILTIN_MODELS
 >>> sorted(BUILTIN_MODELS)

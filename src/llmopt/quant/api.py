@@ -94,9 +94,10 @@ def build_checkpoint(source: Path, recipe: Recipe | str, out: Path) -> dict[str,
     """A calibrated candidate's checkpoint (`Recipe.calibrated`), as the build stage writes it
     before handing it to the engine: `quantize` with each layer calibrated where it is fast.
 
-    An 8B GPTQ took 9.3 min on an H200; its layer forwards and Hessians would run on the host's
-    cores otherwise. Only the layer being calibrated moves to the GPU, and the recipe's dtype
-    (not the checkpoint's) keeps the candidate the same wherever it was built.
+    Calibration runs on the GPU when there is one: its layer forwards and Hessians would
+    otherwise run on the host's cores, many times slower (docs/quantization.md has the times).
+    Only the layer being calibrated moves to the GPU, and the recipe's dtype (not the
+    checkpoint's) keeps the candidate the same wherever it was built.
     """
     import torch
 

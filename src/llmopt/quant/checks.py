@@ -168,8 +168,8 @@ def _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals
     stats = 0
     if recipe.algorithm == "gptq":
         # The layer's float32 Hessians (q/k/v, o, gate/up, down inputs), plus GPTQ's working set
-        # for the widest one: the damped copy, its Cholesky factor and the inverse's factor. On
-        # the H200 (8B shape, bf16) the peak was 9.9 GiB where the Hessians alone gave 8.2.
+        # for the widest one: the damped copy, its Cholesky factor and the inverse's factor
+        # (docs/benchmarks.md compares measured peaks with this estimate).
         widest = max(inter, hidden)
         stats = 4 * (3 * hidden * hidden + inter * inter) + 3 * 4 * widest * widest
     work = seq_len * max(inter, hidden) * 4 * 8  # one sample's transient activations
