@@ -115,7 +115,7 @@ def doctor(
     as_json: JsonOpt = False,
 ) -> None:
     """Can this machine run what we plan? Driver, GPUs, CUDA, engines, container: evidence and fixes."""
-    from llmopt.cli.main import emit_json
+    from llmopt.cli.options import emit_json
     from llmopt.cli.render import console
     from llmopt.cli.render_ops import render_doctor
     from llmopt.doctor import run_doctor
@@ -161,7 +161,7 @@ def plan(
     as_json: JsonOpt = False,
 ) -> None:
     """What fits and what should run it? Optimizer candidates, memory math, layout, engine and launch flags."""
-    from llmopt.cli.main import emit_json
+    from llmopt.cli.options import emit_json
     from llmopt.cli.render import render_plan
     from llmopt.cli.render_ops import render_serving
     from llmopt.model.config import load_model_info
@@ -258,7 +258,7 @@ def deploy(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a ready-to-run bundle (container, compose, nginx, Kubernetes, start script), validated here."""
-    from llmopt.cli.main import emit_json
+    from llmopt.cli.options import emit_json
     from llmopt.cli.render_ops import render_deploy
     from llmopt.deploy import resolve_source, write_bundle
 

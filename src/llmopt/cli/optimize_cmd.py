@@ -1,0 +1,153 @@
+"""`llmopt optimize`: the main job (inspect, plan, search, select, report), resumable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmopt.cli.options import DEFAULT_MODEL, JsonOpt, emit_json
+from llmopt.cli.render import render_selection
+
+def optimize(
+    model: Annotated[
+        str, typer.Argument(help="A built-in name or a Hugging Face folder.")
+    ] = DEFAULT_MODEL,
+    out: Annotated[
+        Path | None, typer.Option(help="Run directory (default runs/<model name>).")
+    ] = None,
+    target: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    max_quality_drop: Annotated[
+        float,
+        typer.Option(
+            help="Quality budget as a fraction: relative perplexity increase (LMs) or 1 - mean cosine (embeddings)."
+        ),
+    ] = 0.01,
+    gates: Annotated[
+        str,
+        typer.Option(
+            help="Verification gate preset besides the budget: default, strict or loose "
+            "(top-1 agreement, KL, cosine; see docs/verify.md)."
+        ),
+    ] = "default",
+    candidates: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated candidate ids to try (see `llmopt plan`); the reference always runs."
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads per candidate (default: all).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Smaller verification and benchmark work (smoke runs).")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Discard a different run found in --out.")
+    ] = False,
+    objective: Annotated[
+        str, typer.Option(help="What to optimize: latency, throughput, memory or cost.")
+    ] = "throughput",
+    time_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--time-budget",
+            help="Wall-clock budget of this call, e.g. 15m, 1h, 90s (default: none).",
+        ),
+    ] = None,
+    search: Annotated[
+        str,
+        typer.Option(
+            help="halving: cheap screen for all, full verify+bench for survivors; exhaustive: full for all."
+        ),
+    ] = "halving",
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Evaluate candidates as tasks on a local Ray instance.")
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option("--ray-address", help="Evaluate candidates on this Ray cluster (or 'local')."),
+    ] = None,
+    price_per_hour: Annotated[
+        float | None,
+        typer.Option(
+            help="Price of the target per hour, for --objective cost (default: relative)."
+        ),
+    ] = None,
+    no_deploy: Annotated[
+        bool, typer.Option("--no-deploy", help="Do not write the deploy bundle into best/deploy.")
+    ] = False,
+    reverify_run: Annotated[
+        Path | None,
+        typer.Option(
+            "--reverify",
+            help="Re-verify and re-bench the chosen candidate and the reference of this run "
+            "directory, and say whether the choice still holds.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The main job: inspect, plan, search (screen, verify, bench), select, report. Resumes if re-run."""
+    from llmopt.cli.render import OptimizeProgress, render_reverify
+    from llmopt.optimize.budget import Budget
+    from llmopt.optimize.job import optimize as run_optimize
+    from llmopt.optimize.reverify import reverify
+
+    address = ray_address or ("local" if ray else None)
+    if address:
+        from llmopt.optimize.executor import RAY_MISSING
+
+        try:
+            import ray as _ray  # noqa: F401
+        except ImportError:
+            raise ValueError(RAY_MISSING) from None
+    if reverify_run is not None:
+        with OptimizeProgress(enabled=not as_json) as prog:
+            res = reverify(reverify_run, progress=prog, ray_address=address)
+        emit_json(res) if as_json else render_reverify(res)
+        raise typer.Exit(0 if res["holds"] else 1)
+    out = out or Path("runs") / Path(model).name
+    only = [c.strip() for c in candidates.split(",")] if candidates else None
+    with OptimizeProgress(enabled=not as_json) as prog:
+        res = run_optimize(
+            model,
+            out,
+            target=target,
+            max_quality_drop=max_quality_drop,
+            gates=gates,
+            candidates=only,
+            threads=threads,
+            profile="quick" if quick else "full",
+            force=force,
+            progress=prog,
+            objective=objective,
+            time_budget=time_budget,
+            search=search,
+            ray_address=address,
+            price_per_hour=price_per_hour,
+            deploy=not no_deploy,
+            budget_started_at=Budget.process_start(),
+        )
+    if as_json:
+        emit_json(
+            {
+                "run_dir": str(res.run_dir),
+                "selection": res.selection.to_dict(),
+                "resumed": res.resumed,
+                "ran": res.ran,
+                "skipped": res.skipped,
+                "search": res.search,
+                "report_html": str(res.report_html),
+                "report_md": str(res.report_md),
+            }
+        )
+    else:
+        render_selection(res)
+    if res.selection.chosen is None:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `optimize` to the `llmopt` app."""
+    app.command("optimize")(optimize)
