@@ -1,8 +1,11 @@
 """Continuous batching over the paged KV cache: add a sequence, step all, remove one.
 
-`Generator` owns the block pool (a free list of block ids; block 0 is scratch) and the running
-sequences. A scheduler (`llmopt.serve`) decides *who* runs; the generator only says what fits
-(`free_blocks`, `blocks_needed`) and raises `OutOfBlocks` instead of evicting anyone itself.
+`Generator` (a `llmopt.engines.generation.BatchGenerator`) owns the running sequences and
+orchestrates three pieces: the block pool (`blocks.py`: a free list of block ids, block 0 is
+scratch, and each sequence's block table), the forwards (`compiled.py`: eager or compiled, and
+their padded shapes) and sampling (`sampling.py`). A scheduler (`llmopt.serve`) decides *who*
+runs; the generator only says what fits (`free_blocks`, `blocks_needed`) and raises
+`OutOfBlocks` instead of evicting anyone itself.
 
     gen = load_generator("smollm2-135m", max_batch=8)
     gen.add("a", tok.encode("The capital of France is"), SamplingParams(max_tokens=8))
@@ -55,6 +58,7 @@ from llmopt.engines.native.compiled import CompiledSteps, wait
 from llmopt.engines.native.model import Transformer
 
 __all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks", "Swapped", "EngineTime"]
+
 
 @dataclass
 class _Seq:
