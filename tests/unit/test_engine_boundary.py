@@ -114,9 +114,9 @@ def test_load_runner_loads_old_embedding_runs_with_hf(monkeypatch, caplog, tmp_p
     calls = []
 
     def fake_load(name):
-        return lambda artifact, info, recipe, settings: calls.append(
-            (name, recipe.name, settings)
-        ) or name
+        return lambda artifact, info, recipe, settings: (
+            calls.append((name, recipe.name, settings)) or name
+        )
 
     for name in ("hf", "torch"):
         monkeypatch.setattr(get_engine(name), "load", fake_load(name))

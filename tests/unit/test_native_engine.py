@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from llmopt.engines import get_engine
+from llmopt.engines.generation import OutOfBlocks, SamplingParams
 from llmopt.engines.native import load_generator
 from llmopt.engines.native.config import NativeConfig, UnsupportedModel
-from llmopt.engines.generation import OutOfBlocks, SamplingParams
 from llmopt.engines.native.generator import Generator
 from llmopt.engines.native.weights import load_model
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmopt.engines.generation import BatchGenerator, OutOfBlocks, SamplingParams
+from llmopt.serve.engine.swap import swap_pays as swap_verdict
 
 __all__ = ["Sequence", "Scheduler", "SchedulerStats"]
 
@@ -156,9 +157,7 @@ class Scheduler:
         self.swap_used_bytes = 0
         self.swaps_total = 0
         if self.swap_space_bytes and swap_pays is None:
-            from llmopt.serve.engine.swap import swap_pays as verdict
-
-            swap_pays, why = verdict(gen)
+            swap_pays, why = swap_verdict(gen)
             log.info("swap preemption %s: %s", "on" if swap_pays else "off", why)
         self.swap = bool(self.swap_space_bytes and swap_pays)
         self._kv_token = int(gen.kv_bytes_per_token()) if self.swap else 0
