@@ -180,11 +180,11 @@ def replay_only(args, gen, batch: int, ctx: int) -> float:
     packed = _packed(gen, batch, ctx)
     with torch.inference_mode():
         for _ in range(3):
-            gen._decode(packed)
+            gen.decode_packed(packed)
         sync(args.device)
         t0 = time.perf_counter()
         for _ in range(50):
-            gen._decode(packed)
+            gen.decode_packed(packed)
         sync(args.device)
     return 1e3 * (time.perf_counter() - t0) / 50
 
@@ -196,7 +196,7 @@ def profile_steps(args, gen, batch: int, ctx: int) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch.inference_mode(), profile(activities=acts) as prof:
         for _ in range(20):
-            gen._decode(packed)
+            gen.decode_packed(packed)
         sync(args.device)
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"--- profile: batch {batch}, 20 decode steps ---")

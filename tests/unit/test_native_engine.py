@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from llmopt.engines import get_engine
+from llmopt.engines.generation import OutOfBlocks, SamplingParams
 from llmopt.engines.native import load_generator
 from llmopt.engines.native.config import NativeConfig, UnsupportedModel
-from llmopt.engines.native.generator import Generator, OutOfBlocks, SamplingParams
+from llmopt.engines.native.generator import Generator
 from llmopt.engines.native.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -371,7 +372,7 @@ def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(tiny_llama_dir
 def _count_prefill_tokens(gen: Generator) -> list[int]:
     """Record the tokens (padding included) of every model forward outside the decode step."""
     counted: list[int] = []
-    decode, in_decode = gen._decode, [False]
+    decode, in_decode = gen.steps.decode, [False]
 
     def wrapped(packed):
         in_decode[0] = True
@@ -380,7 +381,7 @@ def _count_prefill_tokens(gen: Generator) -> list[int]:
         finally:
             in_decode[0] = False
 
-    gen._decode = wrapped
+    gen.steps.decode = wrapped
     gen.model.register_forward_pre_hook(
         lambda _m, args, _kw: None if in_decode[0] else counted.append(args[0].numel()),
         with_kwargs=True,
@@ -549,7 +550,7 @@ def test_compiled_prefill_matches_eager_and_step_time_is_attributed(tiny_llama_d
 def test_batched_sampling_is_row_independent_and_filters():
     """sample_rows: each row's pick does not depend on the other rows (a seeded row equals its
     draw alone), top_k=1 and a tiny top_p reduce to the argmax, and logprobs are log-softmax."""
-    from llmopt.engines.native.generator import sample_rows
+    from llmopt.engines.native.sampling import sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
@@ -582,7 +583,7 @@ def test_batched_sampling_is_row_independent_and_filters():
 def test_nucleus_from_top_k_matches_the_full_sort():
     """Top-p keeps the same tokens whether a row's nucleus is found among its top NUCLEUS_K
     logits (peaked rows) or by sorting the whole row (flat rows, the fallback)."""
-    from llmopt.engines.native.generator import NUCLEUS_K, nucleus
+    from llmopt.engines.native.sampling import NUCLEUS_K, nucleus
 
     torch.manual_seed(1)
     V = 4 * NUCLEUS_K
@@ -615,7 +616,7 @@ def test_failed_prefill_compile_falls_back_to_eager(tiny_llama_dir, monkeypatch)
     gen = load_generator(tiny_llama_dir, max_batch=2, max_seq_len=64, block_size=4,
                          compile_prefill=True)  # fmt: skip
     assert gen.warmup_prefill() == 0.0
-    assert "cannot trace" in gen.prefill_compile_error and gen._prefill_forward is gen.model
+    assert "cannot trace" in gen.prefill_compile_error and gen.steps.prefill_forward is gen.model
     ids, _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(ids) == 3
 

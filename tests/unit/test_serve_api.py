@@ -366,7 +366,7 @@ def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
     # The CPU defaults: the engine in a thread, the prefill eager.
     assert ctx.effective["engine_process"] == {"value": False, "source": "default"}
     assert ctx.effective["compile_prefill"] == {"value": False, "source": "default"}
-    assert ctx.engine.sched.gen._prefill_forward is ctx.engine.sched.gen.model
+    assert ctx.engine.sched.gen.steps.prefill_forward is ctx.engine.sched.gen.model
 
 
 def test_native_switches_default_on_for_cuda_and_flags_win():
@@ -381,10 +381,11 @@ def test_native_switches_default_on_for_cuda_and_flags_win():
 def test_engine_process_start_failure_is_a_clear_error(tmp_path):
     """A model the engine process cannot load: an EngineProcessError naming the cause and the
     fix, not a hang (the child reports the failure and exits)."""
+    from llmopt.engines.generation import GeneratorSpec
     from llmopt.serve.engine.process import EngineProcess, EngineProcessError
     from llmopt.serve.metrics import ServeMetrics
 
-    bad = {"model": str(tmp_path / "no-such-model"), "recipe": "fp32", "device": "cpu"}
+    bad = GeneratorSpec(model=str(tmp_path / "no-such-model"), recipe="fp32", device="cpu")
     with pytest.raises(EngineProcessError, match="failed to start") as ei:
         EngineProcess(bad, {}, 2, 64, False, ServeMetrics(), start_timeout=120)
     assert "no-such-model" in str(ei.value) and "fix:" in str(ei.value)

@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from llmopt.engines.native import OutOfBlocks, SamplingParams, load_generator  # noqa: E402
+from llmopt.engines.generation import OutOfBlocks, SamplingParams  # noqa: E402
+from llmopt.engines.native import load_generator  # noqa: E402
 from llmopt.serve.engine.scheduler import Scheduler, Sequence  # noqa: E402
 
 
@@ -152,13 +153,13 @@ def test_token_budget_limits_prefills_per_step(tiny_llama_dir):
 def _count_tokens(gen) -> list[int]:
     """Record the tokens (padding included) of every model forward: prefills and decodes."""
     counted: list[int] = []
-    decode = gen._decode
+    decode = gen.steps.decode
 
     def wrapped(packed):
         counted.append(-1)  # a decode step: the scheduler's count of running decodes applies
         return decode(packed)
 
-    gen._decode = wrapped
+    gen.steps.decode = wrapped
     gen.model.register_forward_pre_hook(
         lambda _m, args, _kw: None if counted[-1:] == [-1] else counted.append(args[0].numel()),
         with_kwargs=True,

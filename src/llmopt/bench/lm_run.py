@@ -94,7 +94,7 @@ def bench_lm_model(
     from llmopt.bench.roofline import measure_ceilings
     from llmopt.bench.timing import environment
     from llmopt.core.recipes import get_recipe
-    from llmopt.engines import get_engine
+    from llmopt.engines import get_engine, load_runner
     from llmopt.hardware.runtime import peak_rss_bytes
     from llmopt.model.info import inspect_model
 
@@ -115,7 +115,7 @@ def bench_lm_model(
         artifact.mkdir()
         eng.build(Path(checkpoint) if rec.calibrated else folder, info, rec, artifact)
         t0 = time.perf_counter()
-        runner = eng.load(artifact, info, rec, settings)
+        runner = load_runner(engine, artifact, info, rec, settings)
         load_s = time.perf_counter() - t0
         # Ceilings first, in this process and with these threads, so the shares are like for like.
         ceilings = measure_ceilings("cpu")

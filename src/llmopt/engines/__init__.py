@@ -6,10 +6,18 @@
 
 An engine whose library is not installed is still registered; `Engine.missing()` says so and
 how to install it, and the planner lists its candidates as skipped instead of failing the run.
+
+Runners are loaded one way, `load_runner` (which `load_best` and every stage use), and batch
+generators (`llmopt serve`) through `get_engine(name).load_generator(spec)`.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+from typing import Any
+
+from llmopt.core.recipes import Recipe, get_recipe
 from llmopt.engines.base import CausalLMRunner, EmbeddingRunner, Engine
 
 __all__ = [
@@ -17,10 +25,13 @@ __all__ = [
     "register_engine",
     "get_engine",
     "load_best",
+    "load_runner",
     "Engine",
     "CausalLMRunner",
     "EmbeddingRunner",
 ]
+
+log = logging.getLogger(__name__)
 
 ENGINES: dict[str, Engine] = {}
 
@@ -39,6 +50,28 @@ def get_engine(name: str) -> Engine:
         raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}") from None
 
 
+def load_runner(
+    engine_name: str,
+    artifact: str | Path,
+    info: Any,
+    recipe: str | Recipe,
+    settings: dict[str, Any] | None = None,
+) -> CausalLMRunner | EmbeddingRunner:
+    """Load a built artifact with engine `engine_name` and return its runner for `info.task`.
+
+    The one legacy rule lives here: runs written before the engine rename name the
+    transformers engine "torch" for embedders, so an embedding model on an engine that does not
+    embed is loaded with "hf" (and a warning says so).
+
+    >>> runner = load_runner("hf", "runs/minilm-l6/best/artifact", info, "fp32")  # doctest: +SKIP
+    """
+    engine = get_engine(engine_name)
+    if getattr(info, "task", None) == "embedding" and "embedding" not in engine.tasks:
+        log.warning("engine %r does not embed; loading the artifact with 'hf'", engine.name)
+        engine = get_engine("hf")
+    return engine.load(Path(artifact), info, get_recipe(recipe), dict(settings or {}))
+
+
 def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:
     """Load the runner of a run's chosen candidate from its `best/` folder.
 
@@ -46,12 +79,11 @@ def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:
     >>> runner.embed(["hello world"]).shape                    # doctest: +SKIP
     (1, 384)
     """
-    from llmopt.core.recipes import get_recipe
     from llmopt.rundir.best import Best
 
     best = Best.read(best_dir)
     cand = best.candidate
-    return get_engine(cand.engine).load(best.artifact, best.model, get_recipe(cand.recipe), cand.settings)
+    return load_runner(cand.engine, best.artifact, best.model, cand.recipe, cand.settings)
 
 
 # Explicit registration. These modules import their heavy libraries lazily, inside methods.

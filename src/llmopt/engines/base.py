@@ -5,7 +5,12 @@ questions before any work starts (is it installed? can it run this model with th
 then does two things: `build` writes a self-contained artifact folder, `load` returns a runner.
 
 Runners are small protocols the stages call: verification and benchmarking only ever see a
-`CausalLMRunner` or an `EmbeddingRunner`, so a new engine plugs in without touching them.
+`CausalLMRunner` or an `EmbeddingRunner`, so a new engine plugs in without touching them. The
+stages load runners through `llmopt.engines.load_runner`, never `Engine.load` directly.
+
+An engine that batches generation continuously (`batching = True`) also implements
+`load_generator`, which returns a `BatchGenerator` (`llmopt.engines.generation`): that is all
+`llmopt serve` needs to serve a causal LM on it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmopt.core.recipes import Recipe
+    from llmopt.engines.generation import BatchGenerator, GeneratorSpec
     from llmopt.model.info import ModelInfo
 
 __all__ = ["Engine", "CausalLMRunner", "EmbeddingRunner"]
@@ -59,6 +65,7 @@ class Engine(ABC):
     name: ClassVar[str]
     tasks: ClassVar[tuple[str, ...]]  # "causal-lm", "embedding"
     extra: ClassVar[str | None] = None  # the `pip install llmopt[extra]` that provides it
+    batching: ClassVar[bool] = False  # has `load_generator` (continuous batching, `llmopt serve`)
 
     def missing(self) -> str | None:
         """None when the engine can run here, else why not and the exact install command."""
@@ -72,7 +79,10 @@ class Engine(ABC):
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
         """Write the candidate's artifact into the (empty) folder `out`; return facts for build.json.
 
-        `source` is the user's model folder; it is only read, never written.
+        `source` is only read, never written. It is the user's model folder, except for
+        calibrated recipes (`recipe.calibrated`: AWQ, GPTQ, FP8...): the build stage quantizes
+        first (`llmopt.quant`) and `source` is then that compressed-tensors checkpoint, which an
+        engine converts or, like the `torch` engine, only links in.
         """
 
     @abstractmethod
@@ -80,3 +90,14 @@ class Engine(ABC):
         self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]
     ) -> CausalLMRunner | EmbeddingRunner:
         """Load a built artifact and return a runner for `info.task`."""
+
+    def load_generator(self, spec: GeneratorSpec) -> BatchGenerator:
+        """A continuous-batching generator for `spec` (engines with `batching = True`).
+
+        The default refuses: this engine loads runners (`load`) but cannot be served with
+        continuous batching.
+        """
+        raise NotImplementedError(
+            f"engine {self.name!r} has no batching generator (Engine.batching is False); "
+            "serve causal LMs on an engine that has one, such as 'torch'"
+        )

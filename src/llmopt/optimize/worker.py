@@ -22,6 +22,7 @@ from typing import Any
 
 from llmopt.core.atomic import TMP_PREFIX, atomic_dir, read_json, write_json
 from llmopt.core.schema import BenchResult, Candidate
+from llmopt.engines import load_runner
 from llmopt.optimize.profiles import StageProfile, StageSettings
 from llmopt.rundir.paths import CandidateDir, RunDir
 
@@ -97,7 +98,7 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
     raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
     gates = Gates.preset(s.gates, max_quality_drop=s.max_quality_drop)
-    runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
+    runner = load_runner(engine.name, run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
         return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
     from llmopt.assets.text import evaluation_text, token_windows
@@ -117,7 +118,7 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
         reference = ReferenceOutputs.load(cache, windows, prompts, new)
         if reference is None:
             _, _, rc, re, rr = _context(run, ref_id)
-            ref_runner = re.load(run.candidate(rc.id).artifact, info, rr, rc.settings)
+            ref_runner = load_runner(re.name, run.candidate(rc.id).artifact, info, rr, rc.settings)
             reference = ReferenceOutputs.from_runner(ref_runner, windows, prompts, new)
             reference.save(cache)
             del ref_runner
@@ -181,7 +182,7 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     z = stage_settings(meta, fidelity).sizes
     before = rss_bytes()
     t0 = time.perf_counter()
-    runner = engine.load(run.candidate(cid).artifact, info, recipe, cand.settings)
+    runner = load_runner(engine.name, run.candidate(cid).artifact, info, recipe, cand.settings)
     load_s = time.perf_counter() - t0
     roofline: dict[str, Any] = {}
     if info.task == "embedding":

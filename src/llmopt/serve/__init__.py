@@ -1,13 +1,19 @@
 """`llmopt serve`: an OpenAI-compatible server with continuous batching (see docs/serving.md).
 
 Modules, in reading order: `settings` (the typed limits), `defaults` (the scheduler and
-KV-cache settings not given, from the run's plan or planned for this machine), `protocol` (OpenAI
-request models and error bodies), `scheduler` (waiting / running / preempted queues over the
-native engine's paged KV cache), `engine_loop` (the engine thread and its bridge to asyncio),
-`detok` (incremental detokenization, stop strings), `generation` (one choice as an async stream
-of text deltas), `completions` and `embeddings` (the endpoints), `metrics` (Prometheus), `app`
-(FastAPI app and the guard middleware), `server` (what to load, uvicorn with draining shutdown),
-`external` (`--engine vllm|llamacpp`).
+KV-cache settings not given, from the run's plan or planned for this machine), `api.protocol`
+(OpenAI request models and error bodies), `engine.scheduler` (waiting / running / preempted
+queues over a `BatchGenerator`, `llmopt.engines.generation`), `engine.swap` (swap or recompute),
+`engine.warmup` (compiling shapes before serving), `engine.loop` (the engine thread and its
+bridge to asyncio), `engine.process` (the same in a child process), `engine.client` (the
+`EngineClient` protocol both satisfy), `api.detok` (incremental detokenization, stop strings),
+`api.generation` (one choice as an async stream of text deltas), `api.completions` and
+`api.embeddings` (the endpoints), `metrics` (Prometheus), `api.app` (FastAPI app and the guard
+middleware), `server` (what to load, uvicorn with draining shutdown), `external`
+(`--engine vllm|llamacpp`).
+
+The engine is reached only through `llmopt.engines`: `get_engine(name).load_generator(spec)`
+for causal LMs, `load_runner` for embedders.
 
 >>> from llmopt.serve import ServeSettings, load_context, run_server      # doctest: +SKIP
 >>> run_server(load_context("smollm2-135m", ServeSettings(port=8000)))    # doctest: +SKIP

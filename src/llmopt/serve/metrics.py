@@ -10,15 +10,27 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from llmopt.serve.engine.scheduler import SchedulerStats
-
-__all__ = ["ServeMetrics"]
+__all__ = ["ServeMetrics", "EngineStats"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+class EngineStats(Protocol):
+    """What `publish` reads after every engine step (the scheduler's `SchedulerStats`)."""
+
+    waiting: int
+    running: int
+    preempted: int
+    free_blocks: int
+    swapped: int
+    swap_used_bytes: int
+    engine_time: Any  # cumulative step timings (EngineTime), or None
+
+    @property
+    def kv_usage(self) -> float: ...
 
 
 class ServeMetrics:
@@ -100,7 +112,7 @@ class ServeMetrics:
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
 
-    def publish(self, st: SchedulerStats) -> None:
+    def publish(self, st: EngineStats) -> None:
         """Set the scheduler gauges from a `SchedulerStats` (after every engine step)."""
         self.waiting.set(st.waiting)
         self.running.set(st.running)

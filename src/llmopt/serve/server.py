@@ -4,8 +4,10 @@ What can be served (`load_context`):
 - a run's chosen candidate: `runs/NAME` or `runs/NAME/best` (candidate.json + model.json +
   artifact/), served with the recipe it was verified with;
 - a Hugging Face folder or a built-in name, with an optional recipe (default fp32).
-Causal LMs run on the native engine's generator behind the scheduler; embedding models on the
-candidate's engine (`load_best`) or the `hf` engine, behind the dynamic batcher.
+Causal LMs run on a batching engine's generator (`Engine.load_generator`: the run's candidate's
+engine when it batches, else the native `torch` engine) behind the scheduler; embedding models
+on the candidate's engine or the `hf` engine (`llmopt.engines.load_runner`), behind the dynamic
+batcher.
 
 Shutdown: the first SIGTERM/SIGINT starts draining: new `/v1` requests get 503, `/health` says
 "draining" (503, so load balancers stop routing here), and the server exits once the requests in
@@ -22,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.errors import LlmoptError
+from llmopt.engines import get_engine, load_runner
+from llmopt.engines.generation import GeneratorSpec
+from llmopt.rundir.best import Best
 from llmopt.serve.api.context import ServerContext
+from llmopt.serve.engine.client import EngineClient
+from llmopt.serve.engine.warmup import warm_generator
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 
@@ -90,18 +97,41 @@ def load_context(model: str, settings: ServeSettings, recipe: str | None = None)
     metrics = ServeMetrics()
     if info.task == "embedding":
         return _embedding_context(best, folder, info, recipe, name, settings, metrics)
-    return _generation_context(folder, recipe, name, settings, metrics)
+    return _generation_context(folder, recipe, name, settings, metrics, batching_engine(best))
+
+
+# The batching engine causal LMs are served on, unless the run's candidate's engine batches.
+GENERATION_ENGINE = "torch"
+
+
+def batching_engine(best: Path | None) -> str:
+    """The engine whose `load_generator` serves a causal LM: the run's candidate's engine when
+    it batches (`Engine.batching`), else `GENERATION_ENGINE` (which loads `hf` artifacts too)."""
+    if best is not None:
+        name = Best.read(best).candidate.engine
+        if get_engine(name).batching:
+            return name
+    return GENERATION_ENGINE
 
 
 def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSettings,
-                        metrics: ServeMetrics) -> ServerContext:  # fmt: skip
+                        metrics: ServeMetrics,
+                        engine_name: str = GENERATION_ENGINE) -> ServerContext:  # fmt: skip
     from llmopt.serve.engine.loop import EngineLoop
 
     engine_process, compile_prefill = native_switches(settings)
-    gen_kwargs = {"model": str(folder), "recipe": recipe, "device": settings.device,
-                  "max_batch": settings.max_num_seqs, "block_size": settings.block_size,
-                  "num_blocks": settings.num_blocks, "max_seq_len": settings.max_seq_len,
-                  "batch_sizes": settings.batch_sizes(), "compile_prefill": compile_prefill}  # fmt: skip
+    spec = GeneratorSpec(
+        model=str(folder),
+        recipe=recipe,
+        engine=engine_name,
+        device=settings.device,
+        max_batch=settings.max_num_seqs,
+        block_size=settings.block_size,
+        num_blocks=settings.num_blocks,
+        max_seq_len=settings.max_seq_len,
+        batch_sizes=settings.batch_sizes(),
+        compile_prefill=compile_prefill,
+    )
     chunked = settings.enable_chunked_prefill
     chunked = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
     swap = int(settings.swap_space_gib * 2**30)
@@ -111,17 +141,15 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
         from llmopt.serve.engine.process import EngineProcess
 
         log.info("starting the engine process (model load and warm-up happen there)")
-        engine: Any = EngineProcess(
-            gen_kwargs, {"tokens": settings.warmup_tokens, "threads": settings.threads,
+        engine: EngineClient = EngineProcess(
+            spec, {"tokens": settings.warmup_tokens, "threads": settings.threads,
                          "log_level": log.getEffectiveLevel()},
             settings.max_num_seqs, settings.max_num_batched_tokens, chunked, metrics,
             swap_space_bytes=swap)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(folder)
         shape = {k: engine.info[k] for k in ("block_size", "num_blocks", "max_seq_len")}
     else:
-        from llmopt.engines.native import load_generator
-
-        gen = load_generator(**gen_kwargs)
+        gen = get_engine(spec.engine).load_generator(spec)
         warm_generator(gen, settings.warmup_tokens, settings.device)
         engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics,
                             chunked_prefill=chunked, swap_space_bytes=swap)  # fmt: skip
@@ -156,55 +184,24 @@ def native_switches(settings: ServeSettings) -> tuple[bool, bool]:
     )
 
 
-def warm_generator(gen: Any, warmup_tokens: int, device: str) -> None:
-    """Compile the decode shapes up to `warmup_tokens` of context (CUDA), then one short
-    generation, so no request waits for a compile (in the engine process too)."""
-    from llmopt.engines.native import SamplingParams
-
-    if warmup_tokens and device == "cpu":
-        # The CPU decode step is eager (load_generator compiles on CUDA only): nothing to
-        # compile, and running every shape up to a long context takes minutes on a few cores.
-        log.info("decode warm-up skipped: the CPU decode step is not compiled")
-        if secs := gen.warmup_prefill():
-            log.info("compiled prefill warm-up took %.1f s", secs)
-    elif warmup_tokens:
-        upto = min(warmup_tokens, int(gen.max_seq_len))
-        widths = gen.warmup_widths(upto)
-        log.info("warming up the decode step for contexts up to %d tokens: batch sizes %s x %d "
-                 "length buckets (on CUDA each is compiled once: about a minute for an 8B model; "
-                 "longer contexts compile on first use)", upto, gen.batch_sizes,
-                 len(widths))  # fmt: skip
-        log.info("decode warm-up took %.1f s", gen.warmup(upto))
-    t0 = time.perf_counter()
-    gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
-    log.info("warm-up generation %.2f s", time.perf_counter() - t0)
-
-
 def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, name: str,
                        settings: ServeSettings, metrics: ServeMetrics) -> ServerContext:  # fmt: skip
     from transformers import AutoTokenizer
 
     from llmopt.core.recipes import get_recipe
-    from llmopt.engines import get_engine
-    from llmopt.rundir.best import Best
     from llmopt.serve.api.embeddings import EmbedBatcher
 
     if best is not None:
         cand = Best.read(best).candidate
-        engine = get_engine(cand.engine)
-        if "embedding" not in engine.tasks:
-            # Runs written before the engine rename name the transformers engine "torch".
-            log.warning("engine %r does not embed; loading the artifact with 'hf'", engine.name)
-            engine = get_engine("hf")
-        runner = engine.load(best / "artifact", info, get_recipe(cand.recipe), cand.settings)
+        runner = load_runner(cand.engine, best / "artifact", info, cand.recipe, cand.settings)
     else:
         engine, rec = get_engine("hf"), get_recipe(recipe)
         why = engine.incompatible(info, rec, settings.device)
         if why:
             raise ServeSourceError(f"cannot serve {info.name} with recipe {recipe!r}: {why}",
                                    "pick another --recipe (fp32, bf16)")  # fmt: skip
-        runner = engine.load(folder, info, rec, {"device": settings.device,
-                                                 "threads": settings.threads})  # fmt: skip
+        runner = load_runner("hf", folder, info, rec,
+                             {"device": settings.device, "threads": settings.threads})  # fmt: skip
     tok = getattr(runner, "tokenizer", None) or AutoTokenizer.from_pretrained(folder)
     limit = getattr(runner, "max_length", None) or info.max_seq_length or info.max_context or 512
     runner.embed(["warm-up"], batch_size=1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt import engines
 from llmopt.core.schema import VerifyResult
 from llmopt.hardware.runtime import flush_denormals
 from llmopt.verify.gates import Gates
@@ -71,14 +72,13 @@ def load_runner(model: str | Path, recipe: str | None = None, threads: int | Non
     >>> runner, info, folder = load_runner("smollm2-135m")  # doctest: +SKIP
     """
     from llmopt.core.recipes import get_recipe
-    from llmopt.engines import get_engine
     from llmopt.model.info import inspect_model
 
     info = inspect_model(str(model))
     folder = Path(info.path)
     rec = get_recipe(recipe or _recipe_of(folder))
     settings = {"threads": threads} if threads else {}
-    return get_engine("hf").load(folder, info, rec, settings), info, folder
+    return engines.load_runner("hf", folder, info, rec, settings), info, folder
 
 
 @flush_denormals()  # the whole verification runs with denormals flushed (see flush_denormals)

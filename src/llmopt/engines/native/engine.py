@@ -1,9 +1,13 @@
 """The `torch` engine: llmopt's native decoder (paged KV cache, compiled decode) as an engine plugin.
 
-Builds reuse the `hf` engine's writers for dense and int8 folders (the same safetensors layouts)
-and `llmopt.quant` for calibrated recipes; `load` reads any of them into the native model.
-Models the native decoder does not implement are refused with the reason, and stay runnable
-on the `hf` engine.
+Builds write dense and int8 folders with the `hf` engine's writers (the same safetensors
+layouts); for calibrated recipes (AWQ, GPTQ, FP8...) the build stage has already run
+`llmopt.quant`, and `build` only links that compressed-tensors checkpoint in. Models the native
+decoder does not implement are refused with the reason, and stay runnable on the `hf` engine.
+
+It serves two ways: `load` returns a `NativeCausalLMRunner` (one batch at a time, for
+verification and benchmarks), and `load_generator` a `Generator` (continuous batching: the
+`BatchGenerator` that `llmopt serve` drives, see `llmopt.engines.generation`).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.engines import get_engine, register_engine
 from llmopt.engines.base import Engine
+from llmopt.engines.generation import GeneratorSpec, OutOfBlocks
 
 if TYPE_CHECKING:
     import torch
 
     from llmopt.core.recipes import Recipe
+    from llmopt.engines.native.generator import Generator
     from llmopt.model.info import ModelInfo
 
 __all__ = ["NativeEngine", "NativeCausalLMRunner", "load_generator"]
@@ -48,6 +54,7 @@ def _kernel_for(recipe: Recipe) -> str | None:
 class NativeEngine(Engine):
     name = "torch"
     tasks = ("causal-lm",)
+    batching = True
 
     def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
         from llmopt.engines.native.config import NativeConfig, UnsupportedModel
@@ -131,6 +138,20 @@ class NativeEngine(Engine):
         )
         return NativeCausalLMRunner(gen)
 
+    def load_generator(self, spec: GeneratorSpec) -> Generator:
+        """The continuous-batching `Generator` a server drives (`llmopt serve`)."""
+        return load_generator(
+            spec.model,
+            spec.recipe,
+            spec.device,
+            max_batch=spec.max_batch,
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            max_seq_len=spec.max_seq_len,
+            batch_sizes=spec.batch_sizes,
+            compile_prefill=spec.compile_prefill,
+        )
+
 
 def load_generator(
     model: str | Path,
@@ -145,7 +166,7 @@ def load_generator(
     batch_sizes: list[int] | tuple[int, ...] | None = None,
     min_bucket_tokens: int | None = None,
     compile_prefill: bool = False,
-):
+) -> Generator:
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
     Args:
@@ -199,15 +220,14 @@ class NativeCausalLMRunner:
         self._blocks: list[int] = []
 
     def _release(self) -> None:
-        self.gen._free.extend(reversed(self._blocks))
+        self.gen.pool.give_back(self._blocks)
         self._blocks = []
 
     def _alloc(self, n: int) -> list[int]:
-        from llmopt.engines.native.generator import OutOfBlocks
-
-        if n > len(self.gen._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self.gen._free)} free; raise max_batch")
-        got = [self.gen._free.pop() for _ in range(n)]
+        pool = self.gen.pool
+        if n > pool.free:
+            raise OutOfBlocks(f"need {n} KV blocks, {pool.free} free; raise max_batch")
+        got = pool.take(n)
         self._blocks.extend(got)
         return got
 
@@ -252,5 +272,5 @@ class NativeCausalLMRunner:
         rows = gen.padded_batch(b) if b <= gen.max_batch else b
         packed = torch.nn.functional.pad(packed, (0, 0, 0, rows - b))
         with torch.inference_mode():
-            out = gen._decode(packed)[0][:b]
+            out = gen.decode_packed(packed)[0][:b]
         return out.float().cpu(), {"tables": tables, "len": n + 1}

@@ -1,7 +1,8 @@
 """What every request handler needs: the loaded model, the engine loop, limits and counters.
 
-The server serves one model, either a causal LM (through the native engine's generator and the
-scheduler) or an embedding model (through an `EmbeddingRunner` behind the dynamic batcher).
+The server serves one model, either a causal LM (through a batching engine's generator and the
+scheduler, behind an `EngineClient`) or an embedding model (through an `EmbeddingRunner` behind
+the dynamic batcher).
 Everything here runs on the event loop thread, so the counters need no lock.
 """
 
@@ -12,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmopt.engines.generation import SamplingParams
 from llmopt.serve.api.protocol import APIError
+from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 
@@ -27,7 +30,7 @@ class ServerContext:
     tokenizer: Any
     metrics: ServeMetrics
     max_seq_len: int
-    engine: Any = None  # EngineLoop (causal-lm)
+    engine: EngineClient | None = None  # EngineLoop or EngineProcess (causal-lm)
     embedder: Any = None  # EmbedBatcher (embedding)
     num_blocks: int = 0  # usable KV blocks (the engine keeps one as scratch)
     block_size: int = 16
@@ -113,9 +116,7 @@ class ServerContext:
         return ids
 
     def sampling_params(self, req: Any, max_tokens: int, logprobs: int, seed: int | None,
-                        prompt_logprobs: int | None = None) -> Any:  # fmt: skip
-        from llmopt.engines.native import SamplingParams
-
+                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         # The engine stops at the model's EOS ids itself unless ignore_eos.
         return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature),
                               top_p=float(req.top_p), top_k=int(req.top_k), seed=seed,

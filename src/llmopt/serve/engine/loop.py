@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import Any
 
+from llmopt.engines.generation import BatchGenerator, SamplingParams
 from llmopt.serve.engine.scheduler import Scheduler, Sequence
 from llmopt.serve.metrics import ServeMetrics
 
@@ -27,14 +28,14 @@ class EngineLoop:
     """Owns the generator and its scheduler; `submit`/`abort` are called from the event loop.
 
     Args:
-        gen: the native generator.
+        gen: the engine's generator (`get_engine(name).load_generator(spec)`).
         max_num_seqs, max_num_batched_tokens: scheduler limits.
         metrics: gauges and counters updated after every step.
         chunked_prefill, swap_space_bytes: the scheduler's prefill chunking and host memory for
             swapped-out KV caches (0: recompute only).
     """
 
-    def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, gen: BatchGenerator, max_num_seqs: int, max_num_batched_tokens: int,
                  metrics: ServeMetrics, chunked_prefill: bool = True,
                  swap_space_bytes: int = 0):  # fmt: skip
         self.gen = gen
@@ -80,7 +81,7 @@ class EngineLoop:
 
     # -- called on the event loop -------------------------------------------------------------
     def submit(
-        self, prompt_ids: list[int], params: Any, priority: int = 0
+        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> tuple[int, asyncio.Queue]:
         """Queue a sequence; its events (TokenEvent, or an Exception) arrive in the queue."""
         q: asyncio.Queue = asyncio.Queue()

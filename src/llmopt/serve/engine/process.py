@@ -2,17 +2,19 @@
 
 With `EngineLoop` the engine thread shares the API process's interpreter: while the event loop
 detokenizes and streams many clients, the engine's Python (the scheduler, block tables, and every
-op launch of an eager prefill) waits for the GIL. Here the generator, its scheduler and the step
-loop live in a child process started with `spawn` (CUDA cannot be used after `fork`), and the API
-process keeps only the tokenizer:
+op launch of an eager prefill) waits for the GIL. Here the generator (loaded by
+`get_engine(spec.engine).load_generator(spec)` from a pickled `GeneratorSpec`), its scheduler
+and the step loop live in a child process started with `spawn` (CUDA cannot be used after
+`fork`), and the API process keeps only the tokenizer:
 
     API process                                  engine process (`_engine_main`)
     submit/abort ── pipe ("add"/"abort") ──────>  drain commands, Scheduler.step()
     reader thread <── pipe ("step": events, ─────  one message per step
     call_soon_threadsafe -> each request's queue   stats, tokens, preemptions)
 
-The interface is `EngineLoop`'s (`submit`, `abort`, `start`, `stop`, `error`, `max_num_seqs`,
-`chunked_prefill`, `capacity_blocks`), so `Generation` and the app do not know which one runs.
+The interface is `EngineLoop`'s (`EngineClient`: `submit`, `abort`, `start`, `stop`, `error`,
+`max_num_seqs`, `chunked_prefill`, `capacity_blocks`), so `Generation` and the app do not know
+which one runs.
 Messages are pickled by `multiprocessing.Connection` between this process and a child it
 started itself (nothing is loaded from a file). An engine exception is sent as its type name and
 text and raised again here; if the child dies, every open request fails with a 500 and `/health`
@@ -30,6 +32,10 @@ import threading
 from typing import Any
 
 from llmopt.core.errors import LlmoptError
+from llmopt.engines import get_engine
+from llmopt.engines.generation import GeneratorSpec, SamplingParams
+from llmopt.serve.engine.scheduler import Scheduler, Sequence
+from llmopt.serve.engine.warmup import warm_generator
 from llmopt.serve.metrics import ServeMetrics
 
 __all__ = ["EngineProcess", "EngineProcessError"]
@@ -45,7 +51,7 @@ class EngineProcess:
     """The generator and scheduler in a child process, with `EngineLoop`'s interface.
 
     Args:
-        gen_kwargs: `load_generator` arguments (model folder, recipe, device, batch, cache).
+        spec: the generator to load in the child (`get_engine(spec.engine).load_generator`).
         warmup: `warm_generator` arguments (warm-up tokens, threads), run in the child.
         max_num_seqs, max_num_batched_tokens, chunked_prefill, swap_space_bytes: the
             scheduler's settings.
@@ -53,7 +59,7 @@ class EngineProcess:
         start_timeout: seconds to wait for the child's model load and warm-up.
     """
 
-    def __init__(self, gen_kwargs: dict, warmup: dict, max_num_seqs: int,
+    def __init__(self, spec: GeneratorSpec, warmup: dict, max_num_seqs: int,
                  max_num_batched_tokens: int, chunked_prefill: bool, metrics: ServeMetrics,
                  start_timeout: float = 3600.0, swap_space_bytes: int = 0):  # fmt: skip
         self.metrics = metrics
@@ -66,7 +72,7 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         sched = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                  "chunked_prefill": chunked_prefill, "swap_space_bytes": swap_space_bytes}  # fmt: skip
-        self._proc = ctx.Process(target=_engine_main, args=(child, gen_kwargs, warmup, sched),
+        self._proc = ctx.Process(target=_engine_main, args=(child, spec, warmup, sched),
                                  name="llmopt-engine-core", daemon=True)  # fmt: skip
         self._proc.start()
         child.close()
@@ -111,7 +117,7 @@ class EngineProcess:
         self._reader.start()
 
     def submit(
-        self, prompt_ids: list[int], params: Any, priority: int = 0
+        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> tuple[int, asyncio.Queue]:
         """Queue a sequence; its events (TokenEvent, or an Exception) arrive in the queue."""
         q: asyncio.Queue = asyncio.Queue()
@@ -187,12 +193,8 @@ class EngineProcess:
         self._sinks.clear()
 
 
-def _engine_main(conn: Any, gen_kwargs: dict, warmup: dict, sched_kwargs: dict) -> None:
+def _engine_main(conn: Any, spec: GeneratorSpec, warmup: dict, sched_kwargs: dict) -> None:
     """The child: load, warm up, then run the scheduler until told to stop or the parent goes."""
-    from llmopt.engines.native import load_generator
-    from llmopt.serve.engine.scheduler import Scheduler, Sequence
-    from llmopt.serve.server import warm_generator
-
     logging.basicConfig(level=warmup.get("log_level", logging.WARNING),
                         format="%(levelname)s engine-core: %(message)s")  # fmt: skip
     try:
@@ -200,8 +202,8 @@ def _engine_main(conn: Any, gen_kwargs: dict, warmup: dict, sched_kwargs: dict) 
             import torch
 
             torch.set_num_threads(int(warmup["threads"]))
-        gen = load_generator(**gen_kwargs)
-        warm_generator(gen, int(warmup.get("tokens") or 0), gen_kwargs.get("device", "cpu"))
+        gen = get_engine(spec.engine).load_generator(spec)
+        warm_generator(gen, int(warmup.get("tokens") or 0), spec.device)
         sched = Scheduler(gen, **sched_kwargs)
     except Exception as e:  # the parent shows it and exits
         conn.send(("failed", f"{type(e).__name__}: {e}"))

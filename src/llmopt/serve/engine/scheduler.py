@@ -1,4 +1,4 @@
-"""Continuous batching over the native engine's paged KV cache.
+"""Continuous batching over a batching engine's paged KV cache (a `BatchGenerator`).
 
 The scheduler owns three queues: `waiting` (new requests, by priority then arrival: FIFO when
 every priority is equal), `running` (sequences in the engine's batch) and `preempted` (evicted
@@ -22,9 +22,9 @@ With chunked prefill (`chunked_prefill=True`, the default) the budget is split a
 it: one token per running decode first; what is left goes to prefill chunks, first to the
 sequences already being prefilled (oldest first), then to new ones. A new sequence is admitted
 while any budget is left (its first chunk runs in the same step); a prompt longer than what is
-left is prefilled over several steps (`Generator.step(prefill_budget=...)`), so no step computes
-more than `max_num_batched_tokens` tokens (unless the running decodes alone do) and running
-decodes never wait for a long prefill. A sequence being prefilled holds its batch slot and its
+left is prefilled over several steps (`BatchGenerator.step(prefill_budget=...)`), so no step
+computes more than `max_num_batched_tokens` tokens (unless the running decodes alone do) and
+running decodes never wait for a long prefill. A sequence being prefilled holds its batch slot and its
 whole prompt's KV blocks, and is preempted like any other (its prompt is prefilled again from
 the start). Without chunking, a step prefills the admitted prompts whole (a lone prompt longer
 than the budget too).
@@ -45,6 +45,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmopt.engines.generation import BatchGenerator, OutOfBlocks, SamplingParams
+from llmopt.serve.engine.swap import swap_pays as swap_verdict
+
 __all__ = ["Sequence", "Scheduler", "SchedulerStats"]
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ class Sequence:
 
     seq_id: int
     prompt_ids: list[int]
-    params: Any  # llmopt.engines.native.SamplingParams
+    params: SamplingParams
     priority: int = 0  # lower is served first (vLLM's convention)
     sink: Any = None  # where the engine loop delivers this sequence's events
     tokens: list[int] = field(default_factory=list)
@@ -115,13 +118,14 @@ def _out_of_blocks_ids(exc: BaseException) -> list[int]:
 
 
 class Scheduler:
-    """Waiting / running / preempted queues over an engine with the native generator's API.
+    """Waiting / running / preempted queues over a `BatchGenerator`.
 
     Args:
-        gen: the engine (`llmopt.engines.native.load_generator(...)`).
+        gen: the engine's generator (`get_engine(name).load_generator(spec)`).
         max_num_seqs: sequences in the batch at most (capped by the engine's `max_batch`).
         max_num_batched_tokens: tokens per step (prefill tokens + one per running decode).
-        out_of_blocks: the engine's OutOfBlocks exception class.
+        out_of_blocks: the exception the engine raises when out of KV blocks (default:
+            `llmopt.engines.generation.OutOfBlocks`).
         watermark: blocks kept free at admission while other sequences run (default: 1% of the
             cache, at least 1).
         chunked_prefill: split prompts into chunks that fit the step's budget (see above); an
@@ -132,16 +136,14 @@ class Scheduler:
         swap_pays: the engine's verdict (default: `llmopt.serve.engine.swap.swap_pays(gen)`).
     """
 
-    def __init__(self, gen: Any, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, gen: BatchGenerator, max_num_seqs: int, max_num_batched_tokens: int,
                  out_of_blocks: type[BaseException] | None = None,
                  watermark: int | None = None, chunked_prefill: bool = True,
                  swap_space_bytes: int = 0, swap_pays: bool | None = None):  # fmt: skip
-        if out_of_blocks is None:
-            from llmopt.engines.native import OutOfBlocks as out_of_blocks
         self.gen = gen
         self.max_num_seqs = min(max_num_seqs, int(gen.max_batch))
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.OutOfBlocks = out_of_blocks
+        self.OutOfBlocks = out_of_blocks or OutOfBlocks
         self.watermark = watermark if watermark is not None else max(1, gen.num_blocks // 100)
         self.running: dict[int, Sequence] = {}
         self._queued: dict[int, Sequence] = {}  # waiting + preempted, by id
@@ -155,9 +157,7 @@ class Scheduler:
         self.swap_used_bytes = 0
         self.swaps_total = 0
         if self.swap_space_bytes and swap_pays is None:
-            from llmopt.serve.engine.swap import swap_pays as verdict
-
-            swap_pays, why = verdict(gen)
+            swap_pays, why = swap_verdict(gen)
             log.info("swap preemption %s: %s", "on" if swap_pays else "off", why)
         self.swap = bool(self.swap_space_bytes and swap_pays)
         self._kv_token = int(gen.kv_bytes_per_token()) if self.swap else 0
@@ -330,7 +330,7 @@ class Scheduler:
         while victims and self.gen.free_blocks < len(need & set(self.running)):
             v = victims.pop(0)
             how = "recompute"
-            nbytes = len(self.gen.seqs[v.seq_id].blocks) * self.gen.block_size * self._kv_token
+            nbytes = len(self.gen.blocks_of(v.seq_id)) * self.gen.block_size * self._kv_token
             if (self.swap and self.gen.prefill_pending(v.seq_id) == 0
                     and self.swap_used_bytes + nbytes <= self.swap_space_bytes):  # fmt: skip
                 v.swapped = self.gen.swap_out(v.seq_id)

@@ -16,7 +16,7 @@ prefills run below peak, which favours swapping further); it is logged with its 
 
 from __future__ import annotations
 
-from typing import Any
+from llmopt.engines.generation import BatchGenerator
 
 __all__ = ["swap_pays", "device_balance"]
 
@@ -50,10 +50,9 @@ def device_balance(device: str) -> tuple[float, str]:
     )
 
 
-def swap_pays(gen: Any) -> tuple[bool, str]:
+def swap_pays(gen: BatchGenerator) -> tuple[bool, str]:
     """(whether swapping beats recomputing for `gen`'s model on its device, the reason)."""
-    layers = gen.model.model.layers
-    params = sum(p.numel() for p in layers.parameters())
+    params = gen.layer_parameters()
     kv = gen.kv_bytes_per_token()
     intensity = params / kv  # 2P FLOPs recomputed vs 2 kv bytes moved, per token
     balance, how = device_balance(str(gen.device))

@@ -1,0 +1,189 @@
+"""The engine-neutral generation protocol: what `llmopt serve` drives, whichever engine batches.
+
+A batching engine (`Engine.batching`) turns a `GeneratorSpec` into a `BatchGenerator`
+(`Engine.load_generator`): an object that admits sequences (`add`), runs them one step at a time
+(`step`, which returns `TokenEvent`s) and forgets them (`remove`), over a pool of KV-cache blocks
+whose free count it reports and whose exhaustion it signals with `OutOfBlocks`. The serve
+scheduler decides who runs; the generator only says what fits.
+
+This module imports no torch: the API process of `llmopt serve --engine-process` builds
+`SamplingParams` and `GeneratorSpec`s (pickled to the engine process) without loading a model.
+
+>>> spec = GeneratorSpec(model="smollm2-135m", max_batch=4)
+>>> spec.recipe, spec.engine
+('fp32', 'torch')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "OutOfBlocks",
+    "SamplingParams",
+    "TokenEvent",
+    "PromptLogprob",
+    "GeneratorSpec",
+    "BatchGenerator",
+]
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free KV blocks. `seq_ids`: the running sequences that needed one."""
+
+    def __init__(self, message: str, seq_ids: list[Hashable] | None = None):
+        super().__init__(message)
+        self.seq_ids = seq_ids or []
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0  # number of top alternatives to return per token (the chosen one always)
+    # Log-probabilities of the prompt's own tokens, computed in prefill and sent once with the
+    # first TokenEvent: None = off; 0 = each prompt token's only; N = also its top-N.
+    prompt_logprobs: int | None = None
+
+
+# One prompt token's (logprob given the tokens before it, top-N [(token id, logprob)]).
+PromptLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class TokenEvent:
+    seq_id: Hashable
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | None
+    # First event only, when SamplingParams.prompt_logprobs is set: one entry per prompt token,
+    # None for the first (nothing precedes it), else (logprob, top-N [(token id, logprob)]).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """What to load as a batch generator, and its shape. Plain values only: it is pickled to
+    the engine process (`llmopt serve --engine-process`).
+
+    Args:
+        model: HF folder, built artifact or built-in name.
+        recipe: the numeric recipe's name (fp32, bf16, w8a16...).
+        engine: the registered engine whose `load_generator` builds it.
+        device: "cpu", "cuda", "cuda:1"...
+        max_batch: sequences in a batch at most.
+        block_size, num_blocks: the KV-cache pool (num_blocks None: enough for max_batch
+            sequences of max_seq_len tokens).
+        max_seq_len: prompt + generated tokens of one sequence at most (None: the engine's).
+        batch_sizes: decode batch shapes (None: the engine's).
+        compile_prefill: compile the prefill forward too.
+    """
+
+    model: str
+    recipe: str = "fp32"
+    engine: str = "torch"
+    device: str = "cpu"
+    max_batch: int = 8
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_seq_len: int | None = None
+    batch_sizes: tuple[int, ...] | None = None
+    compile_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", str(self.model))
+        if self.batch_sizes is not None:
+            object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+
+
+@runtime_checkable
+class BatchGenerator(Protocol):
+    """Continuous batching over a paged KV cache, as the serve scheduler, engine loop, engine
+    process, swap verdict and warm-up use it. Sequence ids are any hashable the caller picks.
+
+    A generator may also keep `time` (cumulative step timings, exported as metrics); the
+    scheduler reads it with `getattr`, so it is not required here.
+    """
+
+    tokenizer: Any
+    device: Any  # where its KV cache lives (str() gives "cpu", "cuda:0"...)
+    max_batch: int
+    block_size: int
+    num_blocks: int
+    max_seq_len: int
+    batch_sizes: list[int]
+
+    # -- capacity ------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks not allocated to any sequence."""
+        ...
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """KV blocks `n_tokens` tokens occupy."""
+        ...
+
+    def blocks_of(self, seq_id: Hashable) -> list[int]:
+        """The KV blocks `seq_id` holds now (a copy)."""
+        ...
+
+    def prefill_pending(self, seq_id: Hashable) -> int:
+        """Prompt tokens of `seq_id` still to prefill (0 once it decodes)."""
+        ...
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Admit a sequence (ValueError: refused; OutOfBlocks: no room now)."""
+        ...
+
+    def step(self, prefill_budget: int | None = None) -> list[TokenEvent]:
+        """Prefill what was admitted (at most `prefill_budget` tokens), decode the rest."""
+        ...
+
+    def remove(self, seq_id: Hashable) -> list[int]:
+        """Forget a sequence, free its blocks; returns its prompt + generated ids."""
+        ...
+
+    # -- preemption by swap --------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token holds across all layers."""
+        ...
+
+    def layer_parameters(self) -> int:
+        """Parameters of the decoder layers (recomputing a token costs about twice as many
+        FLOPs)."""
+        ...
+
+    def swap_out(self, seq_id: Hashable) -> Any:
+        """Move a decoding sequence's KV cache to host memory; returns it (with `nbytes` and
+        `num_blocks`) for `swap_in`."""
+        ...
+
+    def swap_in(self, seq_id: Hashable, swapped: Any) -> None:
+        """Bring a swapped-out sequence back; it continues as if it had never left."""
+        ...
+
+    # -- warm-up -------------------------------------------------------------------------------
+    def warmup_widths(self, max_tokens: int | None = None) -> list[int]:
+        """The decode length buckets of contexts up to `max_tokens`."""
+        ...
+
+    def warmup(self, max_tokens: int | None = None) -> float:
+        """Compile every decode shape up to `max_tokens` of context; returns the seconds."""
+        ...
+
+    def warmup_prefill(self) -> float:
+        """Compile the prefill, if it is compiled; returns the seconds (0: nothing to do)."""
+        ...
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], dict]:
+        """Run one sequence to the end; returns (generated ids, timings)."""
+        ...
