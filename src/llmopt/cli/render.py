@@ -11,7 +11,6 @@ from rich.table import Table
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
     from llmopt.optimize.job import OptimizeResult
-    from llmopt.optimize.space import Plan
 
 console = Console(stderr=False)
 # Errors go to stderr, so `--json > facts.json` never holds an error message instead of JSON.
@@ -56,26 +55,6 @@ def render_inspect(info: ModelInfo) -> None:
         rows.append((f"KV cache / token ({dt})", _bytes(b)))
     for k, v in rows:
         t.add_row(k, str(v))
-    console.print(t)
-
-
-def render_plan(info: ModelInfo, plan: Plan) -> None:
-    tg = plan.target
-    console.print(
-        f"[bold]target[/] {tg.device}: {tg.cpu}, {tg.threads} threads, "
-        f"{_bytes(tg.memory_bytes)}, features {' '.join(tg.features) or '-'}"
-    )
-    for dt, b in plan.memory["weights_bytes"].items():
-        console.print(f"  weights in {dt}: {_bytes(b)}")
-    for n in plan.memory.get("notes", []):
-        console.print(f"  {n}")
-    t = Table(title="candidates")
-    for col in ("id", "engine", "recipe", "status"):
-        t.add_column(col)
-    for c in plan.candidates:
-        t.add_row(c.id, c.engine, c.recipe, "reference" if c.reference else "planned")
-    for s in plan.skipped:
-        t.add_row(s["id"], s["engine"], s["recipe"], f"[dim]skipped: {s['reason']}[/]")
     console.print(t)
 
 
