@@ -25,8 +25,8 @@ from llmopt.deploy.source import DeploySource
 from llmopt.deploy.validate import CheckResult, validate_bundle
 
 if TYPE_CHECKING:
-    from llmopt.planning.serving import ServingPlan
     from llmopt.hardware.target import Target
+    from llmopt.planning.serving import ServingPlan
     from llmopt.planning.workload import Workload
 
 __all__ = ["DeploySource", "DeployResult", "resolve_source", "write_bundle"]
