@@ -50,7 +50,7 @@ def test_target_round_trip_and_old_run_files():
     assert h200.compute_capability == "9.0"
     assert detect_target("cpu", 3).threads == 3
     # a plan.json written before the merge (optimize's Target)
-    old = {"device": "cpu", "threads": 2, "cpu": "x", "memory_bytes": 5, "features": [], "gpu": None}
+    old = {"device": "cpu", "threads": 2, "cpu": "x", "memory_bytes": 5, "features": []}
     assert Target.from_dict(old) == Target("cpu", 2, "x", 5)
     # a deploy bundle's plan.json target written before the merge (ServingTarget)
     dep = {

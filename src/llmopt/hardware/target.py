@@ -70,7 +70,7 @@ class Target:
 
     @property
     def kind(self) -> str:
-        """ "gpu" or "cpu"."""
+        """`gpu` or `cpu` (how deploy bundles name the device)."""
         return _KIND[self.device]
 
     @property
@@ -102,15 +102,25 @@ class Target:
         device = d.get("device") or {"gpu": "cuda", "cpu": "cpu"}.get(d.get("kind", ""), "")
         gpu = d.get("gpu")
         if gpu is None and device == "cuda":  # a deploy bundle's target: no gpu entry
-            gpu = {"name": d.get("name"), "memory_bytes": d.get("memory_bytes"),
-                   "compute_capability": d.get("compute_capability")}
+            gpu = {
+                "name": d.get("name"),
+                "memory_bytes": d.get("memory_bytes"),
+                "compute_capability": d.get("compute_capability"),
+            }
         cpu = d.get("cpu")
         if cpu is None:  # a deploy bundle's CPU target names the CPU in `name`
             cpu = d.get("name", "") if device == "cpu" else ""
-        return cls(device=device, threads=d.get("threads"), cpu=cpu,
-                   memory_bytes=int(d.get("memory_bytes") or 0),
-                   features=list(d.get("features") or []), gpu=gpu, count=int(d.get("count") or 1),
-                   bandwidth_gbs=d.get("bandwidth_gbs"), source=d.get("source") or "")
+        return cls(
+            device=device,
+            threads=d.get("threads"),
+            cpu=cpu,
+            memory_bytes=int(d.get("memory_bytes") or 0),
+            features=list(d.get("features") or []),
+            gpu=gpu,
+            count=int(d.get("count") or 1),
+            bandwidth_gbs=d.get("bandwidth_gbs"),
+            source=d.get("source") or "",
+        )
 
     @classmethod
     def gpu_model(cls, name: str, count: int = 1, **host: Any) -> Target:
@@ -122,11 +132,20 @@ class Target:
             host: `threads`, `cpu`, `features` of the host, if known.
         """
         spec = lookup_gpu(name)
-        gpu = {"name": spec.name, "memory_bytes": spec.memory_bytes,
-               "compute_capability": spec.compute_capability}
-        return cls(device="cuda", memory_bytes=spec.memory_bytes, gpu=gpu, count=count,
-                   bandwidth_gbs=spec.bandwidth_gbs, source=f"spec table ({spec.source})",
-                   **host)
+        gpu = {
+            "name": spec.name,
+            "memory_bytes": spec.memory_bytes,
+            "compute_capability": spec.compute_capability,
+        }
+        return cls(
+            device="cuda",
+            memory_bytes=spec.memory_bytes,
+            gpu=gpu,
+            count=count,
+            bandwidth_gbs=spec.bandwidth_gbs,
+            source=f"spec table ({spec.source})",
+            **host,
+        )
 
     @classmethod
     def from_doctor(cls, report: Any, count: int | None = None, **host: Any) -> Target:
@@ -146,8 +165,8 @@ class Target:
             raise NoGpuError(
                 f"--target cuda: no NVIDIA GPU/driver here "
                 f"({causes[0].get('cause', 'unknown cause')})",
-                hint="run `llmopt doctor --target cuda` for the evidence, plan for a GPU you do not "
-                "have with --gpu NAME --gpus N, or use --target cpu",
+                hint="run `llmopt doctor --target cuda` for the evidence, plan for a GPU you do "
+                "not have with --gpu NAME --gpus N, or use --target cpu",
             )
         g = report.gpus[0]
         spec = match_gpu(g.get("name") or "")
@@ -155,16 +174,27 @@ class Target:
         cc = g.get("compute_capability") or (spec.compute_capability if spec else None)
         gpu = {"name": g.get("name") or "GPU", "memory_bytes": mem, "compute_capability": cc}
         source = f"doctor ({g.get('source')}); bandwidth: {'spec table' if spec else 'unknown'}"
-        return cls(device="cuda", memory_bytes=mem, gpu=gpu, count=count or len(report.gpus),
-                   bandwidth_gbs=spec.bandwidth_gbs if spec else None, source=source,
-                   **host)
+        return cls(
+            device="cuda",
+            memory_bytes=mem,
+            gpu=gpu,
+            count=count or len(report.gpus),
+            bandwidth_gbs=spec.bandwidth_gbs if spec else None,
+            source=source,
+            **host,
+        )
 
     @classmethod
     def cpu_host(cls, threads: int | None = None) -> Target:
         """This machine's CPU and RAM."""
-        return cls(device="cpu", threads=threads or usable_cores(), cpu=cpu_name(),
-                   memory_bytes=ram_bytes(), features=isa_features(),
-                   source="this machine (/proc/meminfo, /proc/cpuinfo)")
+        return cls(
+            device="cpu",
+            threads=threads or usable_cores(),
+            cpu=cpu_name(),
+            memory_bytes=ram_bytes(),
+            features=isa_features(),
+            source="this machine (/proc/meminfo, /proc/cpuinfo)",
+        )
 
 
 def detect_target(device: str = "cpu", threads: int | None = None) -> Target:
@@ -188,8 +218,18 @@ def detect_target(device: str = "cpu", threads: int | None = None) -> Target:
         raise ValueError("target cuda asked for, but torch sees no CUDA GPU; use --target cpu")
     p = torch.cuda.get_device_properties(0)
     spec = match_gpu(p.name)
-    gpu = {"name": p.name, "memory_bytes": p.total_memory,
-           "compute_capability": f"{p.major}.{p.minor}"}
-    return Target(device="cuda", threads=host.threads, cpu=host.cpu, memory_bytes=p.total_memory,
-                  features=host.features, gpu=gpu, bandwidth_gbs=spec.bandwidth_gbs if spec else None,
-                  source=f"torch.cuda; bandwidth: {'spec table' if spec else 'unknown'}")
+    gpu = {
+        "name": p.name,
+        "memory_bytes": p.total_memory,
+        "compute_capability": f"{p.major}.{p.minor}",
+    }
+    return Target(
+        device="cuda",
+        threads=host.threads,
+        cpu=host.cpu,
+        memory_bytes=p.total_memory,
+        features=host.features,
+        gpu=gpu,
+        bandwidth_gbs=spec.bandwidth_gbs if spec else None,
+        source=f"torch.cuda; bandwidth: {'spec table' if spec else 'unknown'}",
+    )
