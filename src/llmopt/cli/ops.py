@@ -7,13 +7,16 @@ Wiring only: each command builds its inputs, calls one library function and rend
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
-if TYPE_CHECKING:
-    from llmopt.hardware.target import Target
-    from llmopt.planning.workload import Workload
+from llmopt.hardware.host import usable_cores
+from llmopt.hardware.target import Target
+from llmopt.model.info import CONFIG_ONLY, inspect_model
+from llmopt.optimize.space import make_plan
+from llmopt.planning.serving import plan_serving
+from llmopt.planning.workload import Workload
 
 __all__ = ["doctor", "plan", "deploy", "register"]
 
@@ -89,8 +92,6 @@ StaticOpt = Annotated[
 def _serving_target(
     target: str, gpu: str | None, gpus: int | None, cpu: bool, threads: int | None
 ) -> Target:
-    from llmopt.hardware.target import Target
-
     if gpu:
         return Target.gpu_model(gpu, gpus or 1)
     if cpu or target == "cpu":
@@ -103,8 +104,6 @@ def _serving_target(
 
 
 def _workload(**kw: Any) -> Workload:
-    from llmopt.planning.workload import Workload
-
     return Workload(**kw)
 
 
@@ -165,10 +164,6 @@ def plan(
     flags and the optimizer's candidates, each figure with where it comes from."""
     from llmopt.cli.main import emit_json
     from llmopt.cli.render_ops import render_plan
-    from llmopt.hardware.host import usable_cores
-    from llmopt.model.info import CONFIG_ONLY, inspect_model
-    from llmopt.optimize.space import make_plan
-    from llmopt.planning.serving import plan_serving
 
     info = inspect_model(model, params=params, config_only="auto")
     source = "config" if info.weight_format == CONFIG_ONLY else "weights"

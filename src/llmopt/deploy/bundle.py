@@ -23,6 +23,7 @@ from llmopt.deploy import templates as T
 from llmopt.deploy.readme import bundle_readme
 from llmopt.deploy.source import DeploySource
 from llmopt.deploy.validate import CheckResult, validate_bundle
+from llmopt.model.info import CONFIG_ONLY, inspect_model
 
 if TYPE_CHECKING:
     from llmopt.hardware.target import Target
@@ -90,7 +91,6 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     Raises:
         DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
     """
-    from llmopt.model.info import CONFIG_ONLY, inspect_model
     from llmopt.rundir.best import NoBestError, find_best
 
     p = Path(path).resolve()
