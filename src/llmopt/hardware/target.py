@@ -1,8 +1,9 @@
 """The machine a plan is for: one `Target` for the optimizer, `llmopt plan`, deploy and serve.
 
-A target is the CPU (this machine's, `Target.cpu()`), the GPUs doctor found here
-(`Target.from_doctor(report)`), torch's view of this machine (`detect_target("cuda")`), or a GPU
-model from the spec table times a count (`Target.gpu("H200", 8)`, a machine you do not have).
+A target is the CPU (this machine's, `Target.cpu_host()`), the GPUs doctor found here
+(`Target.from_doctor(report)`), torch's view of this machine (`detect_target("cuda")`), or a
+GPU model from the spec table times a count (`Target.gpu_model("H200", 8)`, a machine you may
+not have).
 `memory_bytes` is per device: one GPU's memory, or the RAM for a CPU target. `source` says where
 the figures come from, so a printed plan can say it.
 
@@ -10,7 +11,7 @@ Run files store `to_dict()`: optimize's plan.json reads `device`, `threads`, `cp
 `memory_bytes`, `features`, `gpu`; a deploy bundle's plan.json reads `kind`, `name`, `count`,
 `bandwidth_gbs`, `compute_capability`, `source`. Both sets are written; `from_dict` reads either.
 
->>> t = Target.gpu("H200", 8)
+>>> t = Target.gpu_model("H200", 8)
 >>> t.kind, t.count, t.compute_capability, round(t.memory_bytes / 2**30, 1)
 ('gpu', 8, '9.0', 140.4)
 >>> Target.from_dict(t.to_dict()) == t
