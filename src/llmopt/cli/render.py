@@ -17,7 +17,7 @@ console = Console(stderr=False)
 err_console = Console(stderr=True)
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -45,14 +45,14 @@ def render_inspect(info: ModelInfo) -> None:
         ("dtype (config / stored)", f"{info.dtype} / {info.weights_dtype}"),
         (
             "on disk",
-            f"{_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)",
+            f"{human_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)",
         ),
         ("tied embeddings", info.tied_embeddings),
     ]
     if info.task == "embedding":
         rows.append(("pooling", f"{info.pooling}{', normalized' if info.normalize else ''}"))
     for dt, b in info.kv_bytes_per_token.items():
-        rows.append((f"KV cache / token ({dt})", _bytes(b)))
+        rows.append((f"KV cache / token ({dt})", human_bytes(b)))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)

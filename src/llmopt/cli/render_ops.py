@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from llmopt.cli.render import _bytes, console
+from llmopt.cli.render import console, human_bytes
 
 if TYPE_CHECKING:
     from llmopt.deploy import DeployResult
@@ -81,7 +81,7 @@ def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> 
     column saying where each memory figure comes from."""
     m, t = plan.memory, plan.target
     console.print(
-        f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
+        f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({human_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
     )
     mt = Table(show_header=bool(sources), title="memory per GPU (one replica)")
     mt.add_column("item", style="bold")
@@ -91,12 +91,12 @@ def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> 
     rows = [
         ("layout", f"tensor parallel {m.tp} x pipeline parallel {m.pp}, {plan.replicas} replica(s)"
                    + ("" if plan.fits else "  [bold red]does not fit[/]")),
-        ("usable", f"{_bytes(m.usable_bytes)} ({m.utilization:.0%} of {_bytes(m.gpu_memory_bytes)})"),
-        ("weights", f"{m.precision}: {_bytes(m.weights_total_bytes)} total, {_bytes(m.weights_per_gpu_bytes)} per GPU"),
-        ("reserve", f"{_bytes(m.reserve_bytes)} = runtime {_bytes(m.runtime_bytes)} + activations "
-                    f"{_bytes(m.activation_bytes)} + logits {_bytes(m.logits_bytes)}"),
+        ("usable", f"{human_bytes(m.usable_bytes)} ({m.utilization:.0%} of {human_bytes(m.gpu_memory_bytes)})"),
+        ("weights", f"{m.precision}: {human_bytes(m.weights_total_bytes)} total, {human_bytes(m.weights_per_gpu_bytes)} per GPU"),
+        ("reserve", f"{human_bytes(m.reserve_bytes)} = runtime {human_bytes(m.runtime_bytes)} + activations "
+                    f"{human_bytes(m.activation_bytes)} + logits {human_bytes(m.logits_bytes)}"),
         ("KV cache", f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per GPU); "
-                     f"budget {_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
+                     f"budget {human_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
         ("sequences", f"{m.sequences_at(plan.max_model_len):,} at max-model-len {plan.max_model_len:,}; "
                       f"{m.sequences_at(plan.workload.input_len + plan.workload.output_len):,} at "
                       f"{plan.workload.input_len}+{plan.workload.output_len} tokens"),
@@ -133,7 +133,7 @@ def render_plan(
     host = f", {t.threads} threads" if t.threads else ""
     feats = f", features {' '.join(t.features)}" if t.features else ""
     console.print(
-        f"[bold]target[/] {t.count} x {escape(t.name)}, {_bytes(t.memory_bytes)} per device"
+        f"[bold]target[/] {t.count} x {escape(t.name)}, {human_bytes(t.memory_bytes)} per device"
         f"{host}{feats} [dim](from {escape(t.source or 'the command line')})[/]"
     )
     kv_src = "layers x KV heads x head_dim x 2 (K, V) x bytes per element, from the config"
