@@ -85,12 +85,16 @@ class MemoryPlan:
         return {**asdict(self), "reserve_bytes": self.reserve_bytes}
 
 
-def weights_bytes(info: ModelInfo, precision: str) -> int:
-    """All weights of `info` stored in `precision`."""
+def weights_bytes(info: ModelInfo, precision: str, *, embeddings_16bit: bool = True) -> int:
+    """All weights of `info` stored in `precision`.
+
+    Args:
+        embeddings_16bit: quantized formats keep the embedding (and an untied LM head) in 16
+            bits, as vLLM and compressed-tensors do (they quantize the linear layers only);
+            False: every weight in `precision` (the optimizer's per-dtype table).
+    """
     width = dtype_bytes(precision)
-    # Quantized formats keep the embedding (and an untied LM head) in 16 bits: vLLM and
-    # compressed-tensors quantize the linear layers only.
-    if width >= 2:
+    if width >= 2 or not embeddings_16bit:
         return int(info.num_parameters * width)
     embed = info.vocab_size * info.hidden_size * (1 if info.tied_embeddings else 2)
     return int((info.num_parameters - embed) * width + embed * 2)
@@ -123,6 +127,7 @@ def memory_plan(
     max_num_seqs: int = 256,
     block_size: int = 16,
     act_bytes: int = 2,
+    embeddings_16bit: bool = True,
 ) -> MemoryPlan:
     """The per-GPU memory budget for one replica split `tp` x `pp` ways.
 
@@ -136,8 +141,9 @@ def memory_plan(
         max_num_batched_tokens, max_num_seqs: scheduler limits that size activations and logits.
         block_size: tokens per KV-cache block (the cache is allocated in whole blocks).
         act_bytes: bytes per activation element.
+        embeddings_16bit: see `weights_bytes`.
     """
-    weights = weights_bytes(info, precision)
+    weights = weights_bytes(info, precision, embeddings_16bit=embeddings_16bit)
     weights_gpu = math.ceil(weights / (tp * pp))
     layers_stage = math.ceil(info.num_layers / pp)  # the fullest pipeline stage bounds the cache
     kv_heads_gpu = max(1, info.num_kv_heads // tp)  # replicated when tp > KV heads
@@ -178,13 +184,14 @@ def memory_plan(
 def memory_table(info: ModelInfo, target: Target, context: int | None = None) -> dict[str, Any]:
     """`memory_plan` on one device of `target` per dtype: the "memory" section of plan.json.
 
-    Keys: `weights_bytes` (per weight dtype), `kv_bytes_per_token` (per KV dtype), and for a
-    decoder `context` and `max_sequences_at_context` (per KV dtype, beside weights of the same
-    width, bf16 weights for fp8/fp16 KV), plus `notes` saying how it was computed.
+    Keys: `weights_bytes` (every weight in that dtype), `kv_bytes_per_token` (per KV dtype), and
+    for a decoder `context` and `max_sequences_at_context` (per KV dtype, beside weights of the
+    same width, bf16 weights for fp8/fp16 KV), plus `notes` saying how it was computed.
     """
-    limits = default_limits(target)
+    limits = {**default_limits(target), "embeddings_16bit": False}
+    weights = {dt: weights_bytes(info, dt, embeddings_16bit=False) for dt in TABLE_DTYPES}
     out: dict[str, Any] = {
-        "weights_bytes": {dt: weights_bytes(info, dt) for dt in TABLE_DTYPES},
+        "weights_bytes": weights,
         "kv_bytes_per_token": dict(info.kv_bytes_per_token),
     }
     notes = []
