@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from llmopt.doctor import diagnose
+from llmopt.hardware.target import Target
 from llmopt.model.config import estimate_parameters
 from llmopt.model.info import CONFIG_ONLY, info_from_config, inspect_model
 from llmopt.planning.memory import memory_plan
 from llmopt.planning.serving import plan_serving
-from llmopt.hardware.target import Target
 from llmopt.planning.workload import Workload
 
 ROOT = Path(__file__).parents[2]

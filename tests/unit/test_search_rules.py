@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from llmopt.core.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.hardware.target import Target
 from llmopt.model.info import inspect_model
 from llmopt.optimize.budget import Budget, parse_duration
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import get_objective
-from llmopt.hardware.target import Target
 from llmopt.optimize.select import SelectionInput, pareto_front_nd, select
 from llmopt.optimize.space import candidate_space, make_plan, settings_suffix, task_rule
 from llmopt.rundir.paths import RunDir

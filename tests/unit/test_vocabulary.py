@@ -66,7 +66,11 @@ def test_target_round_trip_and_old_run_files():
     }
     t = Target.from_dict(dep)
     assert (t.device, t.name, t.count, t.compute_capability, t.bandwidth_gbs) == (
-        "cuda", "L4", 2, "8.9", 300.0
+        "cuda",
+        "L4",
+        2,
+        "8.9",
+        300.0,
     )
     with pytest.raises(ValueError, match="use cpu or cuda"):
         Target("tpu")

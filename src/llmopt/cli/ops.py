@@ -207,6 +207,7 @@ def plan(
 
             console.print_json(data=checked)
 
+
 def deploy(
     source: Annotated[
         str, typer.Argument(help="A run directory (its best/ candidate) or a model folder.")

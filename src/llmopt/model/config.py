@@ -67,7 +67,6 @@ def estimate_parameters(config: dict[str, Any]) -> int:
     return vocab * h * (1 if tied else 2) + layers * per_layer + h
 
 
-
 def get_key(config: dict[str, Any], *keys: str) -> Any:
     """The first of `keys` that `config` sets (not None), else None."""
     for k in keys:
@@ -119,4 +118,3 @@ def is_config_only(folder: str | os.PathLike) -> bool:
     if not (p / "config.json").is_file():
         return False
     return not any(f.suffix in _WEIGHT_SUFFIXES for f in p.iterdir())
-

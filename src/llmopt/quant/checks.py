@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["QuantConfigError", "QuantMemoryError", "Preflight", "preflight", "plan_specs"]
 
 
-
 class QuantConfigError(LlmoptError):
     """The recipe cannot be applied to this model or device as asked."""
 
