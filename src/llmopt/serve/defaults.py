@@ -38,6 +38,7 @@ from typing import Any
 
 from llmopt.hardware.host import probe_memory, usable_cores
 from llmopt.hardware.target import Target
+from llmopt.planning.workload import Workload
 from llmopt.serve.settings import ServeSettings
 
 __all__ = ["PLANNED", "DEFAULTS", "Resolution", "resolve_settings", "plan_values"]
@@ -211,7 +212,6 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     from dataclasses import replace
 
     from llmopt.planning.serving import plan_serving
-    from llmopt.planning.workload import Workload
 
     precision, dtype = _precision(recipe, device)
     if device == "cpu":
