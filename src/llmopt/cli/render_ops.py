@@ -72,7 +72,7 @@ def _param_source(info: ModelInfo, source: str, params: float | None) -> str:
     if params:
         return "--params"
     if source == "config":
-        return "estimated from config.json (no weights read)"
+        return "estimated from config.json"
     return f"counted in the {info.weight_format} weight headers"
 
 
@@ -80,9 +80,10 @@ def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> 
     """The serving plan: memory per GPU, layout, engine, launch commands. `sources` adds a
     column saying where each memory figure comes from."""
     m, t = plan.memory, plan.target
-    console.print(
-        f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({human_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
-    )
+    if not sources:  # `llmopt plan` names the target (and its source) once, above
+        console.print(
+            f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({human_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
+        )
     mt = Table(show_header=bool(sources), title="memory per GPU (one replica)")
     mt.add_column("item", style="bold")
     mt.add_column("value")
@@ -125,7 +126,10 @@ def render_plan(
     """`llmopt plan`: one plan, built from one `Target` and one memory math
     (`llmopt.planning.memory.memory_plan`), each figure with where it comes from."""
     t, m = serving.target, serving.memory
-    what = {"config": "config.json alone", "weights": "config.json and the weight headers"}
+    what = {
+        "config": "config.json alone (no weights read)",
+        "weights": "config.json and the weight headers",
+    }
     console.print(
         f"[bold]plan[/] for {escape(info.name)}: {info.num_parameters:,} parameters "
         f"({escape(_param_source(info, source, params))}); sizes from {what[source]}"
@@ -134,7 +138,7 @@ def render_plan(
     feats = f", features {' '.join(t.features)}" if t.features else ""
     console.print(
         f"[bold]target[/] {t.count} x {escape(t.name)}, {human_bytes(t.memory_bytes)} per device"
-        f"{host}{feats} [dim](from {escape(t.source or 'the command line')})[/]"
+        f"{host}{feats} [dim]source: {escape(t.source or 'the command line')}[/]"
     )
     kv_src = "layers x KV heads x head_dim x 2 (K, V) x bytes per element, from the config"
     sources = {
