@@ -25,7 +25,7 @@ from llmopt.core.errors import (
     PickleWeightsError,
     UnsupportedModelError,
 )
-from llmopt.core.schema import SCHEMA_VERSION, Task, _Serializable
+from llmopt.core.schema import SCHEMA_VERSION, Serializable, Task
 from llmopt.core.units import DTYPE_BYTES, SAFETENSORS_DTYPES, dtype_bytes
 from llmopt.model.config import config_shape, estimate_parameters, get_key, is_config_only
 
@@ -86,7 +86,7 @@ _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
 @dataclass
-class ModelInfo(_Serializable):
+class ModelInfo(Serializable):
     """What `inspect_model` learned about a model folder. Sizes in bytes, counts in elements."""
 
     name: str  # built-in name, else the folder name
