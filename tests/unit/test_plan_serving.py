@@ -219,7 +219,7 @@ def test_cli_plan_config_only_folder_on_a_gpu_by_name():
     assert unknown.returncode == 2 and "fix:" in unknown.stderr
 
 
-def test_load_model_info_config_only_and_weights(tiny_llama_dir):
+def test_inspect_model_config_only_and_weights(tiny_llama_dir):
     info = inspect_model(str(CONFIGS / "llama-3.1-70b"), config_only="auto")
     assert info.weight_format == CONFIG_ONLY and info.num_parameters == 70_553_706_496
     info = inspect_model(str(tiny_llama_dir), config_only="auto")
