@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("ray", reason="pip install 'llmopt[ray]'")
 
 from llmopt.core.atomic import write_json  # noqa: E402
+from llmopt.hardware.target import Target  # noqa: E402
 from llmopt.model.info import inspect_model  # noqa: E402
 from llmopt.optimize.executor import RayExecutor, Task  # noqa: E402
-from llmopt.optimize.plan import Target  # noqa: E402
 from llmopt.optimize.space import make_plan  # noqa: E402
 from llmopt.rundir.paths import RunDir  # noqa: E402
 

@@ -19,7 +19,8 @@ import yaml
 from llmopt.deploy import resolve_source, validate_bundle, write_bundle
 from llmopt.deploy.bundle import DeployError
 from llmopt.deploy.validate import _tool
-from llmopt.planning.target import ServingTarget, Workload
+from llmopt.hardware.target import Target
+from llmopt.planning.workload import Workload
 
 CONFIG_8B = Path(__file__).parents[1] / "fixtures" / "configs" / "llama-3.1-8b"
 
@@ -28,7 +29,7 @@ CONFIG_8B = Path(__file__).parents[1] / "fixtures" / "configs" / "llama-3.1-8b"
 def bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("deploy") / "llama8b"
     res = write_bundle(
-        resolve_source(CONFIG_8B), out, ServingTarget.gpu("H200", 2), Workload(concurrency=32)
+        resolve_source(CONFIG_8B), out, Target.gpu_model("H200", 2), Workload(concurrency=32)
     )
     assert res.ok, [c.to_dict() for c in res.checks if c.status == "failed"]
     return out
@@ -128,7 +129,7 @@ def _fake_tools(tmp_path: Path, gpus: int, cc: str) -> dict:
 @pytest.mark.parametrize("gpus, cc, expect_rc", [(2, "9.0", 0), (4, "8.0", 0), (0, "", 3)])
 def test_start_script_picks_replicas_and_fp8_from_the_gpus(tmp_path, gpus, cc, expect_rc):
     out = tmp_path / "fp8"
-    write_bundle(resolve_source(CONFIG_8B), out, ServingTarget.gpu("H200"), precision="fp8", kv_dtype="fp8",
+    write_bundle(resolve_source(CONFIG_8B), out, Target.gpu_model("H200"), precision="fp8", kv_dtype="fp8",
                  validate=False)  # fmt: skip
     proc = subprocess.run(["bash", str(out / "start.sh")], env=_fake_tools(tmp_path, gpus, cc),
                           capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
@@ -170,7 +171,7 @@ def test_deploy_a_run_directory_serves_the_verified_recipe(tiny_llama_dir, tmp_p
         "w8a16",
         (run / "best" / "artifact").resolve(),
     )
-    res = write_bundle(src, tmp_path / "b", ServingTarget.gpu("L4"), validate=False)
+    res = write_bundle(src, tmp_path / "b", Target.gpu_model("L4"), validate=False)
     assert (
         res.plan.memory.precision == "int8" and "--quantization" not in res.plan.launch["vllm"].argv
     )
@@ -194,7 +195,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         b, "validate_bundle", lambda d: (_ for _ in ()).throw(RuntimeError("killed"))
     )
     with pytest.raises(RuntimeError):
-        write_bundle(resolve_source(CONFIG_8B), tmp_path / "out", ServingTarget.gpu("H200"))
+        write_bundle(resolve_source(CONFIG_8B), tmp_path / "out", Target.gpu_model("H200"))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from llmopt.doctor import diagnose
-from llmopt.model.config import estimate_parameters, info_from_config, load_model_info
-from llmopt.planning.serving import memory_plan, plan_serving
-from llmopt.planning.target import ServingTarget, Workload
+from llmopt.hardware.target import Target
+from llmopt.model.config import estimate_parameters
+from llmopt.model.info import CONFIG_ONLY, info_from_config, inspect_model
+from llmopt.planning.memory import memory_plan
+from llmopt.planning.serving import plan_serving
+from llmopt.planning.workload import Workload
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -53,7 +56,7 @@ def test_parameter_counts_and_kv_per_token(info_8b, info_70b):
 
 
 def test_llama_8b_on_one_h200_by_hand(info_8b):
-    p = plan_serving(info_8b, ServingTarget.gpu("H200"))
+    p = plan_serving(info_8b, Target.gpu_model("H200"))
     m = p.memory
     usable = int(H200_BYTES * 0.90)  # 135,679,338,086
     weights = 8_030_261_248 * 2  # bf16
@@ -80,7 +83,7 @@ def test_llama_8b_on_one_h200_by_hand(info_8b):
 
 
 def test_llama_70b_on_eight_h100_by_hand(info_70b):
-    p = plan_serving(info_70b, ServingTarget.gpu("H100", 8), Workload(concurrency=64))
+    p = plan_serving(info_70b, Target.gpu_model("H100", 8), Workload(concurrency=64))
     usable = int(H100_BYTES * 0.90)
     weights = 70_553_706_496 * 2
     runtime = GiB + GiB // 2  # + NCCL buffers once a replica spans GPUs
@@ -106,7 +109,7 @@ def test_llama_70b_on_eight_h100_by_hand(info_70b):
 
 
 def test_llama_70b_forced_tp8_on_eight_h200_by_hand(info_70b):
-    p = plan_serving(info_70b, ServingTarget.gpu("H200", 8), tp=8)
+    p = plan_serving(info_70b, Target.gpu_model("H200", 8), tp=8)
     m = p.memory
     act8 = 8192 * (2 * 8192 + (64 + 16) * 128 // 8 + 2 * 28672 // 8) * 2
     budget = (
@@ -126,21 +129,21 @@ def test_fp8_weights_keep_embeddings_in_16_bits(info_8b):
     embed = 2 * 128256 * 4096  # embedding + untied LM head stay bf16
     assert m.weights_total_bytes == (8_030_261_248 - embed) * 1 + embed * 2
     assert m.kv_bytes_per_token == 65_536
-    p = plan_serving(info_8b, ServingTarget.gpu("H200"), precision="fp8", kv_dtype="fp8")
+    p = plan_serving(info_8b, Target.gpu_model("H200"), precision="fp8", kv_dtype="fp8")
     argv = p.launch["vllm"].argv
     assert argv[argv.index("--quantization") :][:2] == ["--quantization", "fp8"]
     assert "fp8_e4m3" in p.launch["sglang"].argv
     assert '"dtype": "fp8"' in p.launch["tensorrt-llm"].files["trtllm-extra.yaml"]
-    a100 = plan_serving(info_8b, ServingTarget.gpu("A100"), precision="fp8")
+    a100 = plan_serving(info_8b, Target.gpu_model("A100"), precision="fp8")
     assert any("no FP8 tensor cores" in n for n in a100.notes)
 
 
 def test_layouts_engines_and_limits(info_8b, info_70b):
-    l4 = plan_serving(info_70b, ServingTarget.gpu("L4"))
+    l4 = plan_serving(info_70b, Target.gpu_model("L4"))
     assert not l4.fits and "does not fit" in l4.notes[0]
     static = plan_serving(
         info_8b,
-        ServingTarget.gpu("H200"),
+        Target.gpu_model("H200"),
         Workload(
             static_shapes=True, batch_size=8, input_len=512, output_len=64, max_model_len=2048
         ),
@@ -151,13 +154,13 @@ def test_layouts_engines_and_limits(info_8b, info_70b):
         "--optShapes=input_ids:8x512,attention_mask:8x512" in trt
         and "--maxShapes=input_ids:8x2048,attention_mask:8x2048" in trt
     )
-    cpu = ServingTarget("cpu", "test cpu", 1, 64 * GiB, None, None, "test", threads=2)
+    cpu = Target("cpu", threads=2, cpu="test cpu", memory_bytes=64 * GiB, source="test")
     assert plan_serving(info_8b, cpu).engine == "llama.cpp"
     assert plan_serving(info_8b, cpu, Workload(concurrency=8)).engine == "vllm-cpu"
-    v100 = plan_serving(info_8b, ServingTarget.gpu("V100"))
+    v100 = plan_serving(info_8b, Target.gpu_model("V100"))
     assert "--dtype float16" in v100.launch["vllm"].command  # no bf16 below compute capability 8.0
     llama = (
-        plan_serving(info_8b, ServingTarget.gpu("H200"), Workload(concurrency=4))
+        plan_serving(info_8b, Target.gpu_model("H200"), Workload(concurrency=4))
         .launch["llama.cpp"]
         .argv
     )
@@ -165,11 +168,11 @@ def test_layouts_engines_and_limits(info_8b, info_70b):
     odd = info_from_config(
         dict(CFG_8B, num_attention_heads=6, num_key_value_heads=2, head_dim=128), name="odd"
     )
-    assert plan_serving(odd, ServingTarget.gpu("L4", 8)).memory.tp in (1, 2)  # 6 heads: no tp=4/8
+    assert plan_serving(odd, Target.gpu_model("L4", 8)).memory.tp in (1, 2)  # 6 heads: no tp=4/8
 
 
 def test_rate_becomes_concurrency_by_littles_law(info_8b):
-    p = plan_serving(info_8b, ServingTarget.gpu("H200"), Workload(request_rate=10))
+    p = plan_serving(info_8b, Target.gpu_model("H200"), Workload(request_rate=10))
     floor_ms = (16_060_522_496 + 131_072 * 1280) / 4800e9 * 1e3
     seconds = 256 * floor_ms / 0.7 / 1e3
     assert p.workload.concurrency == -(-10 * seconds // 1) == 13
@@ -188,7 +191,7 @@ def test_recorded_h200_plan_matches_the_code(info_8b):
     facts = json.loads(
         (ROOT / "tests" / "fixtures" / "doctor" / "recorded_h200_facts.json").read_text()
     )
-    target = ServingTarget.from_doctor(diagnose(facts, "cuda"))
+    target = Target.from_doctor(diagnose(facts, "cuda"))
     info = info_from_config(CFG_8B, name="llama-3.1-8b")
     p = plan_serving(info, target)
     assert p.memory.to_dict() == recorded["serving"]["memory"]
@@ -216,11 +219,11 @@ def test_cli_plan_config_only_folder_on_a_gpu_by_name():
     assert unknown.returncode == 2 and "fix:" in unknown.stderr
 
 
-def test_load_model_info_config_only_and_weights(tiny_llama_dir):
-    info, how = load_model_info(str(CONFIGS / "llama-3.1-70b"))
-    assert how == "config" and info.num_parameters == 70_553_706_496
-    info, how = load_model_info(str(tiny_llama_dir))
-    assert how == "weights"
+def test_inspect_model_config_only_and_weights(tiny_llama_dir):
+    info = inspect_model(str(CONFIGS / "llama-3.1-70b"), config_only="auto")
+    assert info.weight_format == CONFIG_ONLY and info.num_parameters == 70_553_706_496
+    info = inspect_model(str(tiny_llama_dir), config_only="auto")
+    assert info.weight_format == "safetensors"
 
 
 def _vllm_python() -> str | None:
@@ -243,12 +246,12 @@ def test_vllm_own_parser_accepts_generated_flags(info_8b, info_70b):
         )
     gpu = plan_serving(
         info_70b,
-        ServingTarget.gpu("H100", 8),
+        Target.gpu_model("H100", 8),
         Workload(concurrency=64),
         precision="fp8",
         kv_dtype="fp8",
     )
-    cpu = ServingTarget("cpu", "test cpu", 1, 64 * GiB, None, None, "test", threads=2)
+    cpu = Target("cpu", threads=2, cpu="test cpu", memory_bytes=64 * GiB, source="test")
     cpu_plan = plan_serving(info_8b, cpu, Workload(concurrency=8))
     script = ("import json, sys\nfrom llmopt.planning.launch import check_vllm_args\n"
               "print(json.dumps([check_vllm_args(a) for a in json.load(sys.stdin)], default=str))")  # fmt: skip

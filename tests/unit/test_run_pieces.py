@@ -9,8 +9,8 @@ import pytest
 from llmopt.core.atomic import atomic_dir, write_json
 from llmopt.core.errors import RunDirError
 from llmopt.core.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.hardware.target import Target
 from llmopt.model.info import inspect_model
-from llmopt.optimize.plan import Target
 from llmopt.optimize.select import SelectionInput, pareto_front, select
 from llmopt.optimize.space import make_plan
 from llmopt.rundir.paths import RunDir

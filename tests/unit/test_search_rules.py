@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from llmopt.core.schema import BenchResult, Candidate, Metric, VerifyResult, summarize
+from llmopt.hardware.target import Target
 from llmopt.model.info import inspect_model
 from llmopt.optimize.budget import Budget, parse_duration
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import get_objective
-from llmopt.optimize.plan import Target
 from llmopt.optimize.select import SelectionInput, pareto_front_nd, select
 from llmopt.optimize.space import candidate_space, make_plan, settings_suffix, task_rule
 from llmopt.rundir.paths import RunDir
@@ -242,8 +242,6 @@ def test_stage_past_the_deadline_is_killed_and_recorded_as_cut(tiny_bert_dir, tm
 
 
 def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
-    from llmopt.optimize.plan import Target
-
     info = inspect_model(tiny_llama_dir)
     cands, skipped = candidate_space(info, CPU)  # opt-in: listed with the reason, not searched
     reasons = {s["id"]: s["reason"] for s in skipped}

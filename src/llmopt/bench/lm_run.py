@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_lm_model", "lm_roofline", "weight_bytes"]
+from llmopt.core.units import DTYPE_BYTES
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+__all__ = ["bench_lm_model", "lm_roofline", "weight_bytes"]
 
 
 def weight_bytes(num_parameters: int, dtype: str, weight_bits: int | None) -> float:
@@ -27,7 +27,7 @@ def weight_bytes(num_parameters: int, dtype: str, weight_bits: int | None) -> fl
     """
     if weight_bits:
         return num_parameters * weight_bits / 8.0
-    return float(num_parameters * _DTYPE_BYTES.get(dtype, 4))
+    return float(num_parameters * DTYPE_BYTES.get(dtype, 4))
 
 
 def lm_roofline(

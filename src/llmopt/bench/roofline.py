@@ -21,8 +21,6 @@ from typing import Any
 
 __all__ = ["Ceilings", "measure_ceilings", "PhaseWork", "attribute", "attribute_lm", "IMPLICATIONS"]
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-
 IMPLICATIONS = {
     "memory-bound": (
         "time is spent streaming weights/KV: fewer bytes per token help (weight-only int8/int4 "

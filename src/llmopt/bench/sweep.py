@@ -19,6 +19,7 @@ from typing import Any
 from llmopt.bench.loadgen import LoadSpec, Workload, run_load
 from llmopt.bench.serve_metrics import SLO
 from llmopt.core.schema import SCHEMA_VERSION, summarize
+from llmopt.hardware.host import cpu_name
 
 __all__ = ["HEADLINE", "headline_values", "run_sweep", "parse_points"]
 
@@ -104,8 +105,6 @@ def run_sweep(
     """
     if not 1 <= repeats <= 20:
         raise ValueError(f"repeats must be in 1..20, got {repeats}")
-    from llmopt.bench.timing import _cpu_name
-
     w = workload or Workload()
     total, k = len(points) * repeats, 0
     out_points = []
@@ -138,7 +137,7 @@ def run_sweep(
         "model": model_seen,
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "env": {
-            "cpu": _cpu_name(),
+            "cpu": cpu_name(),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
         },

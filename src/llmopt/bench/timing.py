@@ -1,8 +1,9 @@
 """Timing primitives shared by the benchmarks (memory: `llmopt.hardware.runtime`).
 
-Rules (STYLE.md, "benchmark honestly"): synchronize the device before reading the clock, run
+Rules: synchronize the device before reading the clock, run
 warm-up iterations that are timed separately and excluded, repeat, and summarize with the median
-and percentiles rather than a single number.
+and percentiles rather than a single number. An unsynchronized clock measures the launch of
+asynchronous kernels rather than their work, and a single run mixes in caches warming up.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import platform
 import time
 from collections.abc import Callable
 from typing import Any
+
+from llmopt.hardware.host import cpu_name
 
 __all__ = ["device_sync", "time_repeated", "environment"]
 
@@ -59,7 +62,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -73,14 +76,3 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

@@ -7,12 +7,16 @@ Wiring only: each command builds its inputs, calls one library function and rend
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
-if TYPE_CHECKING:
-    from llmopt.planning.target import ServingTarget, Workload
+from llmopt.hardware.host import usable_cores
+from llmopt.hardware.target import Target
+from llmopt.model.info import CONFIG_ONLY, inspect_model
+from llmopt.optimize.space import make_plan
+from llmopt.planning.serving import plan_serving
+from llmopt.planning.workload import Workload
 
 __all__ = ["doctor", "plan", "deploy", "register"]
 
@@ -87,23 +91,19 @@ StaticOpt = Annotated[
 
 def _serving_target(
     target: str, gpu: str | None, gpus: int | None, cpu: bool, threads: int | None
-) -> ServingTarget:
-    from llmopt.planning.target import ServingTarget
-
+) -> Target:
     if gpu:
-        return ServingTarget.gpu(gpu, gpus or 1)
+        return Target.gpu_model(gpu, gpus or 1)
     if cpu or target == "cpu":
-        return ServingTarget.cpu(threads)
+        return Target.cpu_host(threads)
     if target != "cuda":
         raise ValueError(f"unknown target {target!r}; use cpu or cuda (or --gpu NAME)")
     from llmopt.doctor import run_doctor
 
-    return ServingTarget.from_doctor(run_doctor("cuda"), gpus)
+    return Target.from_doctor(run_doctor("cuda"), gpus)
 
 
 def _workload(**kw: Any) -> Workload:
-    from llmopt.planning.target import Workload
-
     return Workload(**kw)
 
 
@@ -160,17 +160,14 @@ def plan(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """What fits and what should run it? Optimizer candidates, memory math, layout, engine and launch flags."""
+    """What fits and what should run it? One plan: target, memory math, layout, engine, launch
+    flags and the optimizer's candidates, each figure with where it comes from."""
     from llmopt.cli.options import emit_json
-    from llmopt.cli.render import render_plan
-    from llmopt.cli.render_ops import render_serving
-    from llmopt.model.config import load_model_info
-    from llmopt.optimize.plan import Target, detect_target
-    from llmopt.optimize.space import make_plan
-    from llmopt.planning.serving import plan_serving
+    from llmopt.cli.render_ops import render_plan
 
-    info, source = load_model_info(model, params=params)
-    st = _serving_target(target, gpu, gpus, cpu, threads)
+    info = inspect_model(model, params=params, config_only="auto")
+    source = "config" if info.weight_format == CONFIG_ONLY else "weights"
+    tgt = _serving_target(target, gpu, gpus, cpu, threads)
     wl = _workload(
         input_len=input_len,
         output_len=output_len,
@@ -183,7 +180,7 @@ def plan(
     )
     serving = plan_serving(
         info,
-        st,
+        tgt,
         wl,
         precision=precision,
         kv_dtype=kv_dtype,
@@ -191,21 +188,8 @@ def plan(
         tp=tp,
         pp=pp,
     )
-    host = detect_target("cpu", threads)
-    if st.kind == "gpu":  # the optimizer's view of the same GPU (no torch import needed)
-        host = Target(
-            "cuda",
-            host.threads,
-            host.cpu,
-            st.memory_bytes,
-            host.features,
-            {
-                "name": st.name,
-                "memory_bytes": st.memory_bytes,
-                "compute_capability": st.compute_capability,
-            },
-        )
-    opt = make_plan(info, host)
+    # Candidates run on the machine that builds them: its threads unless the target names them.
+    opt = make_plan(info, tgt, settings={"threads": tgt.threads or threads or usable_cores()})
     if source == "config":
         opt.notes.append("planned from config.json alone: `llmopt optimize` needs the weights")
     checked = None
@@ -217,8 +201,7 @@ def plan(
         extra = {"check": checked} if checked else {}
         emit_json({**opt.to_dict(), "model_source": source, "serving": serving.to_dict(), **extra})
     else:
-        render_plan(info, opt)
-        render_serving(serving)
+        render_plan(info, source, params, opt, serving)
         if checked:
             from llmopt.cli.render import console
 

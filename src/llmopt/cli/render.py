@@ -11,14 +11,13 @@ from rich.table import Table
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
     from llmopt.optimize.job import OptimizeResult
-    from llmopt.optimize.space import Plan
 
 console = Console(stderr=False)
 # Errors go to stderr, so `--json > facts.json` never holds an error message instead of JSON.
 err_console = Console(stderr=True)
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -46,36 +45,16 @@ def render_inspect(info: ModelInfo) -> None:
         ("dtype (config / stored)", f"{info.dtype} / {info.weights_dtype}"),
         (
             "on disk",
-            f"{_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)",
+            f"{human_bytes(info.bytes_on_disk)} in {len(info.weight_files)} {info.weight_format} file(s)",
         ),
         ("tied embeddings", info.tied_embeddings),
     ]
     if info.task == "embedding":
         rows.append(("pooling", f"{info.pooling}{', normalized' if info.normalize else ''}"))
     for dt, b in info.kv_bytes_per_token.items():
-        rows.append((f"KV cache / token ({dt})", _bytes(b)))
+        rows.append((f"KV cache / token ({dt})", human_bytes(b)))
     for k, v in rows:
         t.add_row(k, str(v))
-    console.print(t)
-
-
-def render_plan(info: ModelInfo, plan: Plan) -> None:
-    tg = plan.target
-    console.print(
-        f"[bold]target[/] {tg.device}: {tg.cpu}, {tg.threads} threads, "
-        f"{_bytes(tg.memory_bytes)}, features {' '.join(tg.features) or '-'}"
-    )
-    for dt, b in plan.memory["weights_bytes"].items():
-        console.print(f"  weights in {dt}: {_bytes(b)}")
-    for n in plan.memory.get("notes", []):
-        console.print(f"  {n}")
-    t = Table(title="candidates")
-    for col in ("id", "engine", "recipe", "status"):
-        t.add_column(col)
-    for c in plan.candidates:
-        t.add_row(c.id, c.engine, c.recipe, "reference" if c.reference else "planned")
-    for s in plan.skipped:
-        t.add_row(s["id"], s["engine"], s["recipe"], f"[dim]skipped: {s['reason']}[/]")
     console.print(t)
 
 

@@ -7,14 +7,16 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from llmopt.cli.render import _bytes, console
+from llmopt.cli.render import console, human_bytes
 
 if TYPE_CHECKING:
     from llmopt.deploy import DeployResult
     from llmopt.doctor import DoctorReport
+    from llmopt.model.info import ModelInfo
+    from llmopt.optimize.space import Plan
     from llmopt.planning.serving import ServingPlan
 
-__all__ = ["render_doctor", "render_serving", "render_deploy"]
+__all__ = ["render_doctor", "render_serving", "render_plan", "render_deploy"]
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "passed": "green", "failed": "bold red",
           "skipped": "dim"}  # fmt: skip
@@ -66,23 +68,36 @@ def render_doctor(report: DoctorReport) -> None:
     )
 
 
-def render_serving(plan: ServingPlan) -> None:
+def _param_source(info: ModelInfo, source: str, params: float | None) -> str:
+    if params:
+        return "--params"
+    if source == "config":
+        return "estimated from config.json"
+    return f"counted in the {info.weight_format} weight headers"
+
+
+def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> None:
+    """The serving plan: memory per GPU, layout, engine, launch commands. `sources` adds a
+    column saying where each memory figure comes from."""
     m, t = plan.memory, plan.target
-    console.print(
-        f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
-    )
-    mt = Table(show_header=False, title="memory per GPU (one replica)")
+    if not sources:  # `llmopt plan` names the target (and its source) once, above
+        console.print(
+            f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({human_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
+        )
+    mt = Table(show_header=bool(sources), title="memory per GPU (one replica)")
     mt.add_column("item", style="bold")
     mt.add_column("value")
+    if sources:
+        mt.add_column("from", style="dim")
     rows = [
         ("layout", f"tensor parallel {m.tp} x pipeline parallel {m.pp}, {plan.replicas} replica(s)"
                    + ("" if plan.fits else "  [bold red]does not fit[/]")),
-        ("usable", f"{_bytes(m.usable_bytes)} ({m.utilization:.0%} of {_bytes(m.gpu_memory_bytes)})"),
-        ("weights", f"{m.precision}: {_bytes(m.weights_total_bytes)} total, {_bytes(m.weights_per_gpu_bytes)} per GPU"),
-        ("reserve", f"{_bytes(m.reserve_bytes)} = runtime {_bytes(m.runtime_bytes)} + activations "
-                    f"{_bytes(m.activation_bytes)} + logits {_bytes(m.logits_bytes)}"),
+        ("usable", f"{human_bytes(m.usable_bytes)} ({m.utilization:.0%} of {human_bytes(m.gpu_memory_bytes)})"),
+        ("weights", f"{m.precision}: {human_bytes(m.weights_total_bytes)} total, {human_bytes(m.weights_per_gpu_bytes)} per GPU"),
+        ("reserve", f"{human_bytes(m.reserve_bytes)} = runtime {human_bytes(m.runtime_bytes)} + activations "
+                    f"{human_bytes(m.activation_bytes)} + logits {human_bytes(m.logits_bytes)}"),
         ("KV cache", f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per GPU); "
-                     f"budget {_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
+                     f"budget {human_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
         ("sequences", f"{m.sequences_at(plan.max_model_len):,} at max-model-len {plan.max_model_len:,}; "
                       f"{m.sequences_at(plan.workload.input_len + plan.workload.output_len):,} at "
                       f"{plan.workload.input_len}+{plan.workload.output_len} tokens"),
@@ -92,7 +107,7 @@ def render_serving(plan: ServingPlan) -> None:
         rows.append(("decode (batch 1)", f"ceiling {e['decode_tokens_per_s_ceiling']} tok/s "
                      f"(TPOT >= {e['tpot_floor_ms']} ms), expected ~{e['tpot_expected_ms']} ms"))  # fmt: skip
     for k, v in rows:
-        mt.add_row(k, v)
+        mt.add_row(k, v, *([escape(sources.get(k, ""))] if sources else []))
     console.print(mt)
     console.print(f"[bold]engine[/] {plan.engine}: {escape(plan.engine_reason)}")
     for a in plan.alternatives:
@@ -103,6 +118,50 @@ def render_serving(plan: ServingPlan) -> None:
         console.print(f"[bold]{name}[/]: {escape(cfg.command)}")
         for n in cfg.notes:
             console.print(f"  [dim]{escape(n)}[/]")
+
+
+def render_plan(
+    info: ModelInfo, source: str, params: float | None, opt: Plan, serving: ServingPlan
+) -> None:
+    """`llmopt plan`: one plan, built from one `Target` and one memory math
+    (`llmopt.planning.memory.memory_plan`), each figure with where it comes from."""
+    t, m = serving.target, serving.memory
+    what = {
+        "config": "config.json alone (no weights read)",
+        "weights": "config.json and the weight headers",
+    }
+    console.print(
+        f"[bold]plan[/] for {escape(info.name)}: {info.num_parameters:,} parameters "
+        f"({escape(_param_source(info, source, params))}); sizes from {what[source]}"
+    )
+    host = f", {t.threads} threads" if t.threads else ""
+    feats = f", features {' '.join(t.features)}" if t.features else ""
+    console.print(
+        f"[bold]target[/] {t.count} x {escape(t.name)}, {human_bytes(t.memory_bytes)} per device"
+        f"{host}{feats} [dim]source: {escape(t.source or 'the command line')}[/]"
+    )
+    kv_src = "layers x KV heads x head_dim x 2 (K, V) x bytes per element, from the config"
+    sources = {
+        "layout": "smallest tensor x pipeline split whose KV cache holds the workload",
+        "usable": "--gpu-memory-utilization (default 0.90 GPU, 0.80 CPU RAM) x the target memory",
+        "weights": f"parameters x bytes per {m.precision} weight (quantized: 16-bit embeddings)",
+        "reserve": "1 GiB runtime (+ NCCL across GPUs), activations of one scheduler step, "
+        "fp32 logits of max-num-seqs",
+        "KV cache": kv_src,
+        "sequences": "KV tokens / sequence length",
+        "decode (batch 1)": (serving.estimates or {}).get("basis", ""),
+    }
+    render_serving(serving, sources)
+    t2 = Table(title="candidates `llmopt optimize` would build and measure on this target")
+    for col in ("id", "engine", "recipe", "status"):
+        t2.add_column(col)
+    for c in opt.candidates:
+        t2.add_row(c.id, c.engine, c.recipe, "reference" if c.reference else "planned")
+    for s in opt.skipped:
+        t2.add_row(s["id"], s["engine"], s["recipe"], f"[dim]skipped: {escape(s['reason'])}[/]")
+    console.print(t2)
+    for n in opt.notes:
+        console.print(f"  note: {escape(n)}")
 
 
 def render_deploy(res: DeployResult) -> None:

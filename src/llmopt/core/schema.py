@@ -29,7 +29,7 @@ SCHEMA_VERSION = 1
 Task = Literal["causal-lm", "embedding"]
 
 
-class _Serializable:
+class Serializable:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)  # type: ignore[call-overload]
         d["schema_version"] = SCHEMA_VERSION
@@ -42,7 +42,7 @@ class _Serializable:
 
 
 @dataclass
-class Candidate(_Serializable):
+class Candidate(Serializable):
     """One thing to build, verify and benchmark: a recipe run by an engine with settings.
 
     `id` names the folder `candidates/<id>/`. Exactly one candidate per run is the reference
@@ -58,7 +58,7 @@ class Candidate(_Serializable):
 
 
 @dataclass
-class Metric(_Serializable):
+class Metric(Serializable):
     """One quality number of a candidate next to the reference's, and its gate (if any).
 
     `higher_is_better` orients `delta` and the threshold: for perplexity it is False and the
@@ -93,7 +93,7 @@ class Metric(_Serializable):
 
 
 @dataclass
-class VerifyResult(_Serializable):
+class VerifyResult(Serializable):
     """Does the candidate compute what the reference computes? `passed` is the AND of all gates."""
 
     candidate_id: str
@@ -122,7 +122,7 @@ class VerifyResult(_Serializable):
 
 
 @dataclass
-class Stat(_Serializable):
+class Stat(Serializable):
     """Summary of repeated measurements of one quantity (e.g. decode tokens/s over 5 runs)."""
 
     median: float
@@ -175,7 +175,7 @@ def summarize(values: list[float], unit: str = "") -> Stat:
 
 
 @dataclass
-class BenchResult(_Serializable):
+class BenchResult(Serializable):
     """How fast and how big a candidate is. `primary` names the metric selection ranks on."""
 
     candidate_id: str
@@ -206,7 +206,7 @@ class BenchResult(_Serializable):
 
 
 @dataclass
-class Selection(_Serializable):
+class Selection(Serializable):
     """The chosen candidate and why every other one was kept, dropped, cut or failed."""
 
     objective: str  # latency | throughput | memory | cost (llmopt.optimize.objective)

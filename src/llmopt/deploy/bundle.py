@@ -21,12 +21,14 @@ from llmopt.core.atomic import atomic_dir, write_json, write_text
 from llmopt.core.errors import LlmoptError
 from llmopt.deploy import templates as T
 from llmopt.deploy.readme import bundle_readme
+from llmopt.deploy.source import DeploySource
 from llmopt.deploy.validate import CheckResult, validate_bundle
+from llmopt.model.info import CONFIG_ONLY, inspect_model
 
 if TYPE_CHECKING:
-    from llmopt.model.info import ModelInfo
+    from llmopt.hardware.target import Target
     from llmopt.planning.serving import ServingPlan
-    from llmopt.planning.target import ServingTarget, Workload
+    from llmopt.planning.workload import Workload
 
 __all__ = ["DeploySource", "DeployResult", "resolve_source", "write_bundle"]
 
@@ -61,17 +63,6 @@ class DeployError(LlmoptError):
 
 
 @dataclass
-class DeploySource:
-    """What is deployed: the model facts, the folder to mount, and the verified recipe if any."""
-
-    info: ModelInfo
-    model_dir: Path
-    kind: str  # "run" | "model" | "config"
-    recipe: str | None = None
-    candidate: str | None = None
-
-
-@dataclass
 class DeployResult:
     out: Path
     plan: ServingPlan
@@ -100,7 +91,6 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     Raises:
         DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
     """
-    from llmopt.model.config import load_model_info
     from llmopt.rundir.best import NoBestError, find_best
 
     p = Path(path).resolve()
@@ -114,8 +104,8 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     if best is not None:
         src = DeploySource(best.model, best.artifact, "run", best.recipe, best.candidate.id)
     else:
-        info, how = load_model_info(str(p), params=params)
-        src = DeploySource(info, p, "config" if how == "config" else "model")
+        info = inspect_model(str(p), params=params, config_only="auto")
+        src = DeploySource(info, p, "config" if info.weight_format == CONFIG_ONLY else "model")
     if src.info.task != "causal-lm":
         raise DeployError(f"{src.info.name} is an embedding model; bundles serve causal LMs (vLLM) today",
                           hint="serve embedders in Python with llmopt.engines.load_best(RUN/best)")  # fmt: skip
@@ -144,7 +134,7 @@ def _files(plan: ServingPlan, image: str, model_dir: Path) -> dict[str, str]:
 
 
 def write_bundle(
-    source: DeploySource, out: str | Path, target: ServingTarget, workload: Workload | None = None, *,
+    source: DeploySource, out: str | Path, target: Target, workload: Workload | None = None, *,
     image: str | None = None, validate: bool = True, **plan_kw: Any,
 ) -> DeployResult:  # fmt: skip
     """Plan serving for `source` on `target` and write the bundle folder `out` atomically.
@@ -152,14 +142,14 @@ def write_bundle(
     Args:
         source: from `resolve_source`.
         out: bundle folder (replaced if it exists).
-        target: hardware, e.g. `ServingTarget.gpu("H200")`.
+        target: hardware, e.g. `Target.gpu_model("H200")`.
         workload: request shape and SLOs.
         image: container image name used by compose and Kubernetes.
         validate: run the validators available here (results in bundle.json).
         plan_kw: passed to `plan_serving` (precision, kv_dtype, tp, ...).
 
     >>> src = resolve_source("runs/smollm2-135m")                        # doctest: +SKIP
-    >>> res = write_bundle(src, "deploy/smollm2", ServingTarget.gpu("L4"))  # doctest: +SKIP
+    >>> res = write_bundle(src, "deploy/smollm2", Target.gpu_model("L4"))  # doctest: +SKIP
     >>> res.ok                                                             # doctest: +SKIP
     True
     """

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from llmopt.deploy.templates import MODEL_MOUNT, PORT, slug
 
 if TYPE_CHECKING:
-    from llmopt.deploy.bundle import DeploySource
+    from llmopt.deploy.source import DeploySource
     from llmopt.planning.serving import ServingPlan
 
 __all__ = ["bundle_readme"]

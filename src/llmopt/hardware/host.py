@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "cpu_name",
+    "usable_cores",
+    "ram_bytes",
+    "cpu_flags",
+    "isa_features",
+    "ISA_FLAGS",
     "probe_host",
     "probe_cpu",
     "probe_memory",
@@ -56,6 +62,9 @@ CPU_FEATURES: dict[str, str] = {
     "amx_bf16": "AMX-BF16",
     "amx_int8": "AMX-INT8",
 }
+# /proc/cpuinfo flags a target records (raw names, as in run files and hardware fingerprints):
+# what the CPU kernels of the engines dispatch on.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 _SECURE_BOOT = "SecureBoot-8be4df61-93ca-11d2-aa0d-e0bdb9cb2baf"  # the UEFI global variable
 
 
@@ -64,6 +73,44 @@ def _read(path: str | Path) -> str | None:
         return Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
+
+
+def _cpuinfo() -> tuple[str | None, set[str]]:
+    model, flags = None, set()
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name") and model is None:
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    return model, flags
+
+
+def cpu_name() -> str:
+    """The CPU model ("model name" in /proc/cpuinfo, else the platform's, else "unknown")."""
+    return _cpuinfo()[0] or platform.processor() or "unknown"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; all cores where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def ram_bytes() -> int:
+    """Total RAM in bytes."""
+    return int(probe_memory()["total_bytes"])
+
+
+def cpu_flags() -> set[str]:
+    """Every ISA flag /proc/cpuinfo lists (empty where it cannot be read)."""
+    return _cpuinfo()[1]
+
+
+def isa_features() -> list[str]:
+    """The `ISA_FLAGS` this CPU has, in `ISA_FLAGS` order."""
+    flags = cpu_flags()
+    return [f for f in ISA_FLAGS if f in flags]
 
 
 def probe_host() -> dict[str, Any]:
@@ -86,17 +133,11 @@ def probe_host() -> dict[str, Any]:
 
 def probe_cpu() -> dict[str, Any]:
     """CPU model, cores the process may use, and the ISA features inference kernels use."""
-    model, flags = None, set()
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name") and model is None:
-            model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = set(line.split(":", 1)[1].split())
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    model, flags = _cpuinfo()
     return {
         "model": model or platform.processor() or None,
         "logical_cpus": os.cpu_count(),
-        "usable_cpus": usable,
+        "usable_cpus": usable_cores(),
         "features": [name for flag, name in CPU_FEATURES.items() if flag in flags],
         "flags_read": bool(flags),
     }

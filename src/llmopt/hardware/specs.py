@@ -81,8 +81,7 @@ GPUS: dict[str, GpuSpec] = {
     g.name.lower(): g
     for g in (
         GpuSpec("B200", ("b200",), 180 * 10**9, 8000, "10.0", 2250, 4500, 1800, _DS),
-        GpuSpec("H200", ("h200",), 143771 * MIB, 4800, "9.0", 989, 1979, 900,
-                "memory: nvidia-smi on the H200 lent here (2026-10-27); rates: vendor datasheet"),
+        GpuSpec("H200", ("h200",), 143771 * MIB, 4800, "9.0", 989, 1979, 900, _SMI),
         GpuSpec("H100-PCIe", ("h100 pcie",), 81559 * MIB, 2000, "9.0", 756, 1513, None, _SMI),
         GpuSpec("H100", ("h100",), 81559 * MIB, 3350, "9.0", 989, 1979, 900, _SMI),
         GpuSpec("A100-40GB", ("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb"), 40960 * MIB,

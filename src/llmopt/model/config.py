@@ -1,9 +1,9 @@
-"""Model facts for planning without the weights: `ModelInfo` from a config.json dict.
+"""Config.json parsing helpers for the one `ModelInfo` builder (`llmopt.model.info`).
 
 Serving plans need sizes (layers, heads, KV heads, hidden, intermediate, vocab) and a parameter
-count, not tensors. So `llmopt plan` accepts a folder holding only config.json (the parameter
-count is then computed from the config, exactly for the gated-MLP decoders llmopt supports), or
-`--params` to give the count. A folder with weights goes through `inspect_model` as before.
+count, not tensors. So `inspect_model(..., config_only=...)` accepts a folder holding only
+config.json: the sizes come from `config_shape`, the parameter count from `estimate_parameters`
+(exact for the gated-MLP decoders llmopt supports) unless `params` gives it.
 
 >>> cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
 ...        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -14,20 +14,14 @@ count is then computed from the config, exactly for the gated-MLP decoders llmop
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmopt.core.errors import NotAModelFolderError, UnsupportedModelError
 
-if TYPE_CHECKING:
-    from llmopt.model.info import ModelInfo
+__all__ = ["estimate_parameters", "config_shape", "get_key", "is_config_only"]
 
-__all__ = ["estimate_parameters", "info_from_config", "load_model_info", "is_config_only"]
-
-_KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}  # as modelinfo
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -73,60 +67,49 @@ def estimate_parameters(config: dict[str, Any]) -> int:
     return vocab * h * (1 if tied else 2) + layers * per_layer + h
 
 
-def info_from_config(
-    config: dict[str, Any],
-    *,
-    num_parameters: int | None = None,
-    name: str = "config",
-    path: str = "",
-) -> ModelInfo:
-    """A `ModelInfo` built from a config dict alone (no weights), for planning.
+def get_key(config: dict[str, Any], *keys: str) -> Any:
+    """The first of `keys` that `config` sets (not None), else None."""
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    return None
+
+
+def config_shape(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The sizes `ModelInfo` needs, read from a config.json dict (no weights).
+
+    Multimodal configs nest the language model under `text_config`; GPT-2 style key names are
+    accepted too. Used by the one `ModelInfo` builder (`llmopt.model.info`).
 
     Args:
-        config: a config.json dict.
-        num_parameters: the parameter count; default: `estimate_parameters(config)`.
-        name: shown in reports.
-        path: the folder it came from, if any.
+        config: the parsed config.json.
+        source: named in the error when a required size is missing.
 
-    >>> info = info_from_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    ...     "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-    ...     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-    ...     "torch_dtype": "bfloat16", "max_position_embeddings": 131072})
-    >>> info.kv_bytes_per_token["bfloat16"]
-    131072
+    >>> config_shape({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+    ...               "vocab_size": 100})["head_dim"]
+    16
     """
-    from llmopt.model.info import (
-        SUPPORTED_ARCHITECTURES,
-        ModelInfo,
-        config_shape,
-        kv_bytes_per_token,
-    )
-
     cfg = config.get("text_config") or config
-    arch = (config.get("architectures") or [""])[0]
-    task = SUPPORTED_ARCHITECTURES.get(arch, "causal-lm")
-    shape = config_shape(config, name)
-    params = int(num_parameters) if num_parameters else estimate_parameters(config)
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    width = _KV_DTYPES.get(dtype, 2)
-    return ModelInfo(
-        name=name,
-        path=path,
-        builtin=None,
-        task=task,  # type: ignore[arg-type]
-        architecture=arch,
-        model_type=str(config.get("model_type", "")),
-        num_parameters=params,
-        **shape,
-        dtype=dtype,
-        weights_dtype=dtype,
-        bytes_on_disk=params * width,  # what the checkpoint would take; nothing is on disk
-        weight_files=[],
-        weight_format="none (config only)",
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        kv_bytes_per_token=kv_bytes_per_token(shape) if task == "causal-lm" else {},
-        fingerprint=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-    )
+
+    def need(*keys: str) -> int:
+        value = get_key(cfg, *keys)
+        if value is None:
+            raise NotAModelFolderError(
+                f"{source} has no {keys[0]}", hint="repair or re-download config.json"
+            )
+        return int(value)
+
+    hidden, heads = need("hidden_size", "n_embd", "d_model"), need("num_attention_heads", "n_head")
+    return {
+        "num_layers": need("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": int(get_key(cfg, "num_key_value_heads", "num_kv_heads") or heads),
+        "head_dim": int(get_key(cfg, "head_dim") or hidden // heads),
+        "intermediate_size": get_key(cfg, "intermediate_size", "n_inner", "ffn_dim"),
+        "vocab_size": need("vocab_size"),
+        "max_context": get_key(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
+    }
 
 
 def is_config_only(folder: str | os.PathLike) -> bool:
@@ -135,26 +118,3 @@ def is_config_only(folder: str | os.PathLike) -> bool:
     if not (p / "config.json").is_file():
         return False
     return not any(f.suffix in _WEIGHT_SUFFIXES for f in p.iterdir())
-
-
-def load_model_info(model: str, *, params: float | None = None) -> tuple[ModelInfo, str]:
-    """(ModelInfo, source) for planning: "weights" via `inspect_model`, or "config".
-
-    A folder with only config.json is planned from the config; `params` overrides the parameter
-    count in either case (e.g. a checkpoint whose count the config formula does not cover).
-
-    Args:
-        model: a built-in name or a Hugging Face folder (with or without weights).
-        params: parameter count override, e.g. 8.03e9.
-    """
-    from llmopt.model.info import inspect_model
-
-    if Path(model).is_dir() and is_config_only(model):
-        config = json.loads((Path(model) / "config.json").read_text())
-        info = info_from_config(config, num_parameters=int(params) if params else None,
-                                name=Path(model).name, path=str(Path(model).resolve()))  # fmt: skip
-        return info, "config"
-    info = inspect_model(model)
-    if params:
-        info.num_parameters = int(params)
-    return info, "weights"

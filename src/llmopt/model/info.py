@@ -25,15 +25,18 @@ from llmopt.core.errors import (
     PickleWeightsError,
     UnsupportedModelError,
 )
-from llmopt.core.schema import SCHEMA_VERSION, Task, _Serializable
+from llmopt.core.schema import SCHEMA_VERSION, Serializable, Task
+from llmopt.core.units import DTYPE_BYTES, SAFETENSORS_DTYPES, dtype_bytes
+from llmopt.model.config import config_shape, estimate_parameters, get_key, is_config_only
 
 __all__ = [
     "ModelInfo",
     "SUPPORTED_ARCHITECTURES",
     "inspect_model",
+    "info_from_config",
     "check_weights",
-    "config_shape",
     "kv_bytes_per_token",
+    "CONFIG_ONLY",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,22 +73,20 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 # Persistent buffers some checkpoints store; they are not parameters.
 _BUFFER_SUFFIXES = ("position_ids", "token_type_ids", "inv_freq")
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-    "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-}  # fmt: skip
+_DTYPE_BYTES = {code: dtype_bytes(name) for code, name in SAFETENSORS_DTYPES.items()}
 _DTYPE_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
-# KV-cache element sizes worth planning for; bf16 and fp16 cost the same.
-_KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+# KV-cache element types worth planning for; bf16 and fp16 cost the same.
+_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8", "int8")
+CONFIG_ONLY = "none (config only)"  # weight_format of a ModelInfo built from config.json alone
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
 @dataclass
-class ModelInfo(_Serializable):
+class ModelInfo(Serializable):
     """What `inspect_model` learned about a model folder. Sizes in bytes, counts in elements."""
 
     name: str  # built-in name, else the folder name
@@ -254,13 +255,6 @@ def _pickle_tensors(files: list[Path]) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def _get(config: dict[str, Any], *keys: str) -> Any:
-    for k in keys:
-        if config.get(k) is not None:
-            return config[k]
-    return None
-
-
 def _embedding_head(folder: Path, model_type: str) -> tuple[str, bool, int | None]:
     """(pooling, normalize, max_seq_length) from sentence-transformers files, else defaults."""
     pooling = "mean" if model_type in _ENCODERS else "last"
@@ -364,56 +358,102 @@ def _stored_tensors(folder: Path, allow_pickle: bool) -> tuple[list[Path], str, 
     return files, "pickle", _pickle_tensors(files)
 
 
-def config_shape(config: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
-    """The sizes `ModelInfo` needs, read from a config.json dict (no weights).
-
-    Multimodal configs nest the language model under `text_config`; GPT-2 style key names are
-    accepted too. Shared by `inspect_model` and config-only planning (`llmopt.model.config`).
-
-    Args:
-        config: the parsed config.json.
-        source: named in the error when a required size is missing.
-
-    >>> config_shape({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-    ...               "vocab_size": 100})["head_dim"]
-    16
-    """
-    cfg = config.get("text_config") or config
-
-    def need(*keys: str) -> int:
-        value = _get(cfg, *keys)
-        if value is None:
-            raise NotAModelFolderError(
-                f"{source} has no {keys[0]}", hint="repair or re-download config.json"
-            )
-        return int(value)
-
-    hidden, heads = need("hidden_size", "n_embd", "d_model"), need("num_attention_heads", "n_head")
-    return {
-        "num_layers": need("num_hidden_layers", "n_layer", "num_layers"),
-        "hidden_size": hidden,
-        "num_heads": heads,
-        "num_kv_heads": int(_get(cfg, "num_key_value_heads", "num_kv_heads") or heads),
-        "head_dim": int(_get(cfg, "head_dim") or hidden // heads),
-        "intermediate_size": _get(cfg, "intermediate_size", "n_inner", "ffn_dim"),
-        "vocab_size": need("vocab_size"),
-        "max_context": _get(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
-    }
-
-
 def kv_bytes_per_token(shape: dict[str, Any]) -> dict[str, int]:
     """KV-cache bytes per token for each KV dtype: K and V, layers x kv_heads x head_dim each."""
     elems = shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2
-    return {k: elems * b for k, b in _KV_DTYPES.items()}
+    return {k: int(elems * dtype_bytes(k)) for k in _KV_DTYPES}
+
+
+def info_from_config(
+    config: dict[str, Any],
+    *,
+    num_parameters: int | None = None,
+    name: str = "config",
+    path: str = "",
+    builtin: str | None = None,
+    task: str | None = None,
+    tied: bool | None = None,
+    stored: dict[str, Any] | None = None,
+    fingerprint: str | None = None,
+) -> ModelInfo:
+    """A `ModelInfo` from a config.json dict: the one code path of every `ModelInfo` built here.
+
+    `inspect_model` calls it with what it read from the weights (`num_parameters`, `tied`,
+    `stored`: dtype, files, format, size); without them the facts come from the config alone:
+    the parameter count from `estimate_parameters`, no files, the size the checkpoint would take.
+
+    Args:
+        config: a config.json dict.
+        num_parameters: the parameter count; default: `estimate_parameters(config)`.
+        name: shown in reports.
+        path: the folder it came from, if any.
+        builtin: the built-in name, if it is one.
+        task: "causal-lm" or "embedding"; default: by architecture (decoders unless known).
+        tied: embeddings tied to the LM head; default: the config's flag.
+        stored: `weights_dtype`, `bytes_on_disk`, `weight_files`, `weight_format` and, for
+            embedders, `pooling`, `normalize`, `max_seq_length`, as read from the folder.
+        fingerprint: identity; default: a hash of the config.
+
+    >>> info = info_from_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    ...     "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+    ...     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+    ...     "torch_dtype": "bfloat16", "max_position_embeddings": 131072})
+    >>> info.num_parameters, info.kv_bytes_per_token["bfloat16"]
+    (8030261248, 131072)
+    """
+    cfg = config.get("text_config") or config  # multimodal configs nest the LM
+    arch = (config.get("architectures") or [""])[0]
+    task = task or SUPPORTED_ARCHITECTURES.get(arch, "causal-lm")
+    shape = config_shape(config, f"{path}/config.json" if path else "config.json")
+    params = int(num_parameters) if num_parameters else estimate_parameters(config)
+    facts = dict(stored or {})
+    weights_dtype = facts.pop("weights_dtype", None)
+    dtype = str(get_key(config, "dtype", "torch_dtype") or weights_dtype or "bfloat16")
+    if "bytes_on_disk" not in facts:  # what the checkpoint would take; nothing is on disk
+        facts.update(
+            bytes_on_disk=int(params * DTYPE_BYTES.get(dtype, 2)),
+            weight_files=[],
+            weight_format=CONFIG_ONLY,
+        )
+    if tied is None:
+        tied = bool(cfg.get("tie_word_embeddings", False))
+    if fingerprint is None:
+        fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return ModelInfo(
+        name=name,
+        path=path,
+        builtin=builtin,
+        task=task,  # type: ignore[arg-type]
+        architecture=arch,
+        model_type=str(config.get("model_type", "")),
+        num_parameters=params,
+        **shape,
+        dtype=dtype,
+        weights_dtype=weights_dtype or dtype,
+        tied_embeddings=tied if task == "causal-lm" else False,
+        kv_bytes_per_token=kv_bytes_per_token(shape) if task == "causal-lm" else {},
+        fingerprint=fingerprint,
+        **facts,
+    )
 
 
 def inspect_model(
-    model: str | os.PathLike, *, allow_pickle: bool = False, progress: Progress = None
+    model: str | os.PathLike,
+    *,
+    params: float | None = None,
+    config_only: bool | str = False,
+    allow_pickle: bool = False,
+    progress: Progress = None,
 ) -> ModelInfo:
     """Describe a model folder or built-in from config.json and the weight headers.
 
     Args:
         model: a built-in name ("smollm2-135m", "minilm-l6") or a Hugging Face model folder.
+        params: parameter count override (e.g. 8.03e9), for a checkpoint the config formula
+            does not cover.
+        config_only: False: the weights must be there (every run needs them); True: read
+            config.json alone; "auto": config.json alone when the folder holds no weights
+            (planning: `info.weight_format == CONFIG_ONLY` then).
         allow_pickle: accept .bin/.pt weights when no safetensors exist. Loading pickle can run
             code hidden in the file, so this is off unless the user passes --allow-pickle.
         progress: optional callable(str), used when a built-in is prepared for the first time.
@@ -426,6 +466,17 @@ def inspect_model(
     >>> info.num_layers, info.num_kv_heads, info.kv_bytes_per_token["bfloat16"]  # doctest: +SKIP
     (30, 3, 23040)
     """
+    if config_only not in (True, False, "auto"):
+        raise ValueError(f"config_only={config_only!r}: use True, False or 'auto'")
+    if config_only and Path(model).is_dir() and (config_only is True or is_config_only(model)):
+        folder = Path(model)
+        config, _ = _read_config(folder)
+        return info_from_config(
+            config,
+            num_parameters=int(params) if params else None,
+            name=folder.name,
+            path=str(folder.resolve()),
+        )
     folder, builtin = resolve_model(model, progress=progress)
     config, config_bytes = _read_config(folder)
     task = _task(folder, config)
@@ -434,44 +485,37 @@ def inspect_model(
     by_bytes: Counter[str] = Counter()
     for _, dtype, _, nbytes in tensors:
         by_bytes[dtype] += nbytes
-    weights_dtype = by_bytes.most_common(1)[0][0] if by_bytes else "unknown"
     num_parameters = sum(n for name, _, n, _ in tensors if not name.endswith(_BUFFER_SUFFIXES))
-
-    shape = config_shape(config, str(folder / "config.json"))
+    stored: dict[str, Any] = {
+        "weights_dtype": by_bytes.most_common(1)[0][0] if by_bytes else "unknown",
+        "bytes_on_disk": sum(f.stat().st_size for f in files),
+        "weight_files": [str(f.relative_to(folder)) for f in files],
+        "weight_format": weight_format,
+    }
     cfg = config.get("text_config") or config  # multimodal configs nest the LM
-    tied, kv, pooling, normalize, max_len = False, {}, None, False, None
+    tied = False
     if task == "causal-lm":
         # config.json may omit the flag (it is then the class default, which varies by model);
         # the weights tell the truth: a tied model stores no separate LM head.
-        explicit = _get(cfg, "tie_word_embeddings")
+        explicit = get_key(cfg, "tie_word_embeddings")
         stored_head = any(name.endswith("lm_head.weight") for name, *_ in tensors)
         tied = bool(explicit) if explicit is not None else not stored_head
-        kv = kv_bytes_per_token(shape)
     else:
         pooling, normalize, max_len = _embedding_head(folder, str(config.get("model_type", "")))
+        stored.update(pooling=pooling, normalize=normalize, max_seq_length=max_len)
 
     # Cheap identity: config bytes plus weight names and sizes (no hashing of gigabytes).
     digest = hashlib.sha256(config_bytes)
     for f in files:
         digest.update(f"\0{f.name}\0{f.stat().st_size}".encode())
-    return ModelInfo(
+    return info_from_config(
+        config,
+        num_parameters=int(params) if params else num_parameters,
         name=builtin or folder.name,
         path=str(folder),
         builtin=builtin,
-        task=task,  # type: ignore[arg-type]
-        architecture=(config.get("architectures") or [""])[0],
-        model_type=str(config.get("model_type", "")),
-        num_parameters=num_parameters,
-        **shape,
-        dtype=str(_get(config, "dtype", "torch_dtype") or weights_dtype),
-        weights_dtype=weights_dtype,
-        bytes_on_disk=sum(f.stat().st_size for f in files),
-        weight_files=[str(f.relative_to(folder)) for f in files],
-        weight_format=weight_format,
-        tied_embeddings=tied,
-        kv_bytes_per_token=kv,
-        pooling=pooling,
-        normalize=normalize,
-        max_seq_length=max_len,
+        task=task,
+        tied=tied,
+        stored=stored,
         fingerprint=digest.hexdigest(),
     )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
+from llmopt.hardware.target import Target, detect_target
 from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
 from llmopt.optimize.runmeta import run_meta, write_doctor
 from llmopt.rundir.best import write_best
@@ -157,7 +158,6 @@ def _inspect(model: str | Path, target: str, threads: int | None):
     from transformers.utils import logging as hf_logging
 
     from llmopt.model.info import inspect_model
-    from llmopt.optimize.plan import detect_target
 
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
     return inspect_model(model), detect_target(target, threads)
@@ -269,10 +269,8 @@ def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
     """Write best/deploy (llmopt.deploy.write_bundle); return what happened, never raise."""
     try:
         from llmopt.deploy import resolve_source, write_bundle
-        from llmopt.planning.target import ServingTarget
-
         src = resolve_source(run.root)
-        res = write_bundle(src, run.best / "deploy", ServingTarget.cpu(threads), validate=True)
+        res = write_bundle(src, run.best / "deploy", Target.cpu_host(threads), validate=True)
         return {"written": True, "path": "deploy", "ok": res.ok,
                 "checks": [c.to_dict() for c in res.checks], "files": res.files}  # fmt: skip
     except Exception as e:  # e.g. embedders: bundles serve causal LMs today

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import BenchResult, Candidate, Selection
+from llmopt.hardware.target import detect_target
 from llmopt.rundir.paths import RunDir
 
 __all__ = ["reverify"]
@@ -36,7 +37,6 @@ def reverify(run_dir: str | Path, progress: Any = None,
     from llmopt.core.errors import RunDirError
     from llmopt.optimize.executor import Task, make_executor
     from llmopt.optimize.objective import get_objective
-    from llmopt.optimize.plan import detect_target
     from llmopt.optimize.runmeta import hardware_fingerprint, versions
     from llmopt.optimize.select import read_results
 

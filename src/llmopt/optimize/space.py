@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.core.recipes import Recipe
 from llmopt.core.schema import SCHEMA_VERSION, Candidate
-from llmopt.optimize.plan import Target, memory_math
+from llmopt.hardware.target import Target
+from llmopt.planning.memory import memory_table
 
 if TYPE_CHECKING:
     from llmopt.engines.base import Engine
@@ -248,4 +249,4 @@ def make_plan(
             f"{sorted([c.id for c in cands] + [s['id'] for s in skipped])}"
         )
     assert cands and cands[0].reference, "the hf fp32 reference must be runnable"
-    return Plan(target, memory_math(info, target), cands, skipped)
+    return Plan(target, memory_table(info, target), cands, skipped)

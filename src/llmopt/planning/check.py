@@ -90,7 +90,8 @@ def check_plan_on_gpu(plan: ServingPlan) -> dict[str, Any]:
         "error": error,
         "planned_usable_bytes": m.usable_bytes,
         "copy_bandwidth_gbs": round(bw / 1e9, 1),
-        # Total bytes moved per second, taken as the read rate of a decode step (as TARGETS.md does).
+        # Total bytes moved per second, taken as the read rate of a decode step: a decode step
+        # mostly streams weights and KV cache, so a copy's rate bounds it from above.
         "tpot_floor_ms_measured_bw": round(read / bw * 1e3, 3),
         "tpot_floor_ms_planned": plan.estimates.get("tpot_floor_ms"),
         "note": "copy bandwidth counts bytes read plus written; the measured TPOT floor takes it as "

@@ -1,8 +1,8 @@
 """Serving plan: what fits where, how to split it, which engine, and the flags to start it.
 
     plan_serving(info, target, workload)
-      memory_plan     weights per GPU + reserve (runtime, activations, logits) -> KV budget ->
-                      tokens the KV cache holds -> sequences at a context length
+      memory_plan     (llmopt.planning.memory) weights per GPU + reserve (runtime, activations,
+                      logits) -> KV budget -> tokens the KV cache holds -> sequences at a length
       choose_layout   the smallest tensor/pipeline split that fits the workload (and its
                       TPOT SLO), the remaining GPUs as data-parallel replicas
       choose_engine   by scenario: fixed shapes, dynamic serving, beyond one GPU, CPU
@@ -16,115 +16,31 @@ all-reduce per layer; spare GPUs serve more requests as independent replicas ins
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from llmopt.hardware.specs import cc_tuple, dtype_support
+from llmopt.hardware.target import Target
 from llmopt.planning.launch import LAUNCHERS, LaunchSpec
-from llmopt.planning.target import ServingTarget, Workload
+from llmopt.planning.memory import (
+    KV_DTYPES,
+    WEIGHT_DTYPES,
+    GiB,
+    MemoryPlan,
+    default_limits,
+    memory_plan,
+)
+from llmopt.planning.workload import Workload
 
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
 
-__all__ = [
-    "MemoryPlan",
-    "ServingPlan",
-    "memory_plan",
-    "plan_serving",
-    "PRECISION_BYTES",
-    "KV_BYTES",
-]
+__all__ = ["ServingPlan", "plan_serving", "choose_layout", "choose_engine", "ACHIEVABLE_BW"]
 
-GiB = 2**30
-PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
-KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
-RUNTIME_BYTES = 1 * GiB  # CUDA context, cuBLAS workspaces, CUDA graphs (vLLM captures ~0.5 GiB)
-NCCL_BYTES = GiB // 2  # communication buffers once a replica spans GPUs
-ACHIEVABLE_BW = 0.7  # share of datasheet bandwidth a good decode step reaches (TARGETS.md: 66% simple, more with tuned kernels)
+# Share of datasheet bandwidth a decode step reaches: a plain copy kernel gets about two thirds
+# of it, tuned decode kernels a little more; 0.7 keeps TPOT estimates honest, not optimistic.
+ACHIEVABLE_BW = 0.7
 TP_SIZES = (1, 2, 4, 8)  # one node; beyond it pipeline parallelism
-
-
-@dataclass
-class MemoryPlan:
-    """Per-GPU memory budget of one replica (tp x pp GPUs). Bytes unless named otherwise."""
-
-    precision: str
-    kv_dtype: str
-    tp: int
-    pp: int
-    gpu_memory_bytes: int
-    utilization: float
-    usable_bytes: int  # gpu_memory_bytes * utilization, what the engine may take
-    weights_total_bytes: int
-    weights_per_gpu_bytes: int
-    runtime_bytes: int
-    activation_bytes: int  # one step's live activations at max_num_batched_tokens
-    logits_bytes: int  # fp32 logits of max_num_seqs sequences for sampling
-    kv_budget_bytes: int
-    kv_bytes_per_token: int  # whole model, all layers and KV heads
-    kv_bytes_per_token_per_gpu: int
-    kv_tokens: int  # tokens the KV cache holds per replica, whole blocks
-    block_size: int
-
-    @property
-    def reserve_bytes(self) -> int:
-        return self.runtime_bytes + self.activation_bytes + self.logits_bytes
-
-    def sequences_at(self, tokens: int) -> int:
-        """Concurrent sequences of `tokens` tokens each the KV cache holds."""
-        return self.kv_tokens // tokens if tokens > 0 else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "reserve_bytes": self.reserve_bytes}
-
-
-def _weights_bytes(info: ModelInfo, precision: str) -> int:
-    # Quantized formats keep the embedding (and an untied LM head) in 16 bits: vLLM and
-    # compressed-tensors quantize the linear layers only.
-    if PRECISION_BYTES[precision] >= 2:
-        return int(info.num_parameters * PRECISION_BYTES[precision])
-    embed = info.vocab_size * info.hidden_size * (1 if info.tied_embeddings else 2)
-    return int((info.num_parameters - embed) * PRECISION_BYTES[precision] + embed * 2)
-
-
-def memory_plan(
-    info: ModelInfo, gpu_memory_bytes: int, *, tp: int = 1, pp: int = 1, precision: str = "bfloat16",
-    kv_dtype: str = "bfloat16", utilization: float = 0.90, max_num_batched_tokens: int = 8192,
-    max_num_seqs: int = 256, block_size: int = 16, act_bytes: int = 2,
-) -> MemoryPlan:  # fmt: skip
-    """The per-GPU memory budget for one replica split `tp` x `pp` ways.
-
-    Args:
-        info: the model (from `inspect_model` or `info_from_config`).
-        gpu_memory_bytes: one GPU's total memory (or the RAM for a CPU plan).
-        tp, pp: tensor and pipeline parallel degrees.
-        precision: weight precision ("bfloat16", "fp8", "int8", "int4", ...).
-        kv_dtype: KV-cache element type ("bfloat16", "fp8", ...).
-        utilization: share of the memory the engine may take (vLLM's --gpu-memory-utilization).
-        max_num_batched_tokens, max_num_seqs: scheduler limits that size activations and logits.
-
-    >>> from llmopt.model.config import info_from_config  # doctest: +SKIP
-    >>> memory_plan(info_8b, 143771 * 2**20).kv_tokens     # doctest: +SKIP
-    898048
-    """
-    weights = _weights_bytes(info, precision)
-    weights_gpu = math.ceil(weights / (tp * pp))
-    layers_stage = math.ceil(info.num_layers / pp)  # the fullest pipeline stage bounds the cache
-    kv_heads_gpu = max(1, info.num_kv_heads // tp)  # replicated when tp > KV heads
-    kv_tok = info.num_layers * info.num_kv_heads * info.head_dim * 2 * KV_BYTES[kv_dtype]
-    kv_tok_gpu = layers_stage * kv_heads_gpu * info.head_dim * 2 * KV_BYTES[kv_dtype]
-    inter = info.intermediate_size or 4 * info.hidden_size
-    # Live per token in one layer: residual + normed input (2H), Q/K/V, gate and up (2I), sharded by TP.
-    qkv = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim
-    act = max_num_batched_tokens * (2 * info.hidden_size + qkv // tp + 2 * inter // tp) * act_bytes
-    logits = max_num_seqs * info.vocab_size * 4
-    runtime = RUNTIME_BYTES + (NCCL_BYTES if tp * pp > 1 else 0)
-    usable = int(gpu_memory_bytes * utilization)
-    budget = usable - weights_gpu - runtime - act - logits
-    tokens = max(0, budget) // kv_tok_gpu // block_size * block_size if kv_tok_gpu else 0
-    return MemoryPlan(precision, kv_dtype, tp, pp, gpu_memory_bytes, utilization, usable, weights,
-                      weights_gpu, runtime, act, logits, budget, kv_tok, kv_tok_gpu, tokens,
-                      block_size)  # fmt: skip
 
 
 @dataclass
@@ -132,7 +48,7 @@ class ServingPlan:
     """The plan for serving one model on one target under one workload."""
 
     model: dict[str, Any]
-    target: ServingTarget
+    target: Target
     workload: Workload
     memory: MemoryPlan
     fits: bool
@@ -160,7 +76,7 @@ class ServingPlan:
         }  # fmt: skip
 
 
-def _tpot_floor_ms(mp: MemoryPlan, target: ServingTarget, seq_tokens: int) -> float | None:
+def _tpot_floor_ms(mp: MemoryPlan, target: Target, seq_tokens: int) -> float | None:
     # Batch-1 decode reads this GPU's weights and the sequence's KV once per token.
     if not target.bandwidth_gbs:
         return None
@@ -172,7 +88,7 @@ def _valid_tp(info: ModelInfo, tp: int) -> bool:
     return info.num_heads % tp == 0 and (info.num_kv_heads % tp == 0 or tp % info.num_kv_heads == 0)
 
 
-def choose_layout(info: ModelInfo, target: ServingTarget, wl: Workload, kw: dict[str, Any],
+def choose_layout(info: ModelInfo, target: Target, wl: Workload, kw: dict[str, Any],
                   need_tokens: int, tp: int | None = None, pp: int | None = None) -> tuple[MemoryPlan, bool, str]:  # fmt: skip
     """The smallest tp x pp that holds `need_tokens` of KV (and meets the TPOT SLO)."""
     tps = [tp] if tp else [t for t in TP_SIZES if t <= min(target.count, 8) and _valid_tp(info, t)]
@@ -198,7 +114,7 @@ def choose_layout(info: ModelInfo, target: ServingTarget, wl: Workload, kw: dict
 
 
 def choose_engine(
-    info: ModelInfo, target: ServingTarget, wl: Workload, gpus_per_replica: int
+    info: ModelInfo, target: Target, wl: Workload, gpus_per_replica: int
 ) -> tuple[str, str, list[dict[str, str]]]:
     """(engine, reason, alternatives with reasons) for the scenario."""
     cc = cc_tuple(target.compute_capability)
@@ -243,7 +159,7 @@ def choose_engine(
     )
 
 
-def _rate_to_concurrency(info: ModelInfo, target: ServingTarget, wl: Workload, kw: dict[str, Any],
+def _rate_to_concurrency(info: ModelInfo, target: Target, wl: Workload, kw: dict[str, Any],
                          notes: list[str]) -> Workload:  # fmt: skip
     # Little's law: requests in flight = arrival rate x time per request, the time taken as
     # output_len decode steps at the expected batch-1 TPOT (a lower bound: batching slows steps).
@@ -259,7 +175,7 @@ def _rate_to_concurrency(info: ModelInfo, target: ServingTarget, wl: Workload, k
     return replace(wl, concurrency=conc)
 
 
-def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | None = None, *,
+def plan_serving(info: ModelInfo, target: Target, workload: Workload | None = None, *,
                  precision: str | None = None, dtype: str | None = None, kv_dtype: str = "auto",
                  utilization: float | None = None,
                  tp: int | None = None, pp: int | None = None, model_path: str = "/models/model",
@@ -268,11 +184,12 @@ def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | No
 
     Args:
         info: the model.
-        target: from `ServingTarget.gpu("H200", 8)`, `.from_doctor(report)` or `.cpu()`.
+        target: from `Target.gpu_model("H200", 8)`, `.from_doctor(report)` or `.cpu_host()`.
         workload: request shape and SLOs (default: 1024 in, 256 out).
         precision: weight precision; default: the compute dtype.
         dtype: compute dtype of unquantized parts; default bf16 on GPUs (fp16 below cc 8.0),
-            fp32 on CPU (vLLM CPU's bf16 output visibly degraded on SmolLM2 here: TARGETS.md).
+            fp32 on CPU (CPU bf16 kernels round more coarsely, and vLLM CPU's bf16 output
+            visibly degrades small models; docs/doctor-plan-deploy.md).
         kv_dtype: "auto" (the compute dtype), "bfloat16", "float16" or "fp8".
         utilization: memory share the engine takes (default 0.90 GPU, 0.80 CPU RAM).
         tp, pp: force a split instead of the smallest that fits.
@@ -280,7 +197,7 @@ def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | No
         host: the address launch commands bind (loopback by default; deploy bundles use 0.0.0.0
             inside the container and publish on loopback).
 
-    >>> plan = plan_serving(info_8b, ServingTarget.gpu("H200"))   # doctest: +SKIP
+    >>> plan = plan_serving(info_8b, Target.gpu_model("H200"))   # doctest: +SKIP
     >>> plan.memory.tp, plan.launch["vllm"].argv[:2]               # doctest: +SKIP
     (1, ['vllm', 'serve'])
     """
@@ -289,19 +206,19 @@ def plan_serving(info: ModelInfo, target: ServingTarget, workload: Workload | No
     bf16 = not gpu or dtype_support(target.compute_capability or "8.0")["bfloat16"]
     dtype = dtype or (("bfloat16" if bf16 else "float16") if gpu else "float32")
     precision = precision or dtype
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISION_BYTES)}")
+    if precision not in WEIGHT_DTYPES:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(WEIGHT_DTYPES)}")
     kv = dtype if kv_dtype == "auto" else kv_dtype
-    if kv not in KV_BYTES:
-        raise ValueError(f"kv dtype {kv_dtype!r}: use auto or one of {', '.join(KV_BYTES)}")
-    util = utilization or (0.90 if gpu else 0.80)
+    if kv not in KV_DTYPES:
+        raise ValueError(f"kv dtype {kv_dtype!r}: use auto or one of {', '.join(KV_DTYPES)}")
+    limits = default_limits(target)
+    util = utilization or limits["utilization"]
     notes: list[str] = []
     wants_fp8 = precision in ("fp8", "fp4") or kv == "fp8"
     if wants_fp8 and gpu and not dtype_support(target.compute_capability or "0.0")["fp8"]:
         notes.append(f"{target.name} (cc {target.compute_capability}) has no FP8 tensor cores: "
                          "vLLM falls back to weight-only FP8 (Marlin) for weights and emulates FP8 KV")  # fmt: skip
-    big = target.memory_bytes >= 70 * GiB
-    mnbt = 8192 if big or not gpu else 2048  # vLLM's own defaults for large and small GPUs
+    mnbt = limits["max_num_batched_tokens"]  # vLLM's own defaults for large and small GPUs
     if wl.ttft_ms and wl.input_len > mnbt:
         mnbt = min(wl.input_len, 16384)  # prefill a whole prompt in one step for TTFT
         notes.append(

@@ -21,14 +21,13 @@ import torch
 from torch import nn
 
 from llmopt.core.errors import LlmoptError
+from llmopt.core.units import dtype_bytes
 from llmopt.quant.primitives import WeightSpec
 
 if TYPE_CHECKING:
     from llmopt.core.recipes import Recipe
 
 __all__ = ["QuantConfigError", "QuantMemoryError", "Preflight", "preflight", "plan_specs"]
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class QuantConfigError(LlmoptError):
@@ -148,7 +147,7 @@ def _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals
 
     from llmopt.quant.sequential import decoder_layers
 
-    nbytes = _DTYPE_BYTES[recipe.dtype]
+    nbytes = dtype_bytes(recipe.dtype)
     n_params = sum(p.numel() for p in model_meta.parameters())
     # The model in host memory, plus float copies of the quantized weights for auto-exclude.
     quantized = sum(model_meta.get_submodule(n).weight.numel() for n in pf.specs)

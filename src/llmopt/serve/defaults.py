@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt.hardware.host import probe_memory, usable_cores
+from llmopt.hardware.target import Target
+from llmopt.planning.workload import Workload
 from llmopt.serve.settings import ServeSettings
 
 __all__ = ["PLANNED", "DEFAULTS", "Resolution", "resolve_settings", "plan_values"]
@@ -110,7 +112,7 @@ def plan_values(model: str, requested: dict[str, int | None], *, recipe: str | N
                 )
         return res
     cpu = device == "cpu"
-    threads = threads or _cpu_count()
+    threads = threads or usable_cores()
     run = _run_plan(best, device) if best is not None else {}
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_seq_len"):
         if name not in res.values and name in run:
@@ -159,10 +161,6 @@ def plan_values(model: str, requested: dict[str, int | None], *, recipe: str | N
     if "num_blocks" not in res.values:
         _num_blocks(res, info, kv, plan_kv, cpu)
     return res
-
-
-def _cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _cpu_cap(name: str, value: int, note: str, cpu: bool, threads: int) -> tuple[int, str]:
@@ -214,14 +212,11 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     from dataclasses import replace
 
     from llmopt.planning.serving import plan_serving
-    from llmopt.planning.target import ServingTarget, Workload
 
     precision, dtype = _precision(recipe, device)
     if device == "cpu":
-        import psutil
-
-        avail = int(psutil.virtual_memory().available)
-        target = replace(ServingTarget.cpu(threads), memory_bytes=avail,
+        avail = int(probe_memory()["available_bytes"])
+        target = replace(Target.cpu_host(threads), memory_bytes=avail,
                          source="this machine: available RAM")  # fmt: skip
         # How many requests a CPU batches usefully: the plan's concurrency, so its reserve
         # (logits of max-num-seqs sequences) is sized for what will really run.
@@ -240,8 +235,12 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
         spec = match_gpu(p.name)
         # The GPU as it is (its size picks vLLM's step budget); what others already hold lowers
         # the share the engine may take: at most vLLM's 0.90 of it, never more than is free.
-        target = ServingTarget("gpu", p.name, 1, int(total), spec.bandwidth_gbs if spec else None,
-                               f"{p.major}.{p.minor}", "torch.cuda")  # fmt: skip
+        cc = f"{p.major}.{p.minor}"
+        gpu = {"name": p.name, "memory_bytes": int(total), "compute_capability": cc}
+        bandwidth = spec.bandwidth_gbs if spec else None
+        target = Target(
+            "cuda", memory_bytes=int(total), gpu=gpu, bandwidth_gbs=bandwidth, source="torch.cuda"
+        )
         workload, utilization = None, min(0.90, free / total)
         where = f"{p.name}, {free / GiB:.1f} of {total / GiB:.1f} GiB free"
     plan = plan_serving(info, target, workload, precision=precision, dtype=dtype, kv_dtype=dtype,

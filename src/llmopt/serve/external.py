@@ -38,9 +38,9 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         EngineUnavailableError: the engine is not installed (the message says how to install).
         ValueError: unknown engine, or a model the engine cannot take.
     """
-    from llmopt.model.config import load_model_info
+    from llmopt.hardware.target import Target
+    from llmopt.model.info import inspect_model
     from llmopt.planning.serving import plan_serving
-    from llmopt.planning.target import ServingTarget
     from llmopt.serve.server import find_best
 
     if engine not in ENGINES:
@@ -53,7 +53,7 @@ def external_command(engine: str, model: str, settings: ServeSettings,
 
         info, folder = ModelInfo.from_dict(read_json(best / "model.json")), best / "artifact"
     else:
-        info, _how = load_model_info(model)
+        info = inspect_model(model, config_only="auto")
         folder = Path(info.path)
     if info.task != "causal-lm":
         raise ValueError(f"{info.name} is an embedding model; --engine {engine} serves causal "
@@ -61,9 +61,9 @@ def external_command(engine: str, model: str, settings: ServeSettings,
     if settings.device == "cuda":
         from llmopt.doctor import run_doctor
 
-        target = ServingTarget.from_doctor(run_doctor("cuda"))
+        target = Target.from_doctor(run_doctor("cuda"))
     else:
-        target = ServingTarget.cpu(settings.threads)
+        target = Target.cpu_host(settings.threads)
     plan = plan_serving(info, target, model_path=str(Path(folder).resolve()), host=settings.host)
     cfg = plan.launch[ENGINES[engine]]
     argv = _set_flag(cfg.argv, "--host", settings.host)
