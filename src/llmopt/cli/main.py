@@ -16,9 +16,11 @@ from rich.markup import escape
 from llmopt.cli import (
     assets_cmd,
     bench_cmd,
+    deploy_cmd,
+    doctor_cmd,
     inspect_cmd,
-    ops,
     optimize_cmd,
+    plan_cmd,
     quantize_cmd,
     report_cmd,
     serve_cmd,
@@ -36,8 +38,19 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _module in (inspect_cmd, optimize_cmd, report_cmd, assets_cmd, ops, verify_cmd, bench_cmd,
-                serve_cmd, quantize_cmd):
+for _module in (
+    inspect_cmd,
+    optimize_cmd,
+    report_cmd,
+    assets_cmd,
+    doctor_cmd,
+    plan_cmd,
+    deploy_cmd,
+    verify_cmd,
+    bench_cmd,
+    serve_cmd,
+    quantize_cmd,
+):
     _module.register(app)
 
 

@@ -10,6 +10,7 @@ import typer
 from llmopt.cli.options import DEFAULT_MODEL, JsonOpt, emit_json
 from llmopt.cli.render import render_selection
 
+
 def optimize(
     model: Annotated[
         str, typer.Argument(help="A built-in name or a Hugging Face folder.")

@@ -80,11 +80,12 @@ def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> 
     """The serving plan: memory per GPU, layout, engine, launch commands. `sources` adds a
     column saying where each memory figure comes from."""
     m, t = plan.memory, plan.target
+    dev = "GPU" if t.kind == "gpu" else "device"  # a CPU target's one device is its RAM
     if not sources:  # `llmopt plan` names the target (and its source) once, above
         console.print(
             f"\n[bold]serving plan[/] on {t.count} x {escape(t.name)} ({human_bytes(m.gpu_memory_bytes)} each; {escape(t.source)})"
         )
-    mt = Table(show_header=bool(sources), title="memory per GPU (one replica)")
+    mt = Table(show_header=bool(sources), title=f"memory per {dev} (one replica)")
     mt.add_column("item", style="bold")
     mt.add_column("value")
     if sources:
@@ -93,10 +94,10 @@ def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> 
         ("layout", f"tensor parallel {m.tp} x pipeline parallel {m.pp}, {plan.replicas} replica(s)"
                    + ("" if plan.fits else "  [bold red]does not fit[/]")),
         ("usable", f"{human_bytes(m.usable_bytes)} ({m.utilization:.0%} of {human_bytes(m.gpu_memory_bytes)})"),
-        ("weights", f"{m.precision}: {human_bytes(m.weights_total_bytes)} total, {human_bytes(m.weights_per_gpu_bytes)} per GPU"),
+        ("weights", f"{m.precision}: {human_bytes(m.weights_total_bytes)} total, {human_bytes(m.weights_per_gpu_bytes)} per {dev}"),
         ("reserve", f"{human_bytes(m.reserve_bytes)} = runtime {human_bytes(m.runtime_bytes)} + activations "
                     f"{human_bytes(m.activation_bytes)} + logits {human_bytes(m.logits_bytes)}"),
-        ("KV cache", f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per GPU); "
+        ("KV cache", f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per {dev}); "
                      f"budget {human_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
         ("sequences", f"{m.sequences_at(plan.max_model_len):,} at max-model-len {plan.max_model_len:,}; "
                       f"{m.sequences_at(plan.workload.input_len + plan.workload.output_len):,} at "

@@ -9,6 +9,7 @@ import typer
 
 from llmopt.cli.render import console
 
+
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `llmopt optimize`.")],
 ) -> None:

@@ -1,0 +1,93 @@
+"""`llmopt deploy`: a ready-to-run, validated bundle for a run's choice or a model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from llmopt.cli.options import (
+    ConcOpt,
+    CpuOpt,
+    GpuOpt,
+    GpusOpt,
+    InOpt,
+    JsonOpt,
+    KvOpt,
+    MaxLenOpt,
+    OutOpt,
+    ParamsOpt,
+    PrecOpt,
+    RateOpt,
+    TargetOpt,
+    ThreadsOpt,
+    TpOpt,
+    TpotOpt,
+    TtftOpt,
+    UtilOpt,
+    emit_json,
+    serving_target,
+    workload,
+)
+
+
+def deploy(
+    source: Annotated[
+        str, typer.Argument(help="A run directory (its best/ candidate) or a model folder.")
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="Bundle folder to write (replaced if it exists).")
+    ],
+    target: TargetOpt = "cuda",
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    cpu: CpuOpt = False,
+    threads: ThreadsOpt = None,
+    params: ParamsOpt = None,
+    input_len: InOpt = 1024,
+    output_len: OutOpt = 256,
+    concurrency: ConcOpt = None,
+    rate: RateOpt = None,
+    ttft_ms: TtftOpt = None,
+    tpot_ms: TpotOpt = None,
+    max_model_len: MaxLenOpt = None,
+    precision: PrecOpt = None,
+    kv_dtype: KvOpt = "auto",
+    gpu_memory_utilization: UtilOpt = None,
+    tp: TpOpt = None,
+    image: Annotated[
+        str | None, typer.Option(help="Container image name for compose and Kubernetes.")
+    ] = None,
+    no_validate: Annotated[
+        bool, typer.Option("--no-validate", help="Skip the validators.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a ready-to-run bundle (container, compose, nginx, Kubernetes, start script), validated here."""
+    from llmopt.cli.render_ops import render_deploy
+    from llmopt.deploy import resolve_source, write_bundle
+
+    src = resolve_source(source, params=params)
+    st = serving_target(target, gpu, gpus, cpu, threads)
+    wl = workload(
+        input_len=input_len,
+        output_len=output_len,
+        concurrency=concurrency,
+        request_rate=rate,
+        ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
+        max_model_len=max_model_len,
+    )
+    kw = {"kv_dtype": kv_dtype, "utilization": gpu_memory_utilization, "tp": tp}
+    if precision:
+        kw["precision"] = precision
+    res = write_bundle(src, out, st, wl, image=image, validate=not no_validate, **kw)
+    emit_json(res.to_dict()) if as_json else render_deploy(res)
+    if not res.ok:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `deploy` to the `llmopt` app."""
+    app.command("deploy")(deploy)
