@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
         return inspect_model
     if name == "optimize":
-        from llmopt.optimize.job import optimize
+        from llmopt.optimize.job import optimize  # lazy: `import llmopt` stays light
 
         return optimize
     raise AttributeError(name)

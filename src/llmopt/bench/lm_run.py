@@ -13,7 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llmopt.assets import resolve_model
+from llmopt.assets.text import evaluation_text
+from llmopt.bench.lm import bench_causal_lm
+from llmopt.bench.roofline import attribute_lm, measure_ceilings
+from llmopt.bench.timing import environment
+from llmopt.core.recipes import get_recipe
 from llmopt.core.units import DTYPE_BYTES
+from llmopt.engines import get_engine, load_runner
+from llmopt.hardware.runtime import peak_rss_bytes
+from llmopt.model.info import inspect_model
 
 __all__ = ["bench_lm_model", "lm_roofline", "weight_bytes"]
 
@@ -45,7 +54,6 @@ def lm_roofline(
     Example:
         >>> roof = lm_roofline(metrics, info, recipe, 100, 128, measure_ceilings())  # doctest: +SKIP
     """
-    from llmopt.bench.roofline import attribute_lm
 
     kv = info.kv_bytes_per_token.get(recipe.dtype) or info.kv_bytes_per_token.get("float32", 0)
     wb = weight_bytes(info.num_parameters, recipe.dtype, recipe.weight_bits)
@@ -88,15 +96,6 @@ def bench_lm_model(
     """
     import torch
 
-    from llmopt.assets import resolve_model
-    from llmopt.assets.text import evaluation_text
-    from llmopt.bench.lm import bench_causal_lm
-    from llmopt.bench.roofline import measure_ceilings
-    from llmopt.bench.timing import environment
-    from llmopt.core.recipes import get_recipe
-    from llmopt.engines import get_engine, load_runner
-    from llmopt.hardware.runtime import peak_rss_bytes
-    from llmopt.model.info import inspect_model
 
     folder, _ = resolve_model(model)
     info = inspect_model(folder)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 from llmopt.bench.serve_metrics import SLO, RequestRecord, serve_metrics
-from llmopt.core.errors import LlmoptError
+from llmopt.core.errors import EngineUnavailableError, LlmoptError
 
 __all__ = ["LoadSpec", "Workload", "LoadTargetError", "arrival_offsets", "make_prompts", "run_load"]
 
@@ -360,7 +360,6 @@ async def _run(url: str, spec: LoadSpec, w: Workload, model: str | None, timeout
     try:
         import httpx
     except ImportError:
-        from llmopt.core.errors import EngineUnavailableError
 
         raise EngineUnavailableError(
             "the load generator needs httpx", "pip install 'llmopt[bench]'"

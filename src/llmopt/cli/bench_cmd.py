@@ -14,6 +14,17 @@ from typing import Annotated, Any
 
 import typer
 
+from llmopt.assets import resolve_model
+from llmopt.bench.compare import compare_runs, to_html, to_markdown
+from llmopt.bench.lm_run import bench_lm_model
+from llmopt.bench.loadgen import Workload
+from llmopt.bench.roofline import measure_ceilings
+from llmopt.bench.serve_metrics import SLO
+from llmopt.bench.sweep import HEADLINE, parse_points, run_sweep
+from llmopt.cli.render import console
+from llmopt.core.atomic import write_json, write_text
+from llmopt.core.recipes import get_recipe
+
 __all__ = ["register", "bench_app"]
 
 bench_app = typer.Typer(
@@ -33,7 +44,6 @@ def _emit(obj: Any) -> None:
 def _write(out: Path | None, doc: dict[str, Any]) -> Path | None:
     if out is None:
         return None
-    from llmopt.core.atomic import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "bench.json", doc)
@@ -97,9 +107,6 @@ def serve(
     """Load an OpenAI-compatible endpoint; TTFT/TPOT/ITL/E2EL and goodput as vLLM defines them."""
     from rich.progress import Progress
 
-    from llmopt.bench.loadgen import Workload
-    from llmopt.bench.serve_metrics import SLO
-    from llmopt.bench.sweep import parse_points, run_sweep
 
     points = parse_points(mode, values, burstiness=burstiness, num_requests=num_requests,
                           max_seconds=max_seconds, seed=seed)  # fmt: skip
@@ -123,8 +130,6 @@ def serve(
 def _render_serve(res: dict[str, Any], path: Path | None) -> None:
     from rich.table import Table
 
-    from llmopt.bench.sweep import HEADLINE
-    from llmopt.cli.render import console
 
     # Metrics as rows, sweep points as columns: stays readable in 80 columns for a few points.
     t = Table(title=f"{res['label']} @ {res['url']}: median \\[min-max] of {res['repeats']} runs")
@@ -160,11 +165,9 @@ def compare(
     as_json: JsonOpt = False,
 ) -> None:
     """Side-by-side table (the first RUN is the baseline); changes inside the spread say 'noise'."""
-    from llmopt.bench.compare import compare_runs, to_html, to_markdown
 
     cmp = compare_runs(list(runs))
     if html is not None:
-        from llmopt.core.atomic import write_text
 
         write_text(html, to_html(cmp))
     if as_json:
@@ -181,7 +184,6 @@ def roofline(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure this machine's ceilings: memory copy bandwidth and matmul FLOP/s per dtype."""
-    from llmopt.bench.roofline import measure_ceilings
 
     dtypes = ("float32", "bfloat16") if device == "cpu" else ("float32", "bfloat16", "float16")
     c = measure_ceilings(device, dtypes=dtypes)
@@ -216,14 +218,11 @@ def lm(
     import tempfile
     from pathlib import Path
 
-    from llmopt.bench.lm_run import bench_lm_model
-    from llmopt.core.recipes import get_recipe
 
     with tempfile.TemporaryDirectory(prefix="llmopt-quant-") as tmp:
         checkpoint = None
         if get_recipe(recipe).calibrated:  # quantized first; the engine only loads checkpoints
-            from llmopt.assets import resolve_model
-            from llmopt.quant import build_checkpoint
+            from llmopt.quant import build_checkpoint  # heavy: torch
 
             checkpoint = Path(tmp) / "checkpoint"
             build_checkpoint(resolve_model(model)[0], recipe, checkpoint)

@@ -30,6 +30,8 @@ from llmopt.cli.options import (
     serving_target,
     workload,
 )
+from llmopt.cli.render_ops import render_deploy
+from llmopt.deploy import resolve_source, write_bundle
 
 
 def deploy(
@@ -65,8 +67,6 @@ def deploy(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a ready-to-run bundle (container, compose, nginx, Kubernetes, start script), validated here."""
-    from llmopt.cli.render_ops import render_deploy
-    from llmopt.deploy import resolve_source, write_bundle
 
     src = resolve_source(source, params=params)
     st = serving_target(target, gpu, gpus, cpu, threads)

@@ -10,6 +10,9 @@ from llmopt.cli.options import (
     JsonOpt,
     emit_json,
 )
+from llmopt.cli.render import console
+from llmopt.cli.render_ops import render_doctor
+from llmopt.doctor import run_doctor
 
 
 def doctor(
@@ -20,9 +23,6 @@ def doctor(
     as_json: JsonOpt = False,
 ) -> None:
     """Can this machine run what we plan? Driver, GPUs, CUDA, engines, container: evidence and fixes."""
-    from llmopt.cli.render import console
-    from llmopt.cli.render_ops import render_doctor
-    from llmopt.doctor import run_doctor
 
     if as_json:
         report = run_doctor(target)

@@ -8,6 +8,7 @@ import typer
 
 from llmopt.cli.options import JsonOpt, ModelArg, emit_json
 from llmopt.cli.render import console, render_inspect
+from llmopt.model.info import inspect_model
 
 
 def inspect(
@@ -22,7 +23,6 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """What is this model? Architecture, sizes, context, dtype, KV-cache bytes per token."""
-    from llmopt.model.info import inspect_model
 
     with console.status(f"inspecting {model}"):
         info = inspect_model(model, allow_pickle=allow_pickle)

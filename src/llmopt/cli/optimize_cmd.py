@@ -8,7 +8,11 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.options import DEFAULT_MODEL, JsonOpt, emit_json
-from llmopt.cli.render import render_selection
+from llmopt.cli.render import OptimizeProgress, render_reverify, render_selection
+from llmopt.optimize.budget import Budget
+from llmopt.optimize.executor import RAY_MISSING
+from llmopt.optimize.job import optimize as run_optimize
+from llmopt.optimize.reverify import reverify
 
 
 def optimize(
@@ -90,14 +94,9 @@ def optimize(
     as_json: JsonOpt = False,
 ) -> None:
     """The main job: inspect, plan, search (screen, verify, bench), select, report. Resumes if re-run."""
-    from llmopt.cli.render import OptimizeProgress, render_reverify
-    from llmopt.optimize.budget import Budget
-    from llmopt.optimize.job import optimize as run_optimize
-    from llmopt.optimize.reverify import reverify
 
     address = ray_address or ("local" if ray else None)
     if address:
-        from llmopt.optimize.executor import RAY_MISSING
 
         try:
             import ray as _ray  # noqa: F401

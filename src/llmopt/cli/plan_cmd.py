@@ -32,9 +32,12 @@ from llmopt.cli.options import (
     serving_target,
     workload,
 )
+from llmopt.cli.render import console
+from llmopt.cli.render_ops import render_plan
 from llmopt.hardware.host import usable_cores
 from llmopt.model.info import CONFIG_ONLY, inspect_model
 from llmopt.optimize.space import make_plan
+from llmopt.planning.check import check_plan_on_gpu
 from llmopt.planning.serving import plan_serving
 
 
@@ -70,7 +73,6 @@ def plan(
 ) -> None:
     """What fits and what should run it? One plan: target, memory math, layout, engine, launch
     flags and the optimizer's candidates, each figure with where it comes from."""
-    from llmopt.cli.render_ops import render_plan
 
     info = inspect_model(model, params=params, config_only="auto")
     source = "config" if info.weight_format == CONFIG_ONLY else "weights"
@@ -101,7 +103,6 @@ def plan(
         opt.notes.append("planned from config.json alone: `llmopt optimize` needs the weights")
     checked = None
     if check:
-        from llmopt.planning.check import check_plan_on_gpu
 
         checked = check_plan_on_gpu(serving)
     if as_json:
@@ -110,7 +111,6 @@ def plan(
     else:
         render_plan(info, source, params, opt, serving)
         if checked:
-            from llmopt.cli.render import console
 
             console.print_json(data=checked)
 

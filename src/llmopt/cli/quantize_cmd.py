@@ -15,6 +15,9 @@ from typing import Annotated, Any
 
 import typer
 
+from llmopt.assets import resolve_model
+from llmopt.cli.render import console
+
 __all__ = ["quantize", "register", "render_facts"]
 
 EXPORTS = ("gguf-q8_0", "gguf-q4_0")
@@ -23,7 +26,6 @@ EXPORTS = ("gguf-q8_0", "gguf-q4_0")
 def render_facts(facts: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
-    from llmopt.cli.render import console
 
     r = facts.get("recipe", {})
     t = Table(title=f"quantize {facts.get('source', '')} -> {out}")
@@ -122,8 +124,6 @@ def quantize(
     # Before torch starts its thread pool (the flag is per thread): fp32 denormals cost 6-15x.
     torch.set_flush_denormal(True)
 
-    from llmopt.assets import resolve_model
-    from llmopt.cli.render import console
 
     if out is None:
         raise ValueError("give --out DIR (the source folder is never modified)")
@@ -131,13 +131,13 @@ def quantize(
         raise ValueError(f"--export must be one of {', '.join(EXPORTS)}, not {export!r}")
     source, _ = resolve_model(model)
     if export is not None:
-        from llmopt.quant.gguf_export import export_gguf
+        from llmopt.quant.gguf_export import export_gguf  # heavy: torch
 
         with console.status(f"writing {export}"):
             facts = export_gguf(source, out, export.removeprefix("gguf-").upper())
     else:
-        from llmopt.quant import CalibrationConfig
-        from llmopt.quant import quantize as run_quantize
+        from llmopt.quant import CalibrationConfig  # heavy: torch
+        from llmopt.quant import quantize as run_quantize  # heavy: torch
 
         cal = CalibrationConfig(calibration, samples, seq_len, seed)
         if as_json:  # stdout is the JSON; progress goes to stderr, one line per layer

@@ -8,13 +8,13 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.render import console
+from llmopt.report import write_report
 
 
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `llmopt optimize`.")],
 ) -> None:
     """Re-render report.md and report.html from a run directory."""
-    from llmopt.report import write_report
 
     md, html = write_report(run_dir)
     console.print(f"report: {html}\n        {md}")

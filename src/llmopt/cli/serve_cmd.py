@@ -11,6 +11,11 @@ from typing import Annotated
 
 import typer
 
+from llmopt.cli.render import console
+from llmopt.serve.defaults import resolve_settings
+from llmopt.serve.external import external_command, launch_external
+from llmopt.serve.settings import ServeSettings
+
 __all__ = ["register", "serve"]
 
 
@@ -170,7 +175,6 @@ def serve(
     import logging
     from contextlib import nullcontext
 
-    from llmopt.serve.settings import ServeSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     common = dict(
@@ -189,7 +193,6 @@ def serve(
                  "block_size": block_size, "num_blocks": num_blocks,
                  "max_seq_len": max_seq_len}  # fmt: skip
     if engine:  # the engine's own server takes the plan's flags itself (llmopt.serve.external)
-        from llmopt.serve.external import external_command, launch_external
 
         given = {k: v for k, v in requested.items() if v is not None}
         settings = ServeSettings(**common, **given, recipe=recipe or "fp32",  # type: ignore[arg-type]
@@ -202,9 +205,7 @@ def serve(
         raise typer.Exit(launch_external(cfg, dry_run=dry_run))
     if gguf:
         raise ValueError("--gguf is for --engine llamacpp")
-    from llmopt.cli.render import console
-    from llmopt.serve.defaults import resolve_settings
-    from llmopt.serve.server import load_context, run_server
+    from llmopt.serve.server import load_context, run_server  # heavy: starlette
 
     settings = resolve_settings(model, requested, recipe, **common)
     with console.status(f"loading {model}") if sys.stderr.isatty() else nullcontext():

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from llmopt.cli.render import console
+from llmopt.verify.api import verify_models
+from llmopt.verify.gates import Gates, gate_rows
+
 if TYPE_CHECKING:
     from llmopt.verify.api import VerifyReport
 
@@ -33,8 +37,6 @@ def render_report(report: VerifyReport) -> None:
     """Print the gate table, notes, integrity problems and layer attribution."""
     from rich.table import Table
 
-    from llmopt.cli.render import console
-    from llmopt.verify.gates import gate_rows
 
     t = Table(title=f"verify {report.candidate}  vs  {report.reference}")
     for col in (
@@ -124,9 +126,6 @@ def verify(
     # thread): SmolLM2's fp32 forward makes denormals, which cost 6-15x on CPU (docs/verify.md).
     torch.set_flush_denormal(True)
 
-    from llmopt.cli.render import console
-    from llmopt.verify.api import verify_models
-    from llmopt.verify.gates import Gates
 
     if candidate is None and endpoint is None:
         raise ValueError("give a CANDIDATE folder or --endpoint URL")

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.core.atomic import atomic_dir, write_json, write_text
 from llmopt.core.errors import LlmoptError
+from llmopt.core.recipes import RECIPES
 from llmopt.deploy import templates as T
 from llmopt.deploy.readme import bundle_readme
 from llmopt.deploy.source import DeploySource
 from llmopt.deploy.validate import CheckResult, validate_bundle
 from llmopt.model.info import CONFIG_ONLY, inspect_model
+from llmopt.planning.serving import plan_serving
+from llmopt.rundir.best import NoBestError, find_best
 
 if TYPE_CHECKING:
     from llmopt.hardware.target import Target
@@ -48,7 +51,6 @@ def _recipe_precision(name: str | None) -> tuple[str, str | None] | None:
         return None
     if name in _RECIPE_PRECISION:
         return _RECIPE_PRECISION[name]
-    from llmopt.core.recipes import RECIPES
 
     rec = RECIPES.get(name)
     if rec is None or rec.weight_bits is None or getattr(rec, "weight_type", "int") != "int":
@@ -91,7 +93,6 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     Raises:
         DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
     """
-    from llmopt.rundir.best import NoBestError, find_best
 
     p = Path(path).resolve()
     try:
@@ -153,7 +154,6 @@ def write_bundle(
     >>> res.ok                                                             # doctest: +SKIP
     True
     """
-    from llmopt.planning.serving import plan_serving
 
     if _recipe_precision(source.recipe):  # serve what was verified, unless told otherwise
         precision, dtype = _recipe_precision(source.recipe)

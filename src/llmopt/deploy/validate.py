@@ -25,6 +25,9 @@ from typing import Any
 
 import yaml
 
+from llmopt.core.errors import EngineUnavailableError
+from llmopt.planning.launch import check_vllm_args
+
 __all__ = ["CheckResult", "validate_bundle", "WEIGHT_SUFFIXES"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".plan", ".engine")
@@ -155,8 +158,6 @@ def check_shell(bundle: Path) -> CheckResult:
 
 
 def check_vllm(bundle: Path) -> CheckResult:
-    from llmopt.core.errors import EngineUnavailableError
-    from llmopt.planning.launch import check_vllm_args
 
     argv = yaml.safe_load((bundle / "plan.json").read_text())["launch"]["vllm"]["argv"]
     try:

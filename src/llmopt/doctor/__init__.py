@@ -18,6 +18,8 @@ from typing import Any
 from llmopt.doctor.checks_gpu import NO_GPU_STATUS, gpu_findings, likely_causes
 from llmopt.doctor.checks_host import host_findings
 from llmopt.doctor.report import DoctorReport, Finding, Status
+from llmopt.hardware import gpu
+from llmopt.hardware import host as probe
 
 __all__ = [
     "collect_facts",
@@ -47,8 +49,6 @@ def collect_facts(*, use_torch: bool = True, nvml: Any = None) -> dict[str, Any]
     >>> sorted(facts)[:3]                            # doctest: +SKIP
     ['container', 'cpu', 'disk']
     """
-    from llmopt.hardware import gpu
-    from llmopt.hardware import host as probe
 
     nvml_facts, nvml_answers = gpu.probe_nvml(nvml)
     # nvidia-smi only when NVML did not answer: it reads the same library, so it adds nothing then.

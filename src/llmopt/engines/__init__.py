@@ -19,6 +19,7 @@ from typing import Any
 
 from llmopt.core.recipes import Recipe, get_recipe
 from llmopt.engines.base import CausalLMRunner, EmbeddingRunner, Engine
+from llmopt.rundir.best import Best
 
 __all__ = [
     "ENGINES",
@@ -79,7 +80,6 @@ def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:
     >>> runner.embed(["hello world"]).shape                    # doctest: +SKIP
     (1, 384)
     """
-    from llmopt.rundir.best import Best
 
     best = Best.read(best_dir)
     cand = best.candidate

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
+from llmopt.engines.pooling import embed_in_batches, pool
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,7 +67,7 @@ class HFEngine(Engine):
             return facts | {"weights": linked, "seconds": time.perf_counter() - t0}
         model = _auto_class(info.task).from_pretrained(source, dtype=torch.float32)
         if recipe.weight_bits == 8:
-            from llmopt.engines.int8 import quantize_linears_
+            from llmopt.engines.int8 import quantize_linears_  # heavy: torch
 
             names = quantize_linears_(model, recipe.ignore)
             _save_int8(model, names, recipe, out)
@@ -138,7 +139,6 @@ class HFEmbeddingRunner:
         self.sort_by_length = bool(settings.get("sort_by_length", True))
 
     def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
-        from llmopt.engines.pooling import embed_in_batches
 
         dim = int(self.info.hidden_size)
         return embed_in_batches(texts, batch_size, self._embed_batch, dim, self.sort_by_length)
@@ -146,7 +146,6 @@ class HFEmbeddingRunner:
     def _embed_batch(self, batch: list[str]) -> np.ndarray:
         import torch
 
-        from llmopt.engines.pooling import pool
 
         with torch.inference_mode():
             enc = self.tokenizer(
@@ -223,7 +222,7 @@ def _load_model(artifact: Path, task: str, recipe: Recipe):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from llmopt.engines.int8 import install_int8_linears_
+    from llmopt.engines.int8 import install_int8_linears_  # heavy: torch
 
     raw = json.loads((artifact / "config.json").read_text())
     qcfg = raw.pop("quantization_config")

@@ -19,11 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
+from llmopt.deploy import resolve_source, write_bundle
 from llmopt.hardware.target import Target, detect_target
+from llmopt.model.info import inspect_model
+from llmopt.optimize.budget import Budget, parse_duration
+from llmopt.optimize.executor import make_executor
+from llmopt.optimize.loop import MODES, run_search
+from llmopt.optimize.objective import get_objective
 from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
 from llmopt.optimize.runmeta import run_meta, write_doctor
+from llmopt.optimize.select import SelectionInput, select
+from llmopt.optimize.space import make_plan
+from llmopt.report import write_report
 from llmopt.rundir.best import write_best
 from llmopt.rundir.paths import RunDir
+from llmopt.verify.gates import GATE_PRESETS
 
 if TYPE_CHECKING:
     from llmopt.optimize.budget import Budget
@@ -103,8 +113,6 @@ def optimize(
         >>> r.selection.chosen                                             # doctest: +SKIP
         'onnxruntime-w8a8-dynamic'
     """
-    from llmopt.optimize.budget import Budget, parse_duration
-    from llmopt.optimize.objective import get_objective
 
     _check(max_quality_drop, gates, profile, search)
     obj = get_objective(objective)
@@ -132,7 +140,6 @@ def optimize(
                             skipped=[k for rec in state.tasks for k in rec.get("skipped", [])],
                             search=_search_record(obj, search, budget, where, profile, state))  # fmt: skip
     write_json(run.search_json, result.search)
-    from llmopt.report import write_report
 
     result.report_md, result.report_html = write_report(run.root)
     return result
@@ -140,8 +147,6 @@ def optimize(
 
 def _check(max_quality_drop: float, gates: str, profile: str, search: str) -> None:
     """Refuse bad arguments before any work."""
-    from llmopt.optimize.loop import MODES
-    from llmopt.verify.gates import GATE_PRESETS
 
     if not 0 <= max_quality_drop < 1:
         raise ValueError(f"--max-quality-drop must be a fraction in [0, 1), got {max_quality_drop}")
@@ -157,7 +162,6 @@ def _inspect(model: str | Path, target: str, threads: int | None):
     """The model (a built-in name is resolved and prepared; the name is kept) and the target."""
     from transformers.utils import logging as hf_logging
 
-    from llmopt.model.info import inspect_model
 
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
     return inspect_model(model), detect_target(target, threads)
@@ -165,7 +169,6 @@ def _inspect(model: str | Path, target: str, threads: int | None):
 
 def _plan(run: RunDir, info, tgt, only: list[str] | None) -> Plan:
     """plan.json, and candidates/<id>/candidate.json for each planned candidate."""
-    from llmopt.optimize.space import make_plan
 
     plan = make_plan(info, tgt, only=only, settings={"threads": tgt.threads})
     write_json(run.plan_json, plan.to_dict())
@@ -180,8 +183,6 @@ def _search(run: RunDir, plan: Plan, budget: Budget, obj: Objective, max_quality
             search: str, ctx: dict[str, Any], ray_address: str | None,
             progress: Progress | None) -> tuple[SearchState, dict[str, Any]]:  # fmt: skip
     """Run the search on this machine's workers or on Ray; return what it did and where."""
-    from llmopt.optimize.executor import make_executor
-    from llmopt.optimize.loop import run_search
 
     executor = make_executor(ray_address, plan.target.threads, progress)
     try:
@@ -195,7 +196,6 @@ def _search(run: RunDir, plan: Plan, budget: Budget, obj: Objective, max_quality
 def _select(run: RunDir, plan: Plan, max_quality_drop: float, obj: Objective,
             ctx: dict[str, Any], state: SearchState) -> Selection:  # fmt: skip
     """selection.json: the choice from the full-fidelity results, with a reason per candidate."""
-    from llmopt.optimize.select import SelectionInput, select
 
     inp = SelectionInput.from_run(run, plan.candidates, max_quality_drop, obj.name, ctx,
                                   state.cut)  # fmt: skip
@@ -268,7 +268,6 @@ def _launch(
 def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
     """Write best/deploy (llmopt.deploy.write_bundle); return what happened, never raise."""
     try:
-        from llmopt.deploy import resolve_source, write_bundle
         src = resolve_source(run.root)
         res = write_bundle(src, run.best / "deploy", Target.cpu_host(threads), validate=True)
         return {"written": True, "path": "deploy", "ok": res.ok,

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmopt.core.atomic import read_json
+from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import BenchResult, Candidate, VerifyResult
 from llmopt.optimize.budget import Budget
-from llmopt.optimize.executor import Task
+from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import Objective
 from llmopt.rundir.paths import RunDir
@@ -53,7 +54,6 @@ class SearchState:
 
 
 def _steps_seconds(run: RunDir, cid: str, rung: str) -> float | None:
-    from llmopt.optimize.executor import task_seconds
 
     return task_seconds(run, cid, rung)
 
@@ -190,7 +190,6 @@ def run_search(
 
 def _calibrated(recipe_name: str) -> bool:
     """Whether the recipe's build runs the calibration pipeline (`Recipe.calibrated`)."""
-    from llmopt.core.recipes import get_recipe
 
     return get_recipe(recipe_name).calibrated
 
@@ -235,7 +234,6 @@ def _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_f
 
 
 def _step_seconds(run: RunDir, cid: str, rung: str) -> dict[str, float]:
-    from llmopt.core.atomic import read_json
 
     f = run.candidate(cid).task_file(rung)
     return (read_json(f).get("step_seconds") or {}) if f.exists() else {}
@@ -262,7 +260,6 @@ def _full_estimate(run: RunDir, cid: str, ref_full_s: float, ref_screen_s: float
 
 
 def run_ref_id(run: RunDir) -> str:
-    from llmopt.core.atomic import read_json
 
     return next(c["id"] for c in read_json(run.plan_json)["candidates"] if c.get("reference"))
 

@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.atomic import read_json, write_json
+from llmopt.core.errors import RunDirError
 from llmopt.core.schema import BenchResult, Candidate, Selection
 from llmopt.hardware.target import detect_target
+from llmopt.optimize.executor import Task, make_executor
+from llmopt.optimize.objective import get_objective
+from llmopt.optimize.runmeta import hardware_fingerprint, versions
+from llmopt.optimize.select import read_results
+from llmopt.report import write_report
 from llmopt.rundir.paths import RunDir
 
 __all__ = ["reverify"]
@@ -34,11 +40,6 @@ def reverify(run_dir: str | Path, progress: Any = None,
         >>> r["holds"], r["verdict"]               # doctest: +SKIP
         (True, 'the choice still holds: ...')
     """
-    from llmopt.core.errors import RunDirError
-    from llmopt.optimize.executor import Task, make_executor
-    from llmopt.optimize.objective import get_objective
-    from llmopt.optimize.runmeta import hardware_fingerprint, versions
-    from llmopt.optimize.select import read_results
 
     run = RunDir(run_dir)
     if not run.selection_json.exists():
@@ -125,7 +126,6 @@ def reverify(run_dir: str | Path, progress: Any = None,
         "notes": notes,
     }
     write_json(run.reverify_json, out)
-    from llmopt.report import write_report
 
     write_report(run.root)
     return out

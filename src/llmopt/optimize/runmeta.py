@@ -19,7 +19,9 @@ from typing import Any
 
 from llmopt import __version__
 from llmopt.core.atomic import write_json
+from llmopt.doctor import run_doctor
 from llmopt.rundir.paths import RunDir
+from llmopt.verify.stats import DEFAULT_SEED
 
 __all__ = ["run_meta", "versions", "hardware_fingerprint", "write_doctor"]
 
@@ -29,7 +31,6 @@ log = logging.getLogger(__name__)
 def run_meta(model, path: Path, info, tgt, settings: dict[str, Any]) -> dict[str, Any]:
     """run.json: identity (model fingerprint, target, settings) plus what reproduces the run."""
     argv = " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "llmopt" else None
-    from llmopt.verify.stats import DEFAULT_SEED
 
     return {
         "llmopt_version": __version__,
@@ -80,7 +81,6 @@ def write_doctor(run: RunDir, target: str) -> None:
     if run.doctor_json.exists():
         return
     try:
-        from llmopt.doctor import run_doctor
 
         write_json(run.doctor_json, run_doctor(target if target in ("cpu", "cuda") else "auto")
                    .to_dict())  # fmt: skip

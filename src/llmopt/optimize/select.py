@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
+from llmopt.optimize.objective import get_objective
 from llmopt.rundir.paths import RunDir
 
 __all__ = ["select", "SelectionInput", "StageResults", "read_results", "pareto_front",
@@ -125,7 +126,6 @@ def select(inp: SelectionInput) -> Selection:
         >>> sel = select(SelectionInput(cands, verify, bench, 0.01, "latency"))  # doctest: +SKIP
         >>> sel.chosen, sel.reasons[sel.chosen]                                 # doctest: +SKIP
     """
-    from llmopt.optimize.objective import get_objective
 
     candidates, verify, bench, errors = inp.candidates, inp.verify, inp.bench, inp.errors
     context, cut = inp.context, inp.cut

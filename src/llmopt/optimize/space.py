@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from llmopt.core.recipes import Recipe
+from llmopt.core.recipes import RECIPES, Recipe
 from llmopt.core.schema import SCHEMA_VERSION, Candidate
+from llmopt.engines import ENGINES
 from llmopt.hardware.target import Target
 from llmopt.planning.memory import memory_table
 
@@ -70,7 +71,6 @@ def _widths(info: ModelInfo) -> list[int]:
 def _cpu_group_size(recipe: Recipe, info: ModelInfo) -> int | None:
     """The one group size searched on CPU for `recipe`'s family (same config, any group size):
     the largest registered one that divides the model's widths (CPU_GROUP_SIZE if it does)."""
-    from llmopt.core.recipes import RECIPES
 
     def family(r: Recipe) -> str:  # the config without names and group size
         skip = ("name", "description", "group_size", "extra")
@@ -156,8 +156,6 @@ def candidate_space(
         >>> cands[0].id, skipped[0]["reason"]                      # doctest: +SKIP
         ('hf-fp32', 'float16 matmuls are emulated on most CPUs ...')
     """
-    from llmopt.core.recipes import RECIPES
-    from llmopt.engines import ENGINES
 
     base = {"threads": target.threads, "device": target.device, **(settings or {})}
     cands: list[Candidate] = []

@@ -20,11 +20,30 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from llmopt.assets.text import (
+    evaluation_sentences,
+    evaluation_text,
+    simlex999,
+    token_windows,
+    wordsim353,
+)
+from llmopt.bench.embedding import bench_embedding
+from llmopt.bench.lm import bench_causal_lm
+from llmopt.bench.lm_run import lm_roofline
+from llmopt.bench.roofline import measure_ceilings
+from llmopt.bench.timing import environment
 from llmopt.core.atomic import TMP_PREFIX, atomic_dir, read_json, write_json
+from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import BenchResult, Candidate
-from llmopt.engines import load_runner
+from llmopt.engines import get_engine, load_runner
+from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
+from llmopt.model.info import ModelInfo
 from llmopt.optimize.profiles import StageProfile, StageSettings
 from llmopt.rundir.paths import CandidateDir, RunDir
+from llmopt.verify.embedding import reference_outputs, verify_embedding
+from llmopt.verify.gates import Gates
+from llmopt.verify.integrity import check_weights, raise_on_problems
+from llmopt.verify.lm import ReferenceOutputs, verify_causal_lm
 
 log = logging.getLogger("llmopt.optimize.worker")
 
@@ -32,9 +51,6 @@ __all__ = ["run_stage", "main"]
 
 
 def _context(run: RunDir, cid: str):
-    from llmopt.core.recipes import get_recipe
-    from llmopt.engines import get_engine
-    from llmopt.model.info import ModelInfo
 
     meta = read_json(run.run_json)
     info = ModelInfo.from_dict(read_json(run.model_json))
@@ -67,7 +83,7 @@ def build(run: RunDir, cid: str) -> dict[str, Any]:
         if recipe.calibrated:
             import tempfile
 
-            from llmopt.quant import build_checkpoint
+            from llmopt.quant import build_checkpoint  # heavy: torch
 
             # Beside the artifact (same filesystem): the engine hard-links the files it keeps.
             # Named like atomic_dir's temporaries, so a killed build's leftover is cleared by
@@ -90,8 +106,6 @@ def verify(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
 
 
 def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
-    from llmopt.verify.gates import Gates
-    from llmopt.verify.integrity import check_weights, raise_on_problems
 
     meta, info, cand, engine, recipe = _context(run, cid)
     s = stage_settings(meta, fidelity)
@@ -101,8 +115,6 @@ def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
     runner = load_runner(engine.name, run.candidate(cid).artifact, info, recipe, cand.settings)
     if info.task == "embedding":
         return _verify_embedding(run, cid, cand, runner, s, gates, fidelity).to_dict()
-    from llmopt.assets.text import evaluation_text, token_windows
-    from llmopt.verify.lm import ReferenceOutputs, verify_causal_lm
 
     z = s.sizes
     window = min(z.window, info.max_context or z.window)  # never past the model's context
@@ -140,8 +152,6 @@ def _verify_embedding(
 ):
     import numpy as np
 
-    from llmopt.assets.text import evaluation_sentences, simlex999, wordsim353
-    from llmopt.verify.embedding import reference_outputs, verify_embedding
 
     sentences = evaluation_sentences(s.sizes.sentences)
     # Reference outputs are computed once per fidelity and shared by every candidate.
@@ -175,8 +185,6 @@ def _verify_embedding(
 
 
 def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
-    from llmopt.bench.timing import environment
-    from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
 
     meta, info, cand, engine, recipe = _context(run, cid)
     z = stage_settings(meta, fidelity).sizes
@@ -186,8 +194,6 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     roofline: dict[str, Any] = {}
     if info.task == "embedding":
-        from llmopt.assets.text import evaluation_sentences
-        from llmopt.bench.embedding import bench_embedding
 
         sentences = evaluation_sentences(z.sentences)[: z.bench_sentences]
         metrics, warm = bench_embedding(runner, sentences, repeats=z.bench_repeats)
@@ -198,10 +204,6 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     else:
         import torch
 
-        from llmopt.assets.text import evaluation_text
-        from llmopt.bench.lm import bench_causal_lm
-        from llmopt.bench.lm_run import lm_roofline
-        from llmopt.bench.roofline import measure_ceilings
 
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
         ctx = info.max_context or 2048

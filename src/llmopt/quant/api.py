@@ -16,9 +16,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.assets.text import evaluation_text, token_windows
+from llmopt.core.atomic import atomic_dir, write_json
 from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import DTYPES, Recipe, get_recipe
-from llmopt.quant.calibration import CalibrationConfig
+from llmopt.hardware.runtime import flush_denormals, peak_rss_bytes
+from llmopt.quant.calibration import CalibrationConfig, calibration_windows
+from llmopt.quant.checks import preflight
+from llmopt.quant.export_ct import format_for, write_folder
+from llmopt.quant.sequential import (
+    decoder_layers,
+    kv_fp8,
+    layers_prefix,
+    remove_activation_hook,
+    run_sequential,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -80,7 +92,6 @@ def quantize(
         >>> facts["format"]  # doctest: +SKIP
         'pack-quantized'
     """
-    from llmopt.hardware.runtime import flush_denormals
 
     # SmolLM2-like fp32 forwards make denormal activations, 10x slower on CPU without this.
     with flush_denormals():
@@ -128,11 +139,6 @@ def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) 
 def _quantize(source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress):
     import torch
 
-    from llmopt.core.atomic import atomic_dir, write_json
-    from llmopt.hardware.runtime import peak_rss_bytes
-    from llmopt.quant.calibration import calibration_windows
-    from llmopt.quant.export_ct import format_for, write_folder
-    from llmopt.quant.sequential import decoder_layers, layers_prefix, run_sequential
 
     t0 = time.perf_counter()
     recipe = get_recipe(recipe)
@@ -249,7 +255,6 @@ def _load_checked(source: Path, recipe: Recipe, calibration, device: str, keep_o
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from llmopt.quant.checks import preflight
 
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
@@ -291,9 +296,6 @@ def fake_quantized_model(
 
     >>> model, res = fake_quantized_model(Path("smollm2"), "w8a16")  # doctest: +SKIP
     """
-    from llmopt.hardware.runtime import flush_denormals
-    from llmopt.quant.calibration import calibration_windows
-    from llmopt.quant.sequential import run_sequential
 
     recipe = get_recipe(recipe)
     calibration = calibration or CalibrationConfig()
@@ -316,7 +318,6 @@ def _sensitivity(res) -> dict[str, Any]:
 
 
 def _eval_windows(tokenizer):
-    from llmopt.assets.text import evaluation_text, token_windows
 
     # Tokenize only a prefix long enough for the windows (~4 characters per token, 2x margin).
     text = evaluation_text()[: 8 * EvalConfig.seq_len * EvalConfig.windows]
@@ -328,7 +329,6 @@ def _nll(model, windows, device: str) -> float:
     import torch
     import torch.nn.functional as F
 
-    from llmopt.quant.sequential import kv_fp8
 
     model.to(device)
     total = 0.0
@@ -373,7 +373,6 @@ def _auto_exclude(model, res, windows, ref_nll, q_nll, budget, device):
     """Restore the float weights of the lowest-SQNR linears, 1, 2, 4, ... at a time, until the
     perplexity drop is within `budget`, keeping at most `MAX_EXCLUDED_SHARE` of them in float.
     Returns (excluded names, [(count, nll), ...])."""
-    from llmopt.quant.sequential import remove_activation_hook
 
     tokens = windows.shape[1] - 1
     ranked = sorted(res.linears.values(), key=lambda q: q.sqnr_db)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmopt.assets.text import calibration_text
 from llmopt.core.errors import LlmoptError
 
 if TYPE_CHECKING:
@@ -104,7 +105,6 @@ def calibration_windows(tokenizer, config: CalibrationConfig) -> torch.Tensor:
     import torch
 
     if config.path is None:
-        from llmopt.assets.text import calibration_text
 
         text = calibration_text()
     else:

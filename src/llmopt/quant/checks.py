@@ -23,6 +23,7 @@ from torch import nn
 from llmopt.core.errors import LlmoptError
 from llmopt.core.units import dtype_bytes
 from llmopt.quant.primitives import WeightSpec
+from llmopt.quant.sequential import decoder_layers
 
 if TYPE_CHECKING:
     from llmopt.core.recipes import Recipe
@@ -145,7 +146,6 @@ def _asymmetric_notes(pf: Preflight) -> list[str]:
 def _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals) -> None:
     import psutil
 
-    from llmopt.quant.sequential import decoder_layers
 
     nbytes = dtype_bytes(recipe.dtype)
     n_params = sum(p.numel() for p in model_meta.parameters())

@@ -14,6 +14,8 @@ import json
 import math
 import sys
 
+from llmopt.engines.llamacpp_server import disable_extra_buffers
+
 __all__ = ["score_gguf", "main"]
 
 
@@ -21,7 +23,6 @@ def score_gguf(path: str, text: str, prompt: str, max_tokens: int = 256, new: in
     import numpy as np
     from llama_cpp import Llama
 
-    from llmopt.engines.llamacpp_server import disable_extra_buffers
 
     disable_extra_buffers()
     llm = Llama(

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from llmopt.core.atomic import TMP_PREFIX
 from llmopt.core.errors import UnsupportedModelError
 
 __all__ = ["export_gguf", "GGUF_TYPES"]
@@ -127,7 +128,6 @@ def export_gguf(source: Path, out: Path, qtype: str = "Q8_0") -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
-    from llmopt.core.atomic import TMP_PREFIX
 
     t0 = time.perf_counter()
     qtype = qtype.upper()

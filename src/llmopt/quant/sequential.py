@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from llmopt.core.errors import UnsupportedModelError
 from llmopt.quant import algorithms
 from llmopt.quant.primitives import (
     FP8_MAX,
@@ -82,7 +83,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        from llmopt.core.errors import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"{type(model).__name__} has no model.layers list; sequential quantization supports "

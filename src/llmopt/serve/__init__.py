@@ -31,7 +31,7 @@ __all__ = ["ServeSettings", "load_context", "run_server"]
 def __getattr__(name: str):
     # The server pulls in torch, FastAPI and uvicorn: import it only when asked for.
     if name in ("load_context", "run_server"):
-        from llmopt.serve import server
+        from llmopt.serve import server  # heavy: starlette
 
         return getattr(server, name)
     raise AttributeError(name)

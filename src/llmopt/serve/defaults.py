@@ -36,8 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt.core.atomic import read_json
+from llmopt.core.recipes import get_recipe
 from llmopt.hardware.host import probe_memory, usable_cores
+from llmopt.hardware.specs import match_gpu
 from llmopt.hardware.target import Target
+from llmopt.planning.serving import plan_serving
 from llmopt.planning.workload import Workload
 from llmopt.serve.settings import ServeSettings
 
@@ -101,7 +105,7 @@ def plan_values(model: str, requested: dict[str, int | None], *, recipe: str | N
             res.set(name, int(requested[name]), "flag", FLAGS[name])  # type: ignore[arg-type]
     if len(res.values) == len(PLANNED):
         return res
-    from llmopt.serve.server import describe_source
+    from llmopt.serve.server import describe_source  # heavy: starlette
 
     best, info, recipe = describe_source(model, recipe)
     if info.task != "causal-lm":
@@ -211,7 +215,6 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     """`plan_serving` for this machine now, with the recipe's weight precision and KV dtype."""
     from dataclasses import replace
 
-    from llmopt.planning.serving import plan_serving
 
     precision, dtype = _precision(recipe, device)
     if device == "cpu":
@@ -226,7 +229,6 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     else:
         import torch
 
-        from llmopt.hardware.specs import match_gpu
 
         if not torch.cuda.is_available():
             raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
@@ -250,7 +252,6 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
 
 def _precision(recipe: str, device: str) -> tuple[str, str]:
     """(weight precision, compute = KV dtype) of a recipe as the native engine loads it."""
-    from llmopt.core.recipes import get_recipe
 
     rec = get_recipe(recipe)
     dtype = str(rec.dtype)
@@ -267,7 +268,6 @@ def _precision(recipe: str, device: str) -> tuple[str, str]:
 def _run_plan(best: Path, device: str) -> dict[str, Any]:
     """What optimize recorded for serving this run's best: {setting: (value, note)}, plus
     "kv_tokens": (tokens, note) from the deploy bundle's plan."""
-    from llmopt.core.atomic import read_json
 
     out: dict[str, Any] = {}
     root = best.parent if (best.parent / "run.json").is_file() else None

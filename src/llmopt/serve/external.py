@@ -13,7 +13,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from llmopt.assets.models import _SMOLLM2_GGUF, BUILTIN_MODELS
+from llmopt.core.atomic import read_json
 from llmopt.core.errors import EngineUnavailableError
+from llmopt.doctor import run_doctor
+from llmopt.hardware.target import Target
+from llmopt.model.info import ModelInfo, inspect_model
+from llmopt.planning.serving import plan_serving
 from llmopt.serve.settings import ServeSettings
 
 __all__ = ["ENGINES", "external_command", "launch_external"]
@@ -38,18 +44,13 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         EngineUnavailableError: the engine is not installed (the message says how to install).
         ValueError: unknown engine, or a model the engine cannot take.
     """
-    from llmopt.hardware.target import Target
-    from llmopt.model.info import inspect_model
-    from llmopt.planning.serving import plan_serving
-    from llmopt.serve.server import find_best
+    from llmopt.serve.server import find_best  # heavy: starlette
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)} (or none)")
     _check_installed(engine)
     best = find_best(model)
     if best is not None:
-        from llmopt.core.atomic import read_json
-        from llmopt.model.info import ModelInfo
 
         info, folder = ModelInfo.from_dict(read_json(best / "model.json")), best / "artifact"
     else:
@@ -59,7 +60,6 @@ def external_command(engine: str, model: str, settings: ServeSettings,
         raise ValueError(f"{info.name} is an embedding model; --engine {engine} serves causal "
                          "LMs here: leave --engine out to serve it with llmopt")  # fmt: skip
     if settings.device == "cuda":
-        from llmopt.doctor import run_doctor
 
         target = Target.from_doctor(run_doctor("cuda"))
     else:
@@ -111,7 +111,6 @@ def _builtin_gguf(model: str) -> str | None:
     # The built-in SmolLM2 ships as a GGUF in its asset package: llama.cpp can serve it as is.
     if model != "smollm2-135m":
         return None
-    from llmopt.assets.models import _SMOLLM2_GGUF, BUILTIN_MODELS
 
     spec = importlib.util.find_spec(BUILTIN_MODELS[model].module)
     if spec is None or not spec.submodule_search_locations:

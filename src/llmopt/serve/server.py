@@ -24,11 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.errors import LlmoptError
+from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine, load_runner
 from llmopt.engines.generation import GeneratorSpec
-from llmopt.rundir.best import Best
+from llmopt.model.info import inspect_model
+from llmopt.rundir.best import Best, NoBestError
+from llmopt.rundir.best import find_best as read_best
 from llmopt.serve.api.context import ServerContext
+from llmopt.serve.api.embeddings import EmbedBatcher
 from llmopt.serve.engine.client import EngineClient
+from llmopt.serve.engine.loop import EngineLoop
+from llmopt.serve.engine.process import EngineProcess
 from llmopt.serve.engine.warmup import warm_generator
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
@@ -44,8 +50,6 @@ class ServeSourceError(LlmoptError):
 
 def find_best(model: str) -> Path | None:
     """`runs/NAME` or `runs/NAME/best` -> the best/ folder; None for anything else."""
-    from llmopt.rundir.best import NoBestError
-    from llmopt.rundir.best import find_best as read_best
 
     try:
         best = read_best(Path(model).expanduser())
@@ -61,8 +65,6 @@ def describe_source(model: str, recipe: str | None,
     A run's best brings its verified recipe (`recipe` must agree); a folder or built-in takes
     `recipe`, else `default`.
     """
-    from llmopt.model.info import inspect_model
-    from llmopt.rundir.best import Best
 
     best_dir = find_best(model)
     if best_dir is None:
@@ -117,7 +119,6 @@ def batching_engine(best: Path | None) -> str:
 def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSettings,
                         metrics: ServeMetrics,
                         engine_name: str = GENERATION_ENGINE) -> ServerContext:  # fmt: skip
-    from llmopt.serve.engine.loop import EngineLoop
 
     engine_process, compile_prefill = native_switches(settings)
     spec = GeneratorSpec(
@@ -138,7 +139,6 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     if engine_process:
         from transformers import AutoTokenizer
 
-        from llmopt.serve.engine.process import EngineProcess
 
         log.info("starting the engine process (model load and warm-up happen there)")
         engine: EngineClient = EngineProcess(
@@ -188,8 +188,6 @@ def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, 
                        settings: ServeSettings, metrics: ServeMetrics) -> ServerContext:  # fmt: skip
     from transformers import AutoTokenizer
 
-    from llmopt.core.recipes import get_recipe
-    from llmopt.serve.api.embeddings import EmbedBatcher
 
     if best is not None:
         cand = Best.read(best).candidate
@@ -278,7 +276,7 @@ def run_server(ctx: ServerContext, log_level: str = "info") -> None:
     """Serve `ctx` on its host and port until SIGTERM/SIGINT (then drain and return)."""
     import uvicorn
 
-    from llmopt.serve.api.app import create_app
+    from llmopt.serve.api.app import create_app  # heavy: fastapi
 
     s = ctx.settings
     config = uvicorn.Config(create_app(ctx), host=s.host, port=s.port, log_level=log_level,

@@ -14,10 +14,24 @@ from pathlib import Path
 from typing import Any
 
 from llmopt import engines
+from llmopt.assets.text import (
+    evaluation_sentences,
+    evaluation_text,
+    simlex999,
+    token_windows,
+    wordsim353,
+)
+from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import VerifyResult
 from llmopt.hardware.runtime import flush_denormals
+from llmopt.model.info import inspect_model
+from llmopt.verify import endpoint as ep
+from llmopt.verify.attribution import layer_sqnr
+from llmopt.verify.embedding import verify_embedding
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import IntegrityError, check_tokenizers, check_weights
+from llmopt.verify.lm import verify_causal_lm
+from llmopt.verify.tasks import load_tasks, score_tasks
 
 __all__ = ["VerifyReport", "load_runner", "verify_models"]
 
@@ -71,8 +85,6 @@ def load_runner(model: str | Path, recipe: str | None = None, threads: int | Non
 
     >>> runner, info, folder = load_runner("smollm2-135m")  # doctest: +SKIP
     """
-    from llmopt.core.recipes import get_recipe
-    from llmopt.model.info import inspect_model
 
     info = inspect_model(str(model))
     folder = Path(info.path)
@@ -118,27 +130,18 @@ def verify_models(
     ... # doctest: +SKIP
     True
     """
-    from llmopt.assets.text import (
-        evaluation_sentences,
-        evaluation_text,
-        simlex999,
-        token_windows,  # fmt: skip
-        wordsim353,
-    )
 
     gates = gates or Gates()
 
     ref_runner, info, _ = load_runner(reference, "fp32", threads)
     integrity: list[str] = []
     if endpoint:
-        from llmopt.verify import endpoint as ep
 
         cand_name = endpoint
         client = ep.OpenAIEndpoint(endpoint, endpoint_model, tokenizer=ref_runner.tokenizer)
         cand_runner = client.embedding_runner() if info.task == "embedding" else client
     else:
         assert candidate is not None, "give a candidate folder or an endpoint"
-        from llmopt.model.info import inspect_model
 
         cinfo = inspect_model(str(candidate))
         cand_name = cinfo.path
@@ -155,7 +158,6 @@ def verify_models(
             hint="rebuild the candidate or fix the export that wrote it",
         )
     if info.task == "embedding":
-        from llmopt.verify.embedding import verify_embedding
 
         sents = evaluation_sentences(sentences)
         ref_res = verify_embedding(
@@ -191,7 +193,6 @@ def verify_models(
         if endpoint:
             result = ep.verify_causal_lm_endpoint("candidate", client, ids, ref_runner, gates)
         else:
-            from llmopt.verify.lm import verify_causal_lm
 
             result = verify_causal_lm(
                 "candidate",
@@ -204,7 +205,6 @@ def verify_models(
             )
         report = VerifyReport(str(reference), cand_name, result)
         if tasks:
-            from llmopt.verify.tasks import load_tasks, score_tasks
 
             metric = score_tasks(load_tasks(tasks), ref_runner, cand_runner, gates)
             result.metrics.append(metric)
@@ -217,8 +217,6 @@ def verify_models(
 def _attribute(ref_runner, cand_runner, task: str):
     import torch
 
-    from llmopt.assets.text import evaluation_text
-    from llmopt.verify.attribution import layer_sqnr
 
     tok = ref_runner.tokenizer
     ids = tok(evaluation_text()[:2000], add_special_tokens=False, return_tensors="pt")

@@ -27,6 +27,7 @@ import numpy as np
 from llmopt.core.errors import LlmoptError
 from llmopt.core.schema import Metric, VerifyResult
 from llmopt.verify.gates import Gates
+from llmopt.verify.lm import greedy_tokens, perplexity_metric
 from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
 
 if TYPE_CHECKING:
@@ -193,7 +194,6 @@ def verify_causal_lm_endpoint(
     """
     import torch.nn.functional as F
 
-    from llmopt.verify.lm import perplexity_metric
 
     gates = gates or Gates()
     t0 = time.perf_counter()
@@ -289,7 +289,6 @@ def verify_causal_lm_endpoint(
 
 
 def _greedy(endpoint, reference, windows, prompts: int, new: int) -> list[Metric]:
-    from llmopt.verify.lm import greedy_tokens
 
     tok = reference.tokenizer
     lengths = []

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmopt.core.atomic import atomic_file
 from llmopt.core.schema import Metric, VerifyResult
 from llmopt.hardware.runtime import flush_denormals
 from llmopt.verify.gates import Gates
+from llmopt.verify.integrity import degenerate
 from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
 
 if TYPE_CHECKING:
@@ -104,7 +106,6 @@ class ReferenceOutputs:
 
     def save(self, path: Path) -> None:
         """Write atomically (a `.npz` of plain arrays; loaded without pickle)."""
-        from llmopt.core.atomic import atomic_file
 
         with atomic_file(path) as f:
             np.savez(f, nll=self.nll, argmax=self.argmax, top_ids=self.top_ids,
@@ -270,7 +271,6 @@ def verify_causal_lm(
     import torch
     import torch.nn.functional as F
 
-    from llmopt.verify.integrity import degenerate
 
     # No gates given: only perplexity is gated (the historic behaviour); the
     # others are reported. `Gates()` turns on every default gate (what `llmopt verify` does).

@@ -16,9 +16,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.assets.models import resolve_model
+from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine, register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.generation import GeneratorSpec, OutOfBlocks
+from llmopt.engines.native.config import NativeConfig, UnsupportedModel
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +60,6 @@ class NativeEngine(Engine):
     batching = True
 
     def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
-        from llmopt.engines.native.config import NativeConfig, UnsupportedModel
 
         if info.task != "causal-lm":
             return "the native torch engine runs decoder LMs; embeddings run on the hf engine"
@@ -180,10 +182,8 @@ def load_generator(
     import torch
     from transformers import AutoTokenizer
 
-    from llmopt.assets.models import resolve_model
-    from llmopt.core.recipes import get_recipe
-    from llmopt.engines.native.generator import Generator
-    from llmopt.engines.native.weights import load_model
+    from llmopt.engines.native.generator import Generator  # heavy: torch
+    from llmopt.engines.native.weights import load_model  # heavy: torch
 
     folder, _ = resolve_model(model)
     rec = get_recipe(recipe)

@@ -17,6 +17,7 @@ prefills run below peak, which favours swapping further); it is logged with its 
 from __future__ import annotations
 
 from llmopt.engines.generation import BatchGenerator
+from llmopt.hardware.specs import match_gpu
 
 __all__ = ["swap_pays", "device_balance"]
 
@@ -33,7 +34,6 @@ def device_balance(device: str) -> tuple[float, str]:
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
-        from llmopt.hardware.specs import match_gpu
 
         name = torch.cuda.get_device_name()
         spec = match_gpu(name)
