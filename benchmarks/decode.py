@@ -110,10 +110,17 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
     from llmopt.engines.native.generator import Generator, SamplingParams
 
     new = args.new_tokens
-    gen = Generator(model, None, max_batch=batch, max_seq_len=len(prompt) + new + 1,
-                    compile=compile_, bucket_blocks=False)  # fmt: skip
-    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=args.temperature,
-                            top_p=args.top_p)  # fmt: skip
+    gen = Generator(
+        model,
+        None,
+        max_batch=batch,
+        max_seq_len=len(prompt) + new + 1,
+        compile=compile_,
+        bucket_blocks=False,
+    )
+    params = SamplingParams(
+        max_tokens=new, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
+    )
     t0 = time.perf_counter()  # warm-up: compilation and CUDA graph capture happen here
     for i in range(batch):
         gen.add(i, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -144,10 +151,17 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
         profile_steps(args, gen, batch, len(prompt))
     model.setup_cache(1, 1, torch.bfloat16, args.device)  # free the pool
     decode_s = t2 - t1
-    return {"batch": batch, "warmup_s": warm, "prefill_s": t1 - t0, "decode_s": decode_s,
-            "decode_steps": steps, "tok_s": batch * steps / decode_s,
-            "ms_per_step": 1e3 * decode_s / steps, "tokens": tokens[0],
-            "ms_per_step_device_only": graph}  # fmt: skip
+    return {
+        "batch": batch,
+        "warmup_s": warm,
+        "prefill_s": t1 - t0,
+        "decode_s": decode_s,
+        "decode_steps": steps,
+        "tok_s": batch * steps / decode_s,
+        "ms_per_step": 1e3 * decode_s / steps,
+        "tokens": tokens[0],
+        "ms_per_step_device_only": graph,
+    }
 
 
 def hf_names(model) -> dict[str, torch.Tensor]:
@@ -170,8 +184,10 @@ def hf_names(model) -> dict[str, torch.Tensor]:
 
 
 def _packed(gen, batch: int, ctx: int) -> torch.Tensor:
-    rows = [[1, ctx] + list(range(1 + i * gen.max_blocks_per_seq, 1 + (i + 1) * gen.max_blocks_per_seq))
-            for i in range(batch)]  # fmt: skip
+    rows = [
+        [1, ctx] + list(range(1 + i * gen.max_blocks_per_seq, 1 + (i + 1) * gen.max_blocks_per_seq))
+        for i in range(batch)
+    ]
     return torch.tensor(rows, device=gen.device)
 
 
@@ -264,8 +280,12 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--hf", action="store_true", help="also time HF generate() (dynamic, static)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="native runs: sample at this temperature (0: greedy, the default)")  # fmt: skip
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="native runs: sample at this temperature (0: greedy, the default)",
+    )
     ap.add_argument("--top-p", type=float, default=1.0, help="native runs: nucleus sampling")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
@@ -297,9 +317,14 @@ def main() -> None:
         text = "The history of the city began in the early medieval period, when " * 20
         prompt = tok.encode(text)[: args.prompt_len]
     bw = copy_bandwidth(args.device, (2 << 30) if cuda else (256 << 20))
-    env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-           "torch": torch.__version__, "copy_GBps": bw / 1e9, "dtype": str(dtype),
-           "compile": compile_, "threads": torch.get_num_threads()}  # fmt: skip
+    env = {
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "copy_GBps": bw / 1e9,
+        "dtype": str(dtype),
+        "compile": compile_,
+        "threads": torch.get_num_threads(),
+    }
     print(json.dumps(env))
     results: dict = {"env": env, "args": vars(args), "native": [], "hf": []}
     native_tokens = None
@@ -310,8 +335,12 @@ def main() -> None:
             r = run_native(args, model, b, prompt, compile_)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
-            r.update(mode=mode, weight_GB=wbytes / 1e9, logits_sqnr_db_vs_dense=sqnr,
-                     achieved_GBps=step_bytes / (r["ms_per_step"] / 1e3) / 1e9)  # fmt: skip
+            r.update(
+                mode=mode,
+                weight_GB=wbytes / 1e9,
+                logits_sqnr_db_vs_dense=sqnr,
+                achieved_GBps=step_bytes / (r["ms_per_step"] / 1e3) / 1e9,
+            )
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
             if b == 1 and mode in ("bf16", "fp32"):
                 native_tokens = r["tokens"]
@@ -334,14 +363,18 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    print(f"\n{'mode':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'dev ms':>7s} {'GB/s':>8s} "
-          f"{'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}")  # fmt: skip
+    print(
+        f"\n{'mode':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'dev ms':>7s} {'GB/s':>8s} "
+        f"{'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}"
+    )
     for r in results["native"]:
         q = r.get("logits_sqnr_db_vs_dense")
-        print(f"{r['mode']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
-              f"{r['ms_per_step_device_only']:7.2f} {r['achieved_GBps']:8.1f} "
-              f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
-              f"{'-' if q is None else format(q, '.1f'):>8s}")  # fmt: skip
+        print(
+            f"{r['mode']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
+            f"{r['ms_per_step_device_only']:7.2f} {r['achieved_GBps']:8.1f} "
+            f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
+            f"{'-' if q is None else format(q, '.1f'):>8s}"
+        )
     for h in results["hf"]:
         if "error" in h:
             print(f"hf {h['cache']}: {h['error']}")

@@ -93,16 +93,30 @@ def main() -> None:
         for name, (n, k) in shapes.items():
             for kern, nbytes, fn, ref in kernels(n, k, m, device):
                 try:
-                    err = float((fn().float() - ref).norm() / ref.norm())  # vs its own dequantized weight
+                    err = float(
+                        (fn().float() - ref).norm() / ref.norm()
+                    )  # vs its own dequantized weight
                     t = bench(fn, device)
                 except Exception as e:  # a kernel missing on this build is a finding, not a crash
                     rows.append({"m": m, "shape": name, "kernel": kern, "error": repr(e)[:200]})
                     print(f"m={m:3d} {name:8s} {kern:14s} ERROR {e!r:.120}")
                     continue
-                rows.append({"m": m, "shape": name, "n": n, "k": k, "kernel": kern,
-                             "us": t * 1e6, "GBps": nbytes / t / 1e9, "rel_err": err})  # fmt: skip
-                print(f"m={m:3d} {name:8s} {kern:14s} {t * 1e6:9.1f} us "
-                      f"{nbytes / t / 1e9:8.1f} GB/s  rel.err {err:.1e}")  # fmt: skip
+                rows.append(
+                    {
+                        "m": m,
+                        "shape": name,
+                        "n": n,
+                        "k": k,
+                        "kernel": kern,
+                        "us": t * 1e6,
+                        "GBps": nbytes / t / 1e9,
+                        "rel_err": err,
+                    }
+                )
+                print(
+                    f"m={m:3d} {name:8s} {kern:14s} {t * 1e6:9.1f} us "
+                    f"{nbytes / t / 1e9:8.1f} GB/s  rel.err {err:.1e}"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "rows": rows}, f, indent=1)

@@ -28,8 +28,15 @@ from shapes import SHAPES  # noqa: E402
 SHARD_BYTES = 4 * 2**30
 
 
-def write_random_model(shape: str, out: Path, tokenizer: str, dtype: str = "bfloat16",
-                       seed: int = 0, layers: int = 0, vocab: int = 0) -> Path:  # fmt: skip
+def write_random_model(
+    shape: str,
+    out: Path,
+    tokenizer: str,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    layers: int = 0,
+    vocab: int = 0,
+) -> Path:
     """Write the folder (unless `out` already holds one of this shape) and return it."""
     import torch
     from safetensors.torch import save_file
@@ -105,8 +112,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    out = write_random_model(args.shape, args.out, args.tokenizer, args.dtype, args.seed,
-                             args.layers, args.vocab)  # fmt: skip
+    out = write_random_model(
+        args.shape, args.out, args.tokenizer, args.dtype, args.seed, args.layers, args.vocab
+    )
     print(f"{out} ready in {time.perf_counter() - t0:.1f} s")
 
 

@@ -76,9 +76,14 @@ def in_process(args, folder: Path) -> dict:
 
     from llmopt.engines.native import SamplingParams, load_generator
 
-    gen = load_generator(folder, recipe=args.recipe, device=args.device,
-                         max_batch=args.concurrency, max_seq_len=args.max_seq_len,
-                         batch_sizes=[args.concurrency])  # fmt: skip
+    gen = load_generator(
+        folder,
+        recipe=args.recipe,
+        device=args.device,
+        max_batch=args.concurrency,
+        max_seq_len=args.max_seq_len,
+        batch_sizes=[args.concurrency],
+    )
     tok = gen.tokenizer
     prompts = [tok(p)["input_ids"] for p in exact_prompts(folder, args.concurrency, args.input_len)]
     print(f"in-process: loaded; warming up {gen.batch_sizes}", file=sys.stderr, flush=True)
@@ -109,13 +114,23 @@ def in_process(args, folder: Path) -> dict:
         steps += 1
     sync()
     secs = time.perf_counter() - t1
-    out = {"decode_tokens_per_s": tokens / secs, "decode_steps": steps, "ms_per_step": 1000 * secs / steps,
-           "warmup_s": warm,
-           "burst_prompt_tokens": burst_tokens, "max_prefill_tokens": gen.max_prefill_tokens,
-           "prefill_eager_s": eager_s, "prefill_eager_tokens_per_s": burst_tokens / eager_s}  # fmt: skip
+    out = {
+        "decode_tokens_per_s": tokens / secs,
+        "decode_steps": steps,
+        "ms_per_step": 1000 * secs / steps,
+        "warmup_s": warm,
+        "burst_prompt_tokens": burst_tokens,
+        "max_prefill_tokens": gen.max_prefill_tokens,
+        "prefill_eager_s": eager_s,
+        "prefill_eager_tokens_per_s": burst_tokens / eager_s,
+    }
     clear()
-    print(f"in-process: burst of {burst_tokens} prompt tokens prefilled in {eager_s:.3f} s eager; "
-          f"decode {out['ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"in-process: burst of {burst_tokens} prompt tokens prefilled in {eager_s:.3f} s eager; "
+        f"decode {out['ms_per_step']:.2f} ms/step",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         profile_and_compile(args, gen, prompts, params, burst, sync, clear, out)
     except Exception as e:  # record it: the decode rate above is still worth reporting
@@ -148,8 +163,12 @@ def profile_and_compile(args, gen, prompts, params, burst, sync, clear, out: dic
     clear()
     out["prefill_compiled_s"] = burst()
     out["prefill_compiled_tokens_per_s"] = out["burst_prompt_tokens"] / out["prefill_compiled_s"]
-    print(f"in-process: compiled prefill {out['prefill_compiled_s']:.3f} s (compile "
-          f"{out['prefill_compile_s']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"in-process: compiled prefill {out['prefill_compiled_s']:.3f} s (compile "
+        f"{out['prefill_compile_s']:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def served_name(url: str) -> str:
@@ -163,23 +182,35 @@ def engine_counters(url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name.startswith("llmopt_engine_")}  # fmt: skip
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("llmopt_engine_")
+    }
 
 
 def attribute(before: dict, after: dict, wall_s: float) -> dict[str, float]:
     """Split the runs' wall time: prefill and decode forwards (device time plus launches), the
     rest of the engine steps (inputs, sampling), and outside the steps (scheduling, the wait
     for requests, streaming when it holds the GIL)."""
-    d = {k.removeprefix("llmopt_engine_").removesuffix("_total"): after[k] - before.get(k, 0.0)
-         for k in after}  # fmt: skip
+    d = {
+        k.removeprefix("llmopt_engine_").removesuffix("_total"): after[k] - before.get(k, 0.0)
+        for k in after
+    }
     pre, dec, step = d["prefill_seconds"], d["decode_seconds"], d["step_seconds"]
-    return {"wall_s": wall_s, "prefill_s": pre, "decode_s": dec,
-            "step_other_s": step - pre - dec, "outside_steps_s": wall_s - step,
-            "prefill_tokens": d["prefill_tokens"], "prefill_forwards": d["prefill_forwards"],
-            "prefill_tokens_per_s": d["prefill_tokens"] / pre if pre else float("nan"),
-            "decode_steps": d["decode_steps"],
-            "decode_ms_per_step": 1000 * dec / d["decode_steps"] if d["decode_steps"] else float("nan")}  # fmt: skip
+    return {
+        "wall_s": wall_s,
+        "prefill_s": pre,
+        "decode_s": dec,
+        "step_other_s": step - pre - dec,
+        "outside_steps_s": wall_s - step,
+        "prefill_tokens": d["prefill_tokens"],
+        "prefill_forwards": d["prefill_forwards"],
+        "prefill_tokens_per_s": d["prefill_tokens"] / pre if pre else float("nan"),
+        "decode_steps": d["decode_steps"],
+        "decode_ms_per_step": 1000 * dec / d["decode_steps"] if d["decode_steps"] else float("nan"),
+    }
 
 
 def free_port() -> int:
@@ -224,13 +255,19 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--server-timeout", type=float, default=600)
-    ap.add_argument("--server-args", default="",
-                    help="more `llmopt serve` flags, e.g. '--no-enable-chunked-prefill'")  # fmt: skip
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more `llmopt serve` flags, e.g. '--no-enable-chunked-prefill'",
+    )
     ap.add_argument("--out", type=Path, default=Path("serve_load.json"))
     ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process-rate", type=float, help="skip step 1: use this tokens/s")
-    ap.add_argument("--profile-prefill", action="store_true",
-                    help="step 1: print the top kernels of one eager prefill forward")  # fmt: skip
+    ap.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="step 1: print the top kernels of one eager prefill forward",
+    )
     args = ap.parse_args()
     import torch
 
@@ -240,8 +277,9 @@ def main() -> None:
     if args.shape:
         from random_model import write_random_model
 
-        folder = write_random_model(args.shape, args.workdir / args.shape, args.tokenizer,
-                                    vocab=args.vocab)  # fmt: skip
+        folder = write_random_model(
+            args.shape, args.workdir / args.shape, args.tokenizer, vocab=args.vocab
+        )
     else:
         from llmopt.assets.models import resolve_model
 
@@ -260,14 +298,23 @@ def main() -> None:
         }
     else:
         inproc = None
-    p = None if inproc else subprocess.run([sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    p = (
+        None
+        if inproc
+        else subprocess.run(
+            [sys.executable, __file__, *argv, "--in-process"], stdout=subprocess.PIPE, text=True
+        )
+    )
     if p is not None:
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             sys.exit(f"in-process run failed ({p.returncode}); see stderr")
         inproc = json.loads(line[7:])
-    print(f"in-process: {inproc['decode_tokens_per_s']:.1f} tokens/s at batch {args.concurrency} "
-          f"({inproc['ms_per_step']:.2f} ms/step; {time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"in-process: {inproc['decode_tokens_per_s']:.1f} tokens/s at batch {args.concurrency} "
+        f"({inproc['ms_per_step']:.2f} ms/step; {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     prompts = args.workdir / "prompts.jsonl"
@@ -278,15 +325,38 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     cli = [sys.executable, "-m", "llmopt.cli.main"]
     server = subprocess.Popen(
-        [*cli, "serve", str(folder), "--recipe", args.recipe, "--device", args.device,
-         "--port", str(port), "--max-num-seqs", str(args.concurrency),
-         "--decode-batch-sizes", str(args.concurrency), "--warmup-tokens", str(args.max_seq_len), "--max-seq-len", str(args.max_seq_len),
-         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-         "--max-queue", str(args.requests), "--block-size", "16",
-         "--num-blocks", str(args.concurrency * -(-args.max_seq_len // 16) + 1), "--log-level", "warning",
-         *shlex.split(args.server_args)],
+        [
+            *cli,
+            "serve",
+            str(folder),
+            "--recipe",
+            args.recipe,
+            "--device",
+            args.device,
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(args.concurrency),
+            "--decode-batch-sizes",
+            str(args.concurrency),
+            "--warmup-tokens",
+            str(args.max_seq_len),
+            "--max-seq-len",
+            str(args.max_seq_len),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--max-queue",
+            str(args.requests),
+            "--block-size",
+            "16",
+            "--num-blocks",
+            str(args.concurrency * -(-args.max_seq_len // 16) + 1),
+            "--log-level",
+            "warning",
+            *shlex.split(args.server_args),
+        ],
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         ready = wait_healthy(url, server, args.server_timeout)
         print(f"server healthy after {ready:.0f} s (load + warm-up)", flush=True)
@@ -300,13 +370,34 @@ def main() -> None:
         urllib.request.urlopen(req, timeout=300).read()
         before = engine_counters(url)
         subprocess.run(
-            [*cli, "bench", "serve", "--url", url, "--mode", "concurrency",
-             "--values", str(args.concurrency), "--num-requests", str(args.requests),
-             "--prompts", str(prompts), "--ignore-eos", "--repeats", str(args.repeats),
-             "--timeout", "600", "--warmups", "0", "--label", f"llmopt serve {args.recipe}",
-             "--out", str(bench_dir)],
+            [
+                *cli,
+                "bench",
+                "serve",
+                "--url",
+                url,
+                "--mode",
+                "concurrency",
+                "--values",
+                str(args.concurrency),
+                "--num-requests",
+                str(args.requests),
+                "--prompts",
+                str(prompts),
+                "--ignore-eos",
+                "--repeats",
+                str(args.repeats),
+                "--timeout",
+                "600",
+                "--warmups",
+                "0",
+                "--label",
+                f"llmopt serve {args.recipe}",
+                "--out",
+                str(bench_dir),
+            ],
             check=True,
-        )  # fmt: skip
+        )
         after = engine_counters(url)
     finally:
         server.send_signal(signal.SIGTERM)
@@ -319,19 +410,34 @@ def main() -> None:
     rows = []
     for i, r in enumerate(runs):
         m = r["metrics"]
-        rows.append({"run": i + 1, "output_tokens_per_s": m["output_throughput"],
-                     "share_of_in_process": m["output_throughput"] / inproc["decode_tokens_per_s"],
-                     "ttft_p99_ms": m["ttft_ms"]["p99"], "ttft_median_ms": m["ttft_ms"]["median"],
-                     "tpot_median_ms": m["tpot_ms"]["median"], "completed": m["completed"],
-                     "failed": m.get("failed"), "mean_input_tokens": m["total_input_tokens"] / max(1, m["completed"])})  # fmt: skip
+        rows.append(
+            {
+                "run": i + 1,
+                "output_tokens_per_s": m["output_throughput"],
+                "share_of_in_process": m["output_throughput"] / inproc["decode_tokens_per_s"],
+                "ttft_p99_ms": m["ttft_ms"]["p99"],
+                "ttft_median_ms": m["ttft_ms"]["median"],
+                "tpot_median_ms": m["tpot_ms"]["median"],
+                "completed": m["completed"],
+                "failed": m.get("failed"),
+                "mean_input_tokens": m["total_input_tokens"] / max(1, m["completed"]),
+            }
+        )
     engine = attribute(before, after, sum(r["metrics"]["duration_s"] for r in runs))
     import torch
 
-    env_info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv,
-                "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
-    args.out.write_text(json.dumps({"env": env_info, "in_process": inproc, "runs": rows,
-                                    "engine": engine, "bench": bench}, indent=1))  # fmt: skip
+    env_info = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "argv": sys.argv,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    args.out.write_text(
+        json.dumps(
+            {"env": env_info, "in_process": inproc, "runs": rows, "engine": engine, "bench": bench},
+            indent=1,
+        )
+    )
     print(
         f"\nin-process decode at batch {args.concurrency}: {inproc['decode_tokens_per_s']:.1f} tokens/s"
     )
@@ -340,9 +446,11 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['run']} | {r['output_tokens_per_s']:.1f} | {r['share_of_in_process']:.0%} | "
-              f"{r['ttft_p99_ms']:.0f} | {r['ttft_median_ms']:.0f} | {r['tpot_median_ms']:.1f} | "
-              f"{r['completed']} | {r['mean_input_tokens']:.0f} |")  # fmt: skip
+        print(
+            f"| {r['run']} | {r['output_tokens_per_s']:.1f} | {r['share_of_in_process']:.0%} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['ttft_median_ms']:.0f} | {r['tpot_median_ms']:.1f} | "
+            f"{r['completed']} | {r['mean_input_tokens']:.0f} |"
+        )
     print("\nwhere the served runs' wall time went (the server's llmopt_engine_* counters):")
     for k, v in engine.items():
         print(f"  {k}: {v:.4g}")

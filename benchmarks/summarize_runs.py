@@ -20,7 +20,10 @@ def summarize(run: Path) -> str:
     meta = json.loads((run / "run.json").read_text())
     plan = json.loads((run / "plan.json").read_text())
     sel = _load(run / "selection.json") or {}
-    rows = [f"### {meta['model']} ({meta['settings']['profile']} profile, target {meta['target']})", ""]
+    rows = [
+        f"### {meta['model']} ({meta['settings']['profile']} profile, target {meta['target']})",
+        "",
+    ]
     env = None
     header = None
     for c in plan["candidates"]:
@@ -32,24 +35,44 @@ def summarize(run: Path) -> str:
         env = env or b["env"]
         q = {m["name"]: m for m in v["metrics"]}
         if header is None:
-            names = [n for n in ("perplexity", "top1_agreement", "kl_divergence_mean", "cosine_mean",
-                                 "cosine_min", "wordsim353_spearman") if n in q]
+            names = [
+                n
+                for n in (
+                    "perplexity",
+                    "top1_agreement",
+                    "kl_divergence_mean",
+                    "cosine_mean",
+                    "cosine_min",
+                    "wordsim353_spearman",
+                )
+                if n in q
+            ]
             speeds = list(b["metrics"])
             header = names, speeds
-            rows.append("| candidate | " + " | ".join(names + [f"{s} (median [min-max])" for s in speeds])
-                        + " | peak RSS MiB | artifact MiB | gate | selection |")
+            rows.append(
+                "| candidate | "
+                + " | ".join(names + [f"{s} (median [min-max])" for s in speeds])
+                + " | peak RSS MiB | artifact MiB | gate | selection |"
+            )
             rows.append("|" + " --- |" * (len(names) + len(speeds) + 5))
         names, speeds = header
         cells = [f"{q[n]['candidate']:.4f}" for n in names]
-        cells += [f"{b['metrics'][s]['median']:.1f} [{b['metrics'][s]['min']:.1f}-{b['metrics'][s]['max']:.1f}]"
-                  for s in speeds]
+        cells += [
+            f"{b['metrics'][s]['median']:.1f} [{b['metrics'][s]['min']:.1f}-{b['metrics'][s]['max']:.1f}]"
+            for s in speeds
+        ]
         verdict = sel.get("reasons", {}).get(c["id"], "")
-        rows.append(f"| {c['id']} | " + " | ".join(cells) + f" | {b['peak_rss_bytes'] / 2**20:.0f} | "
-                    f"{b['artifact_bytes'] / 2**20:.0f} | {'pass' if v['passed'] else 'FAIL'} | {verdict} |")
+        rows.append(
+            f"| {c['id']} | " + " | ".join(cells) + f" | {b['peak_rss_bytes'] / 2**20:.0f} | "
+            f"{b['artifact_bytes'] / 2**20:.0f} | {'pass' if v['passed'] else 'FAIL'} | {verdict} |"
+        )
     if env:
-        rows += ["", f"Machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs, torch {env.get('torch')} "
-                 f"({env.get('torch_threads')} threads), transformers {env.get('transformers')}. "
-                 f"Run created {meta['created']}. Command: `{meta['command']}`."]
+        rows += [
+            "",
+            f"Machine: {env.get('cpu')}, {env.get('cpu_count')} CPUs, torch {env.get('torch')} "
+            f"({env.get('torch_threads')} threads), transformers {env.get('transformers')}. "
+            f"Run created {meta['created']}. Command: `{meta['command']}`.",
+        ]
     return "\n".join(rows)
 
 

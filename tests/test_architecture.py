@@ -24,11 +24,11 @@ SRC = ROOT / "src" / "llmopt"
 
 
 def test_import_contracts_hold():
-    from importlinter.cli import lint_imports
-
     # lint_imports reads pyproject.toml from the working directory and returns 0 when every
     # contract is kept; its report (printed) names each offending import with its line.
     import os
+
+    from importlinter.cli import lint_imports
 
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -65,15 +65,22 @@ def test_function_local_imports_say_why():
     assert not offenders, "function-local imports without a reason:\n" + "\n".join(offenders)
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
-                    reason="ruff not installed (pip install -e '.[dev]')")
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
+    reason="ruff not installed (pip install -e '.[dev]')",
+)
 def test_code_is_ruff_formatted_and_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    fmt = subprocess.run([ruff, "format", "--check", "src", "tests", "benchmarks"], cwd=ROOT,
-                         capture_output=True, text=True)
+    fmt = subprocess.run(
+        [ruff, "format", "--check", "src", "tests", "benchmarks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
-    lint = subprocess.run([ruff, "check", "src", "tests", "benchmarks"], cwd=ROOT,
-                          capture_output=True, text=True)
+    lint = subprocess.run(
+        [ruff, "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+    )
     assert lint.returncode == 0, lint.stdout + lint.stderr
     skips = sum(p.read_text(encoding="utf-8").count("fmt: skip") for p in SRC.rglob("*.py"))
     assert skips <= 10, f"{skips} `fmt: skip` markers; keep them for tables that read better only"

@@ -48,10 +48,27 @@ def _start(tmp: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmopt.engines.llamacpp_server", "--model", str(_gguf()), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--n_threads", "1", "--no-extra-bufts", "--interrupt_requests", "False"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "llmopt.engines.llamacpp_server",
+            "--model",
+            str(_gguf()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--n_threads",
+            "1",
+            "--no-extra-bufts",
+            "--interrupt_requests",
+            "False",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     import httpx
 
@@ -91,8 +108,13 @@ W = Workload(input_len=32, output_len=16)
 
 
 def test_concurrency_sweep_measures_every_metric(server):
-    res = run_sweep(server, parse_points("concurrency", "1,2", num_requests=4), W, repeats=2,
-                    slo=SLO(ttft_ms=60_000, tpot_ms=10_000))  # fmt: skip
+    res = run_sweep(
+        server,
+        parse_points("concurrency", "1,2", num_requests=4),
+        W,
+        repeats=2,
+        slo=SLO(ttft_ms=60_000, tpot_ms=10_000),
+    )
     assert [p["spec"]["label"] for p in res["points"]] == ["concurrency 1", "concurrency 2"]
     for pt in res["points"]:
         for run in pt["runs"]:
@@ -114,8 +136,9 @@ def test_streamed_tokens_match_the_official_client(server):
 
     prompt = "The capital of France is"
     client = OpenAI(base_url=server + "/v1", api_key="none")
-    ref = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
-                                    max_tokens=12, temperature=0)  # fmt: skip
+    ref = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=12, temperature=0
+    )
     f = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmopt-prompt-{os.getpid()}.jsonl"
     f.write_text(json.dumps({"prompt": prompt, "max_tokens": 12}) + "\n")
     try:
@@ -147,8 +170,13 @@ def test_server_killed_mid_run_is_recorded_not_raised(tmp_path):
     killer = threading.Timer(2.0, proc.kill)
     killer.start()
     try:
-        res = run_load(url, LoadSpec("concurrency", 1, num_requests=40), Workload(32, 64),
-                       warmups=0, timeout_s=20)  # fmt: skip
+        res = run_load(
+            url,
+            LoadSpec("concurrency", 1, num_requests=40),
+            Workload(32, 64),
+            warmups=0,
+            timeout_s=20,
+        )
     finally:
         killer.cancel()
         _stop(proc)
@@ -163,10 +191,30 @@ def test_cli_serve_then_compare(server, tmp_path):
     outs = []
     for name in ("a", "b"):
         out = tmp_path / name
-        r = CliRunner().invoke(app, ["bench", "serve", "--url", server, "--values", "1",
-                                     "--num-requests", "2", "--input-len", "16", "--output-len",
-                                     "8", "--repeats", "2", "--out", str(out), "--label", name,
-                                     "--json"])  # fmt: skip
+        r = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--url",
+                server,
+                "--values",
+                "1",
+                "--num-requests",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "8",
+                "--repeats",
+                "2",
+                "--out",
+                str(out),
+                "--label",
+                name,
+                "--json",
+            ],
+        )
         assert r.exit_code == 0, r.output
         assert json.loads((out / "bench.json").read_text())["points"][0]["summary"]
         outs.append(str(out))

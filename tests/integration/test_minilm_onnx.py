@@ -50,8 +50,13 @@ class TorchRunner:
     def embed(self, texts, batch_size=32):
         out = []
         for i in range(0, len(texts), batch_size):
-            enc = self.tok(list(texts[i : i + batch_size]), padding=True, truncation=True,
-                           max_length=256, return_tensors="pt")  # fmt: skip
+            enc = self.tok(
+                list(texts[i : i + batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=256,
+                return_tensors="pt",
+            )
             with self.torch.inference_mode():
                 hidden = self.model(**enc).last_hidden_state.numpy()
             out.append(pool(hidden, enc["attention_mask"].numpy(), "mean", True))
@@ -65,9 +70,16 @@ def minilm(tmp_path_factory):
     from llmopt.engines import get_engine
 
     src = Path(pkg.get_model_path())
-    info = types.SimpleNamespace(task="embedding", architecture="BertModel", model_type="bert",
-                                 max_context=512, pooling="mean", normalize=True, hidden_size=384,
-                                 path=src)  # fmt: skip
+    info = types.SimpleNamespace(
+        task="embedding",
+        architecture="BertModel",
+        model_type="bert",
+        max_context=512,
+        pooling="mean",
+        normalize=True,
+        hidden_size=384,
+        path=src,
+    )
     engine = get_engine("onnxruntime")
     root = tmp_path_factory.mktemp("minilm")
     runners, facts = {}, {}
@@ -84,10 +96,13 @@ def minilm(tmp_path_factory):
     pairs = wordsim353()
     ref_verify = verify_embedding("hf-fp32", torch_runner, sentences, None, pairs, None)
     return types.SimpleNamespace(
-        runners=runners, facts=facts, sentences=sentences, pairs=pairs,
+        runners=runners,
+        facts=facts,
+        sentences=sentences,
+        pairs=pairs,
         reference=reference_outputs(torch_runner, sentences),
         ref_spearman=ref_verify.metric("wordsim353_spearman").candidate,
-    )  # fmt: skip
+    )
 
 
 def test_full_fusion(minilm):
@@ -102,16 +117,29 @@ def test_torch_reference_wordsim(minilm):
 
 
 def test_fp32_matches_torch(minilm):
-    r = verify_embedding("ort-fp32", minilm.runners["fp32"], minilm.sentences, minilm.reference,
-                         minilm.pairs, minilm.ref_spearman, min_mean_cosine=0.9999)  # fmt: skip
+    r = verify_embedding(
+        "ort-fp32",
+        minilm.runners["fp32"],
+        minilm.sentences,
+        minilm.reference,
+        minilm.pairs,
+        minilm.ref_spearman,
+        min_mean_cosine=0.9999,
+    )
     assert r.passed, r.metrics
     assert r.metric("cosine_min").candidate >= 0.9999
     assert abs(r.metric("wordsim353_spearman").delta) < 1e-3
 
 
 def test_int8_keeps_quality(minilm):
-    r = verify_embedding("ort-int8", minilm.runners["w8a8-dynamic"], minilm.sentences,
-                         minilm.reference, minilm.pairs, minilm.ref_spearman)  # fmt: skip
+    r = verify_embedding(
+        "ort-int8",
+        minilm.runners["w8a8-dynamic"],
+        minilm.sentences,
+        minilm.reference,
+        minilm.pairs,
+        minilm.ref_spearman,
+    )
     assert r.passed, r.metrics
     assert r.metric("cosine_mean").candidate >= 0.99
     assert r.metric("cosine_min").candidate >= 0.95
@@ -120,8 +148,9 @@ def test_int8_keeps_quality(minilm):
 
 
 def test_short_bench(minilm):
-    metrics, warm = bench_embedding(minilm.runners["w8a8-dynamic"], minilm.sentences[:64],
-                                    repeats=2, max_sentences_b1=16)  # fmt: skip
+    metrics, warm = bench_embedding(
+        minilm.runners["w8a8-dynamic"], minilm.sentences[:64], repeats=2, max_sentences_b1=16
+    )
     assert set(metrics) == {"sentences_per_s_b1", "sentences_per_s_b32"}
     assert all(s.median > 0 and s.n == 2 for s in metrics.values())
     assert warm > 0

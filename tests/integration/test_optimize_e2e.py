@@ -37,7 +37,7 @@ def _optimize(out: Path, *extra: str, search: str = "exhaustive") -> tuple[int, 
             "--search",
             search,
             *extra,
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -217,8 +217,11 @@ def test_reverify_rechecks_the_choice(run, tmp_path):
     shutil.copytree(run[0], out)
     proc = subprocess.run(
         [*LLMOPT, "optimize", "--reverify", str(out), "--json"],
-        capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     res = json.loads(proc.stdout)
     assert proc.returncode == (0 if res["holds"] else 1), proc.stderr
     assert res["chosen"] == json.loads((out / "selection.json").read_text())["chosen"]

@@ -64,10 +64,20 @@ def test_gguf_q8_0_loads_in_llama_cpp(smollm2, tmp_path):
     text = evaluation_text()[:600]
     (tmp_path / "t.txt").write_text(text)
     p = subprocess.run(
-        [sys.executable, "-m", "llmopt.quant.gguf_check", facts["path"], "--text-file",
-         str(tmp_path / "t.txt"), "--max-tokens", "64"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "llmopt.quant.gguf_check",
+            facts["path"],
+            "--text-file",
+            str(tmp_path / "t.txt"),
+            "--max-tokens",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, f"llama.cpp failed (rc {p.returncode}): {p.stderr[-2000:]}"
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["n_vocab"] == 49152

@@ -19,9 +19,19 @@ from llmopt.report import write_report
 pytestmark = pytest.mark.integration
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--enable-logging=stderr", "--v=0", "--hide-scrollbars"]  # fmt: skip
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--hide-scrollbars",
+]
 
 
 def _chromium(page: Path, tmp: Path, *extra: str) -> tuple[str, subprocess.CompletedProcess]:
@@ -29,10 +39,20 @@ def _chromium(page: Path, tmp: Path, *extra: str) -> tuple[str, subprocess.Compl
         pytest.skip("chromium not installed")
     shot = tmp / f"{page.stem}.png"
     proc = subprocess.run(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp / 'profile'}", "--window-size=1280,2400",
-         f"--screenshot={shot}", *extra, page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            CHROMIUM,
+            *FLAGS,
+            f"--user-data-dir={tmp / 'profile'}",
+            "--window-size=1280,2400",
+            f"--screenshot={shot}",
+            *extra,
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return str(shot), proc
 
@@ -83,23 +103,57 @@ def _stats(v: float) -> dict:
 
 
 def _run(root: Path) -> Path:
-    cands = [Candidate("hf-fp32", "hf", "fp32", {"threads": 2}, True, "reference"),
-             Candidate("hf-w8a16", "hf", "w8a16", {"threads": 2}),
-             Candidate("hf-bf16", "hf", "bf16", {"threads": 2}),
-             Candidate("hf-w8a8-dynamic", "hf", "w8a8-dynamic", {"threads": 2})]  # fmt: skip
-    write_json(root / "run.json", {"model": "smollm2-135m", "target": "cpu", "created": "2026-11-29",
-               "max_quality_drop": 0.01, "command": "llmopt optimize smollm2-135m",
-               "settings": {"prompt_tokens": 100, "new_tokens": 64, "bench_batch_sizes": [1, 4]},
-               "llmopt_version": "0.1.0"})  # fmt: skip
-    write_json(root / "model.json", {"name": "smollm2-135m", "task": "causal-lm",
-               "num_parameters": 134_515_008, "kv_bytes_per_token": {"float32": 46080}})  # fmt: skip
-    write_json(root / "plan.json", {"target": {"device": "cpu", "memory_bytes": 8 * 2**30},
-               "memory": {"weights_bytes": {"float32": 538_060_032}},
-               "candidates": [c.to_dict() for c in cands],
-               "skipped": [{"id": "onnxruntime-fp32", "engine": "onnxruntime", "recipe": "fp32",
-                            "reason": "engine does not run causal-lm models"}]})  # fmt: skip
-    write_json(root / "doctor.json", {"findings": [{"id": "host.cpu", "title": "CPU",
-               "status": "ok", "evidence": "2 cores, avx512"}]})  # fmt: skip
+    cands = [
+        Candidate("hf-fp32", "hf", "fp32", {"threads": 2}, True, "reference"),
+        Candidate("hf-w8a16", "hf", "w8a16", {"threads": 2}),
+        Candidate("hf-bf16", "hf", "bf16", {"threads": 2}),
+        Candidate("hf-w8a8-dynamic", "hf", "w8a8-dynamic", {"threads": 2}),
+    ]
+    write_json(
+        root / "run.json",
+        {
+            "model": "smollm2-135m",
+            "target": "cpu",
+            "created": "2026-11-29",
+            "max_quality_drop": 0.01,
+            "command": "llmopt optimize smollm2-135m",
+            "settings": {"prompt_tokens": 100, "new_tokens": 64, "bench_batch_sizes": [1, 4]},
+            "llmopt_version": "0.1.0",
+        },
+    )
+    write_json(
+        root / "model.json",
+        {
+            "name": "smollm2-135m",
+            "task": "causal-lm",
+            "num_parameters": 134_515_008,
+            "kv_bytes_per_token": {"float32": 46080},
+        },
+    )
+    write_json(
+        root / "plan.json",
+        {
+            "target": {"device": "cpu", "memory_bytes": 8 * 2**30},
+            "memory": {"weights_bytes": {"float32": 538_060_032}},
+            "candidates": [c.to_dict() for c in cands],
+            "skipped": [
+                {
+                    "id": "onnxruntime-fp32",
+                    "engine": "onnxruntime",
+                    "recipe": "fp32",
+                    "reason": "engine does not run causal-lm models",
+                }
+            ],
+        },
+    )
+    write_json(
+        root / "doctor.json",
+        {
+            "findings": [
+                {"id": "host.cpu", "title": "CPU", "status": "ok", "evidence": "2 cores, avx512"}
+            ]
+        },
+    )
     speeds = {"hf-fp32": 14.0, "hf-w8a16": 19.0, "hf-bf16": 11.0}
     for c in cands:
         d = root / "candidates" / c.id
@@ -113,30 +167,66 @@ def _run(root: Path) -> Path:
         if c.id not in speeds:
             continue
         s = speeds[c.id]
-        metrics = {"decode_tokens_per_s": _stats(s)["m"],
-                   "decode_tokens_per_s_b4": _stats(2.5 * s)["m"],
-                   "prefill_tokens_per_s": _stats(40 * s)["m"],
-                   "decode_ms_per_token": summarize([1000 / s * f for f in (0.95, 1, 1.1)], "ms")}  # fmt: skip
-        b = BenchResult(c.id, "causal-lm", metrics, "decode_tokens_per_s", 700 * 2**20,
-                        500 * 2**20, 200_000_000, 1.0, 2.0, {"prompt_tokens": 100, "new_tokens": 64},
-                        {"torch_threads": 2},
-                        roofline={"phases": [{"phase": "decode b1", "verdict": "memory-bound",
-                                              "bandwidth_share": 0.6, "flops_share": 0.02,
-                                              "achieved_bytes_per_s": 7e9,
-                                              "achieved_flops_per_s": 4e9,
-                                              "implication": "fewer bytes per weight"}]})  # fmt: skip
+        metrics = {
+            "decode_tokens_per_s": _stats(s)["m"],
+            "decode_tokens_per_s_b4": _stats(2.5 * s)["m"],
+            "prefill_tokens_per_s": _stats(40 * s)["m"],
+            "decode_ms_per_token": summarize([1000 / s * f for f in (0.95, 1, 1.1)], "ms"),
+        }
+        b = BenchResult(
+            c.id,
+            "causal-lm",
+            metrics,
+            "decode_tokens_per_s",
+            700 * 2**20,
+            500 * 2**20,
+            200_000_000,
+            1.0,
+            2.0,
+            {"prompt_tokens": 100, "new_tokens": 64},
+            {"torch_threads": 2},
+            roofline={
+                "phases": [
+                    {
+                        "phase": "decode b1",
+                        "verdict": "memory-bound",
+                        "bandwidth_share": 0.6,
+                        "flops_share": 0.02,
+                        "achieved_bytes_per_s": 7e9,
+                        "achieved_flops_per_s": 4e9,
+                        "implication": "fewer bytes per weight",
+                    }
+                ]
+            },
+        )
         write_json(d / "verify.json", v.to_dict())
         write_json(d / "bench.json", b.to_dict())
-    sel = Selection("throughput", "hf-w8a16", 0.01,
-                    {"hf-w8a16": "chosen: best throughput", "hf-fp32": "kept: 0.74x",
-                     "hf-bf16": "kept: 0.58x", "hf-w8a8-dynamic": "cut: screened out"},
-                    ["hf-w8a16", "hf-fp32", "hf-bf16"], ["hf-fp32", "hf-w8a16"],
-                    cut={"hf-w8a8-dynamic": "screened out at fidelity 1 (screen): ppl +7.0% > budget 1.0%"})  # fmt: skip
+    sel = Selection(
+        "throughput",
+        "hf-w8a16",
+        0.01,
+        {
+            "hf-w8a16": "chosen: best throughput",
+            "hf-fp32": "kept: 0.74x",
+            "hf-bf16": "kept: 0.58x",
+            "hf-w8a8-dynamic": "cut: screened out",
+        },
+        ["hf-w8a16", "hf-fp32", "hf-bf16"],
+        ["hf-fp32", "hf-w8a16"],
+        cut={"hf-w8a8-dynamic": "screened out at fidelity 1 (screen): ppl +7.0% > budget 1.0%"},
+    )
     write_json(root / "selection.json", sel.to_dict())
-    write_json(root / "search.json", {"objective": "throughput", "search": "halving",
-               "budget": {"seconds": 900, "elapsed_s": 300}, "executor": {"executor": "local"},
-               "screen_scores": {"hf-w8a16": 1.3, "hf-bf16": 0.8, "hf-w8a8-dynamic": 1.6},
-               "events": ["screen: 3 screened, 2 go on to full fidelity"]})  # fmt: skip
+    write_json(
+        root / "search.json",
+        {
+            "objective": "throughput",
+            "search": "halving",
+            "budget": {"seconds": 900, "elapsed_s": 300},
+            "executor": {"executor": "local"},
+            "screen_scores": {"hf-w8a16": 1.3, "hf-bf16": 0.8, "hf-w8a8-dynamic": 1.6},
+            "events": ["screen: 3 screened, 2 go on to full fidelity"],
+        },
+    )
     return write_report(root)[1]
 
 
@@ -156,10 +246,19 @@ def test_report_renders_in_chromium_without_console_errors(tmp_path):
     assert ink > 0.05 * (len(rows) // 8) * (len(rows[0]) // 24)
     dom = subprocess.run(
         [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom", html.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False,
-    ).stdout  # fmt: skip
-    for needle in ("Latency CDF", "Throughput vs concurrency", "Pareto", "Roofline verdict",
-                   "Caches enabled", "screened out at fidelity 1"):  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    ).stdout
+    for needle in (
+        "Latency CDF",
+        "Throughput vs concurrency",
+        "Pareto",
+        "Roofline verdict",
+        "Caches enabled",
+        "screened out at fidelity 1",
+    ):
         assert needle in dom, needle
 
 

@@ -27,8 +27,14 @@ def _run_dir(root: Path, model: Path) -> tuple[RunDir, list[str]]:
     # Two cheap candidates (hf fp32 and bf16 builds: a few seconds each) for two workers.
     plan = make_plan(info, Target("cpu", 1, "test", 8 * 2**30), only=["hf-bf16"])
     run = RunDir(root)
-    run.open({"model_fingerprint": info.fingerprint, "target": "cpu", "model_path": str(model),
-              "settings": {"threads": 1, "max_quality_drop": 0.01}})  # fmt: skip
+    run.open(
+        {
+            "model_fingerprint": info.fingerprint,
+            "target": "cpu",
+            "model_path": str(model),
+            "settings": {"threads": 1, "max_quality_drop": 0.01},
+        }
+    )
     write_json(run.model_json, info.to_dict())
     write_json(run.plan_json, plan.to_dict())
     for c in plan.candidates:

@@ -33,8 +33,19 @@ def embed_server(tmp_path_factory):
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve-embed") / "server.log"
     # A 20 ms window so that requests sent together surely meet in one batch.
-    cmd = [sys.executable, "-m", "llmopt.cli.main", "serve", MODEL, "--port", str(port),
-           "--embed-batch-window-ms", "20", "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmopt.cli.main",
+        "serve",
+        MODEL,
+        "--port",
+        str(port),
+        "--embed-batch-window-ms",
+        "20",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -70,8 +81,9 @@ def test_embeddings_match_in_process(embed_server):
     info = inspect_model(MODEL)
     ref = get_engine("hf").load(info.path, info, get_recipe("fp32"), {}).embed(texts)
     np.testing.assert_allclose(got, ref, atol=1e-4)
-    b64 = _client(embed_server).embeddings.create(model=MODEL, input=texts[0],
-                                                  encoding_format="base64")  # fmt: skip
+    b64 = _client(embed_server).embeddings.create(
+        model=MODEL, input=texts[0], encoding_format="base64"
+    )
     vec = np.frombuffer(base64.b64decode(b64.data[0].embedding), dtype="<f4")
     np.testing.assert_allclose(vec, got[0], atol=1e-6)
 

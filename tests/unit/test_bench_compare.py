@@ -16,14 +16,23 @@ def _doc(label: str, tput: list[list[float]], ttft: list[list[float]]) -> dict:
     points = []
     for i, (tp, tt) in enumerate(zip(tput, ttft, strict=True)):
         c = 2**i
-        runs = [{"requests": [{"success": True, "ttft": t / 1000, "latency": t / 500}
-                              for t in (tt[0], tt[-1])]}]  # fmt: skip
-        points.append({
-            "spec": {"mode": "concurrency", "value": c, "label": f"concurrency {c}"},
-            "summary": {"output_throughput": summarize(tp, "tokens/s").to_dict(),
-                        "ttft_ms.median": summarize(tt, "ms").to_dict()},
-            "runs": runs,
-        })  # fmt: skip
+        runs = [
+            {
+                "requests": [
+                    {"success": True, "ttft": t / 1000, "latency": t / 500} for t in (tt[0], tt[-1])
+                ]
+            }
+        ]
+        points.append(
+            {
+                "spec": {"mode": "concurrency", "value": c, "label": f"concurrency {c}"},
+                "summary": {
+                    "output_throughput": summarize(tp, "tokens/s").to_dict(),
+                    "ttft_ms.median": summarize(tt, "ms").to_dict(),
+                },
+                "runs": runs,
+            }
+        )
     return {"kind": "serve", "label": label, "points": points}
 
 
@@ -80,9 +89,14 @@ def test_optimize_run_dirs_compare_by_candidate(tmp_path):
     for run, med in (("r1", [20, 21, 22]), ("r2", [30, 31, 29])):
         c = tmp_path / run / "candidates" / "hf-fp32"
         c.mkdir(parents=True)
-        c.joinpath("bench.json").write_text(json.dumps(
-            {"candidate_id": "hf-fp32", "metrics": {"decode_tokens_per_s": summarize(med, "tokens/s").to_dict()}}
-        ))  # fmt: skip
+        c.joinpath("bench.json").write_text(
+            json.dumps(
+                {
+                    "candidate_id": "hf-fp32",
+                    "metrics": {"decode_tokens_per_s": summarize(med, "tokens/s").to_dict()},
+                }
+            )
+        )
     rows = compare_runs([tmp_path / "r1", tmp_path / "r2"])["rows"]
     assert rows[0]["row"] == "hf-fp32" and rows[0]["verdicts"][1] == "better"
 

@@ -46,10 +46,15 @@ def test_burstiness_orders_the_gap_variance():
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(mode="burst", value=1), dict(mode="rate", value=0), dict(mode="concurrency", value=1.5),
-     dict(mode="poisson", value=1, burstiness=0), dict(mode="rate", value=1, num_requests=0),
-     dict(mode="rate", value=1, max_seconds=0)],
-)  # fmt: skip
+    [
+        dict(mode="burst", value=1),
+        dict(mode="rate", value=0),
+        dict(mode="concurrency", value=1.5),
+        dict(mode="poisson", value=1, burstiness=0),
+        dict(mode="rate", value=1, num_requests=0),
+        dict(mode="rate", value=1, max_seconds=0),
+    ],
+)
 def test_spec_validation_says_what_to_do(kw):
     with pytest.raises(ValueError):
         LoadSpec(**kw)
@@ -92,8 +97,13 @@ def test_refused_requests_are_recorded_as_failures():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # With the model given, no /v1/models probe happens: every request fails and is recorded.
-    res = run_load(f"http://127.0.0.1:{port}", LoadSpec("concurrency", 2, num_requests=3),
-                   model="m", warmups=0, timeout_s=5)  # fmt: skip
+    res = run_load(
+        f"http://127.0.0.1:{port}",
+        LoadSpec("concurrency", 2, num_requests=3),
+        model="m",
+        warmups=0,
+        timeout_s=5,
+    )
     assert res["metrics"]["failed"] == 3 and res["metrics"]["completed"] == 0
     assert res["errors"] and "Connect" in res["errors"][0]
 
@@ -129,8 +139,24 @@ def test_bench_serve_warmups_reach_every_run(monkeypatch, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--model", "m", "--values", "1",
-            "--num-requests", "1", "--repeats", "2", "--timeout", "2", "--out", str(tmp_path)]  # fmt: skip
+    args = [
+        "bench",
+        "serve",
+        "--url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        "m",
+        "--values",
+        "1",
+        "--num-requests",
+        "1",
+        "--repeats",
+        "2",
+        "--timeout",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     CliRunner().invoke(app, [*args, "--warmups", "0"])
     CliRunner().invoke(app, args)
     assert seen == [0, 0, 1, 1]

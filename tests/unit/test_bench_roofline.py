@@ -73,7 +73,11 @@ def test_swept_lm_bench_keeps_historic_names(tiny_llama_dir, tmp_path):
     prompt = torch.arange(3, 19).unsqueeze(0)  # (1, 16)
     stats, warm = bench_causal_lm(runner, prompt, 4, 2, batch_sizes=(1, 3), prompt_lengths=(8, 16))
     assert set(stats) == {
-        "prefill_tokens_per_s", "prefill_tokens_per_s_p8", "decode_tokens_per_s",
-        "decode_ms_per_token", "decode_tokens_per_s_b3", "decode_ms_per_step_b3",
-    }  # fmt: skip
+        "prefill_tokens_per_s",
+        "prefill_tokens_per_s_p8",
+        "decode_tokens_per_s",
+        "decode_ms_per_token",
+        "decode_tokens_per_s_b3",
+        "decode_ms_per_step_b3",
+    }
     assert all(s.n == 2 and s.median > 0 for s in stats.values()) and warm > 0

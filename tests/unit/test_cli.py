@@ -81,10 +81,20 @@ def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
 def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     proc = _run(
-        "optimize", str(tiny_llama_dir), "--out", str(out), "--quick", "--json",
-        "--candidates", "hf-bf16,hf-w8a16", "--search", "exhaustive", "--gates", "loose",
+        "optimize",
+        str(tiny_llama_dir),
+        "--out",
+        str(out),
+        "--quick",
+        "--json",
+        "--candidates",
+        "hf-bf16,hf-w8a16",
+        "--search",
+        "exhaustive",
+        "--gates",
+        "loose",
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     res = json.loads(proc.stdout)
     ids = {"hf-fp32", "hf-bf16", "hf-w8a16"}

@@ -43,8 +43,19 @@ def _check(bundle: Path, name: str) -> dict:
 
 def test_bundle_files_and_no_weights(bundle):
     names = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()}
-    assert {"Dockerfile", ".dockerignore", "docker-compose.yml", "nginx/llm.conf", "k8s.yaml", "start.sh",
-            "README.md", "plan.json", "bundle.json", ".env", "launch/vllm.sh"} <= names  # fmt: skip
+    assert {
+        "Dockerfile",
+        ".dockerignore",
+        "docker-compose.yml",
+        "nginx/llm.conf",
+        "k8s.yaml",
+        "start.sh",
+        "README.md",
+        "plan.json",
+        "bundle.json",
+        ".env",
+        "launch/vllm.sh",
+    } <= names
     assert not any(n.endswith((".safetensors", ".bin", ".gguf")) for n in names)
     assert (bundle / ".dockerignore").read_text().splitlines()[0] == "*"  # allow-list build context
     assert f"MODEL_DIR={CONFIG_8B.resolve()}" in (bundle / ".env").read_text()
@@ -55,8 +66,13 @@ def test_bundle_files_and_no_weights(bundle):
     dev = llm["deploy"]["resources"]["reservations"]["devices"][0]
     assert dev["driver"] == "nvidia" and dev["count"] == 2 and dev["capabilities"] == ["gpu"]
     nginx = (bundle / "nginx" / "llm.conf").read_text()
-    for directive in ("proxy_http_version 1.1;", 'proxy_set_header Connection "";', "proxy_buffering off;",
-                      "keepalive 32;", "proxy_read_timeout 600s;"):  # fmt: skip
+    for directive in (
+        "proxy_http_version 1.1;",
+        'proxy_set_header Connection "";',
+        "proxy_buffering off;",
+        "keepalive 32;",
+        "proxy_read_timeout 600s;",
+    ):
         assert directive in nginx
     dep, svc = list(yaml.safe_load_all((bundle / "k8s.yaml").read_text()))
     c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -129,10 +145,22 @@ def _fake_tools(tmp_path: Path, gpus: int, cc: str) -> dict:
 @pytest.mark.parametrize("gpus, cc, expect_rc", [(2, "9.0", 0), (4, "8.0", 0), (0, "", 3)])
 def test_start_script_picks_replicas_and_fp8_from_the_gpus(tmp_path, gpus, cc, expect_rc):
     out = tmp_path / "fp8"
-    write_bundle(resolve_source(CONFIG_8B), out, Target.gpu_model("H200"), precision="fp8", kv_dtype="fp8",
-                 validate=False)  # fmt: skip
-    proc = subprocess.run(["bash", str(out / "start.sh")], env=_fake_tools(tmp_path, gpus, cc),
-                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    write_bundle(
+        resolve_source(CONFIG_8B),
+        out,
+        Target.gpu_model("H200"),
+        precision="fp8",
+        kv_dtype="fp8",
+        validate=False,
+    )
+    proc = subprocess.run(
+        ["bash", str(out / "start.sh")],
+        env=_fake_tools(tmp_path, gpus, cc),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert proc.returncode == expect_rc, proc.stdout + proc.stderr
     if expect_rc:
         assert "needs 1 GPU(s) per replica, found 0" in proc.stderr
@@ -200,9 +228,24 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_cli_deploy_json(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "llmopt.cli.main", "deploy", str(CONFIG_8B), "--gpu", "H200",
-                           "--out", str(tmp_path / "b"), "--json"], capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmopt.cli.main",
+            "deploy",
+            str(CONFIG_8B),
+            "--gpu",
+            "H200",
+            "--out",
+            str(tmp_path / "b"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     d = json.loads(proc.stdout)
     assert d["ok"] and d["plan"]["engine"] == "vllm" and "start.sh" in d["files"]

@@ -60,8 +60,11 @@ class FakeNVML:
         return ans["value"]
 
     def _device(self, fn, h, args):
-        consts = tuple(k for k, (f, c) in DEVICE_CALLS.items() if f == fn
-                       and tuple(getattr(self, n) for n in c) == args)  # fmt: skip
+        consts = tuple(
+            k
+            for k, (f, c) in DEVICE_CALLS.items()
+            if f == fn and tuple(getattr(self, n) for n in c) == args
+        )
         assert consts, f"unexpected call {fn}{args}"
         return self._answer(self.a["devices"][h][consts[0]])
 
@@ -179,10 +182,24 @@ def test_nvml_failures_are_facts_not_crashes():
 def _no_driver(pci: bool = True, **traces) -> dict:
     """Synthetic: this VM's recorded facts with an NVIDIA PCI device and other driver traces."""
     f = copy.deepcopy(CPU_FACTS)
-    f["driver_traces"].update({"pci_nvidia": [{"slot": "0000:01:00.0", "device_id": "0x2335", "class": "0x030200",
-                                               "driver": None}] if pci else [], "pci_readable": True,
-                               "modules": {"nvidia": False, "nvidia_uvm": False, "nvidia_drm": False, "nouveau": False},
-                               "dev_nodes": [], "secure_boot": False})  # fmt: skip
+    f["driver_traces"].update(
+        {
+            "pci_nvidia": [
+                {"slot": "0000:01:00.0", "device_id": "0x2335", "class": "0x030200", "driver": None}
+            ]
+            if pci
+            else [],
+            "pci_readable": True,
+            "modules": {
+                "nvidia": False,
+                "nvidia_uvm": False,
+                "nvidia_drm": False,
+                "nouveau": False,
+            },
+            "dev_nodes": [],
+            "secure_boot": False,
+        }
+    )
     f["driver_traces"].update(traces)
     f["container"]["inside"] = False
     return f
@@ -265,8 +282,12 @@ def test_device_selection_synthetic():
 
 def test_engine_generation_rules_synthetic():
     def v100(trt: str):
-        f = _h200(nvml__devices__0__name="Tesla V100-SXM2-32GB", nvml__devices__0__compute_capability="7.0",
-                  torch__cuda="12.4", torch__arch_list=["sm_70", "sm_80", "sm_90"])  # fmt: skip
+        f = _h200(
+            nvml__devices__0__name="Tesla V100-SXM2-32GB",
+            nvml__devices__0__compute_capability="7.0",
+            torch__cuda="12.4",
+            torch__arch_list=["sm_70", "sm_80", "sm_90"],
+        )
         f["packages"]["tensorrt"] = trt
         return diagnose(f, "cuda")
 
@@ -282,8 +303,14 @@ def test_hardware_table_and_rules():
         and match_gpu("NVIDIA A10").name == "A10"
     )
     assert lookup_gpu("h200").memory_bytes == 143771 * 2**20
-    assert dtype_support("8.0") == {"float32": True, "float16": True, "int8": True, "bfloat16": True,
-                                    "fp8": False, "fp4": False}  # fmt: skip
+    assert dtype_support("8.0") == {
+        "float32": True,
+        "float16": True,
+        "int8": True,
+        "bfloat16": True,
+        "fp8": False,
+        "fp4": False,
+    }
     assert dtype_support("10.0")["fp4"] and dtype_support("8.9")["fp8"]
     assert cuda_driver_minimum("12.8") == "525.60.13" and cuda_driver_minimum("13.0") == "580.65.06"
     from llmopt.hardware.specs import UnknownGpuError
@@ -294,6 +321,17 @@ def test_hardware_table_and_rules():
 
 def test_collect_facts_is_json_and_has_every_section():
     facts = collect_facts(use_torch=False)
-    assert set(facts) >= {"host", "cpu", "memory", "disk", "packages", "container", "driver_traces",
-                          "env", "nvml", "nvidia_smi", "torch"}  # fmt: skip
+    assert set(facts) >= {
+        "host",
+        "cpu",
+        "memory",
+        "disk",
+        "packages",
+        "container",
+        "driver_traces",
+        "env",
+        "nvml",
+        "nvidia_smi",
+        "torch",
+    }
     json.dumps(facts)

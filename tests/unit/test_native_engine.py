@@ -18,8 +18,15 @@ from llmopt.engines.native.generator import Generator
 from llmopt.engines.native.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "llama3-rope": (
@@ -35,7 +42,7 @@ FAMILIES = {
             },
             "rope_theta": 500000.0,
         },
-    ),  # fmt: skip
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
@@ -102,8 +109,14 @@ def test_continuous_batching_equals_one_at_a_time(tiny_llama_dir):
 
 
 def test_padded_batch_sizes_and_warmup_leave_tokens_unchanged(tiny_llama_dir):
-    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4,
-                         batch_sizes=[3], min_bucket_tokens=32)  # fmt: skip
+    gen = load_generator(
+        tiny_llama_dir,
+        max_batch=4,
+        max_seq_len=128,
+        block_size=4,
+        batch_sizes=[3],
+        min_bucket_tokens=32,
+    )
     assert gen.batch_sizes == [3, 4] and [gen.padded_batch(b) for b in (1, 3, 4)] == [3, 3, 4]
     assert gen.table_width(1) == 8 and gen.table_width(9) == 16  # floor of 32 tokens = 8 blocks
     params = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -146,7 +159,9 @@ def test_sampling_seeded_and_stop_tokens(tiny_llama_dir):
     b, _ = gen.generate([5, 6, 7], p)
     assert a == b
     greedy, _ = gen.generate([5, 6, 7], SamplingParams(max_tokens=10, ignore_eos=True))
-    topk1, _ = gen.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3, ignore_eos=True))  # fmt: skip
+    topk1, _ = gen.generate(
+        [5, 6, 7], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3, ignore_eos=True)
+    )
     assert topk1 == greedy
     stop = greedy[3]
     cut, _ = gen.generate([5, 6, 7], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))
@@ -203,7 +218,9 @@ def test_unsupported_models_are_refused_with_the_way_out(tiny_bert_dir):
         NativeConfig.from_hf({"model_type": "gpt2", "hidden_size": 8})
     assert "hf engine" in str(err.value)
     with pytest.raises(UnsupportedModel, match="RoPE scaling 'yarn'"):
-        NativeConfig.from_hf({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})  # fmt: skip
+        NativeConfig.from_hf(
+            {**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}}
+        )
     from llmopt.core.recipes import get_recipe
     from llmopt.model.info import inspect_model
 
@@ -215,9 +232,29 @@ def test_unsupported_models_are_refused_with_the_way_out(tiny_bert_dir):
 
 def test_decode_benchmark_script_runs_on_cpu(tmp_path):
     out = tmp_path / "d.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--shape", "tiny", "--device", "cpu",
-           "--prompt-len", "8", "--new-tokens", "8", "--batches", "1", "2", "--modes", "fp32", "int8",
-           "--hf", "--threads", "1", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "decode.py"),
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "8",
+        "--batches",
+        "1",
+        "2",
+        "--modes",
+        "fp32",
+        "int8",
+        "--hf",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert {(r["mode"], r["batch"]) for r in res["native"]} == {
@@ -299,8 +336,9 @@ print("ok")
 def test_triton_gemv_matches_reference_in_triton_interpreter():
     pytest.importorskip("triton")  # not a dependency on CPU hosts; CUDA hosts have it
     env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
@@ -404,8 +442,9 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, budget):
     # 25- and 18-token prompts take several chunks while other sequences decode.
     gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
     prompts = [[5, 6, 7], list(range(20, 45)), [9] * 11, list(range(60, 78))]
-    params = [SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=k)
-              for k in (2, 0, None, 3)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=k) for k in (2, 0, None, 3)
+    ]
     ref = [_run_alone(gen, p, sp) for p, sp in zip(prompts, params, strict=True)]
     counted = _count_prefill_tokens(gen)
     out: dict[int, list[int]] = {}
@@ -443,8 +482,13 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, budget):
 def test_chunked_prefill_batches_chunks_within_the_budget(tiny_llama_dir):
     gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    prompts = [list(range(30, 39)), list(range(40, 47)), list(range(50, 60)), [1, 2, 3, 4, 5],
-               [7, 8, 9]]  # fmt: skip
+    prompts = [
+        list(range(30, 39)),
+        list(range(40, 47)),
+        list(range(50, 60)),
+        [1, 2, 3, 4, 5],
+        [7, 8, 9],
+    ]
     want = [_run_alone(gen, p, params)[0] for p in prompts]
     counted = _count_prefill_tokens(gen)
     out: dict[int, list[int]] = {}
@@ -495,8 +539,9 @@ def test_paged_path_runs_right_padded_chunks_at_any_start(tiny_llama_dir, monkey
         full = native(ids, torch.arange(9).expand(2, 9), tables, prefill=True, last_only=False)
         native.setup_cache(8, 4, torch.float32, "cpu")  # a fresh (zeroed) cache
         for row, n in ((0, 5), (1, 3)):
-            native(ids[row : row + 1, :n], torch.arange(n)[None], tables[row : row + 1],
-                   prefill=True)  # fmt: skip
+            native(
+                ids[row : row + 1, :n], torch.arange(n)[None], tables[row : row + 1], prefill=True
+            )
         chunk = torch.stack([torch.cat([ids[0, 5:9], ids[0, :2] * 0]), ids[1, 3:9]])
         pos = torch.tensor([[5], [3]]) + torch.arange(6)
         got = native(chunk, pos, tables, prefill=False, last_only=False)
@@ -530,8 +575,9 @@ def test_compiled_prefill_matches_eager_and_step_time_is_attributed(tiny_llama_d
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     eager = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4)
     want = [eager.generate(p, params)[0] for p in prompts]
-    gen = load_generator(tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4,
-                         compile_prefill=True)  # fmt: skip
+    gen = load_generator(
+        tiny_llama_dir, max_batch=4, max_seq_len=128, block_size=4, compile_prefill=True
+    )
     assert gen.warmup_prefill() > 0 and gen.time.prefill_forwards == 0  # warm-up not counted
     for i, p in enumerate(prompts):
         gen.add(i, p, params)
@@ -555,16 +601,23 @@ def test_batched_sampling_is_row_independent_and_filters():
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     P = SamplingParams
-    params = [P(), P(temperature=0.8, seed=1), P(temperature=1.0, top_k=1, seed=2),
-              P(temperature=1.0, top_p=1e-6, seed=3), P(temperature=1.3, top_k=5, top_p=0.9,
-              seed=4, logprobs=3), P(logprobs=2)]  # fmt: skip
+    params = [
+        P(),
+        P(temperature=0.8, seed=1),
+        P(temperature=1.0, top_k=1, seed=2),
+        P(temperature=1.0, top_p=1e-6, seed=3),
+        P(temperature=1.3, top_k=5, top_p=0.9, seed=4, logprobs=3),
+        P(logprobs=2),
+    ]
 
     def rngs():
         return [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
 
     together = sample_rows(logits, params, rngs())
-    alone = [sample_rows(logits[i : i + 1], [p], [g])[0]
-             for i, (p, g) in enumerate(zip(params, rngs(), strict=True))]  # fmt: skip
+    alone = [
+        sample_rows(logits[i : i + 1], [p], [g])[0]
+        for i, (p, g) in enumerate(zip(params, rngs(), strict=True))
+    ]
     assert together == alone
     best = logits.argmax(-1).tolist()
     assert together[0][0] == best[0] and together[2][0] == best[2] and together[3][0] == best[3]
@@ -575,8 +628,10 @@ def test_batched_sampling_is_row_independent_and_filters():
     assert [t for t, _ in top] == torch.topk(logp[5], 2).indices.tolist()
     assert len(together[4][2]) == 3 and together[1][2] == []
     # Seeded draws repeat; the temperature-0.8 row is not always the argmax over many seeds.
-    picks = {sample_rows(logits[1:2], [P(temperature=5.0)], [torch.Generator().manual_seed(s)])[0][0]
-             for s in range(20)}  # fmt: skip
+    picks = {
+        sample_rows(logits[1:2], [P(temperature=5.0)], [torch.Generator().manual_seed(s)])[0][0]
+        for s in range(20)
+    }
     assert len(picks) > 1
 
 
@@ -613,8 +668,9 @@ def test_failed_prefill_compile_falls_back_to_eager(tiny_llama_dir, monkeypatch)
         return fwd
 
     monkeypatch.setattr(torch, "compile", broken)
-    gen = load_generator(tiny_llama_dir, max_batch=2, max_seq_len=64, block_size=4,
-                         compile_prefill=True)  # fmt: skip
+    gen = load_generator(
+        tiny_llama_dir, max_batch=2, max_seq_len=64, block_size=4, compile_prefill=True
+    )
     assert gen.warmup_prefill() == 0.0
     assert "cannot trace" in gen.prefill_compile_error and gen.steps.prefill_forward is gen.model
     ids, _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))

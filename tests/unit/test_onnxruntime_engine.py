@@ -36,8 +36,16 @@ TEXTS = [
 
 def _info(path: Path, **kw) -> types.SimpleNamespace:
     # Stand-in for llmopt.model.info.ModelInfo (only the fields the engine reads).
-    fields = dict(task="embedding", architecture="BertModel", model_type="bert", max_context=512,
-                  pooling="mean", normalize=True, hidden_size=64, path=path)  # fmt: skip
+    fields = dict(
+        task="embedding",
+        architecture="BertModel",
+        model_type="bert",
+        max_context=512,
+        pooling="mean",
+        normalize=True,
+        hidden_size=64,
+        path=path,
+    )
     fields.update(kw)
     return types.SimpleNamespace(**fields)
 
@@ -64,8 +72,14 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("ort")
     src = root / "src"
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    )
     BertModel(config).eval().save_pretrained(src)
     for name in TOKENIZER_FILES:
         shutil.copy(tok_src / name, src / name)
@@ -78,9 +92,15 @@ def built(tmp_path_factory):
         artifacts[recipe] = root / recipe
         facts[recipe] = engine.build(src, info, get_recipe(recipe), artifacts[recipe])
     return types.SimpleNamespace(
-        src=src, before=before, after=_snapshot(src), engine=engine, info=info, facts=facts,
-        artifacts=artifacts, torch_emb=_torch_embed(src, TEXTS),
-    )  # fmt: skip
+        src=src,
+        before=before,
+        after=_snapshot(src),
+        engine=engine,
+        info=info,
+        facts=facts,
+        artifacts=artifacts,
+        torch_emb=_torch_embed(src, TEXTS),
+    )
 
 
 def _torch_embed(src: Path, texts: list[str]) -> np.ndarray:
@@ -152,8 +172,12 @@ def test_order_stable_across_batching(built):
 def test_truncation_and_threads(built):
     runner = _load(built, "fp32", max_length=8, threads=1)
     assert runner.max_length == 8 and runner.threads == 1
-    capped = built.engine.load(built.artifacts["fp32"], _info(built.src, max_context=6),
-                               get_recipe("fp32"), {"max_length": 8})  # fmt: skip
+    capped = built.engine.load(
+        built.artifacts["fp32"],
+        _info(built.src, max_context=6),
+        get_recipe("fp32"),
+        {"max_length": 8},
+    )
     assert capped.max_length == 6
     long_text = " ".join(["word"] * 300)
     assert runner.embed([long_text, "short"]).shape == (2, 64)

@@ -203,8 +203,13 @@ def test_recorded_h200_plan_matches_the_code(info_8b):
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmopt.cli.main", *args], capture_output=True,
-                          text=True, timeout=180, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "llmopt.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 def test_cli_plan_config_only_folder_on_a_gpu_by_name():
@@ -230,8 +235,14 @@ def _vllm_python() -> str | None:
     if importlib.util.find_spec("vllm"):
         return sys.executable
     for cand in (os.environ.get("LLMOPT_VLLM_PYTHON"), "/tmp/vllm-venv/bin/python"):
-        if cand and Path(cand).exists() and subprocess.run([cand, "-c", "import vllm"], capture_output=True,
-                                                            timeout=120, check=False).returncode == 0:  # fmt: skip
+        if (
+            cand
+            and Path(cand).exists()
+            and subprocess.run(
+                [cand, "-c", "import vllm"], capture_output=True, timeout=120, check=False
+            ).returncode
+            == 0
+        ):
             return cand
     return None
 
@@ -253,12 +264,21 @@ def test_vllm_own_parser_accepts_generated_flags(info_8b, info_70b):
     )
     cpu = Target("cpu", threads=2, cpu="test cpu", memory_bytes=64 * GiB, source="test")
     cpu_plan = plan_serving(info_8b, cpu, Workload(concurrency=8))
-    script = ("import json, sys\nfrom llmopt.planning.launch import check_vllm_args\n"
-              "print(json.dumps([check_vllm_args(a) for a in json.load(sys.stdin)], default=str))")  # fmt: skip
+    script = (
+        "import json, sys\nfrom llmopt.planning.launch import check_vllm_args\n"
+        "print(json.dumps([check_vllm_args(a) for a in json.load(sys.stdin)], default=str))"
+    )
     argvs = [gpu.launch["vllm"].argv, cpu_plan.launch["vllm"].argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    proc = subprocess.run([py, "-c", script], input=json.dumps(argvs), capture_output=True, text=True,
-                          timeout=300, env=env, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [py, "-c", script],
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     g, c = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (
@@ -273,6 +293,13 @@ def test_vllm_own_parser_accepts_generated_flags(info_8b, info_70b):
         and g["gpu_memory_utilization"] == 0.9
     )
     assert c["model"] == "/models/model" and c["dtype"] == "float32" and c["max_num_seqs"] == 8
-    bad = subprocess.run([py, "-c", script], input=json.dumps([["vllm", "serve", "/m", "--no-such-flag", "1"]]),
-                         capture_output=True, text=True, timeout=300, env=env, check=False)  # fmt: skip
+    bad = subprocess.run(
+        [py, "-c", script],
+        input=json.dumps([["vllm", "serve", "/m", "--no-such-flag", "1"]]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
     assert bad.returncode != 0 and "no-such-flag" in bad.stderr

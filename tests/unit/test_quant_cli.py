@@ -35,10 +35,22 @@ def test_quantize_json_and_gguf(tiny_llama_dir, tmp_path):
 
 def test_quantize_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
     p = subprocess.run(
-        [sys.executable, "-m", "llmopt.cli.main", "quantize", str(tiny_llama_dir), "--recipe",
-         "w4a16", "--out", str(tmp_path / "x"), "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "llmopt.cli.main",
+            "quantize",
+            str(tiny_llama_dir),
+            "--recipe",
+            "w4a16",
+            "--out",
+            str(tmp_path / "x"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2
     assert "group size 128 does not divide" in p.stderr and "fix:" in p.stderr
     assert p.stdout == "", "errors go to stderr: `--json > facts.json` never holds one"

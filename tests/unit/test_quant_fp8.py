@@ -74,10 +74,15 @@ def test_dynamic_fp8_activation_scale_is_per_token_absmax_over_448():
 
 @pytest.mark.parametrize(
     "spec",
-    [FP8, WeightSpec(8, "float", "tensor"), WeightSpec(8, "int", "channel"),
-     WeightSpec(4, "int", "group", 32), WeightSpec(8, "float", "channel", torch.bfloat16)],
+    [
+        FP8,
+        WeightSpec(8, "float", "tensor"),
+        WeightSpec(8, "int", "channel"),
+        WeightSpec(4, "int", "group", 32),
+        WeightSpec(8, "float", "channel", torch.bfloat16),
+    ],
     ids=["fp8-channel", "fp8-tensor", "int8-channel", "int4-g32", "fp8-bf16-scales"],
-)  # fmt: skip
+)
 def test_mse_scale_never_worse_than_absmax(spec):
     mse_spec = dataclasses.replace(spec, observer="mse")
     total_abs, total_mse = 0.0, 0.0

@@ -239,9 +239,13 @@ def test_memory_and_unsupported_layers_are_reported():
     from llmopt.quant.checks import plan_specs, preflight
 
     big = LlamaConfig(
-        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, vocab_size=128256,
-        num_attention_heads=128, num_key_value_heads=8,
-    )  # fmt: skip
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        vocab_size=128256,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(big)
     with pytest.raises(QuantMemoryError, match="GiB of host memory"):
@@ -313,8 +317,14 @@ def test_auto_exclude_refuses_when_half_the_layers_in_float_do_not_meet_the_budg
     monkeypatch.setattr(api, "_nll", worse_after_reference)
     out = tmp_path / "impossible"
     with pytest.raises(QuantBudgetError, match="could not meet the quality budget") as e:
-        quantize(tiny_llama_dir, "w4a16-rtn-g32", out, calibration=cal, auto_exclude=True,
-                 max_quality_drop=0.0)  # fmt: skip
+        quantize(
+            tiny_llama_dir,
+            "w4a16-rtn-g32",
+            out,
+            calibration=cal,
+            auto_exclude=True,
+            max_quality_drop=0.0,
+        )
     assert "7 of 14" in str(e.value) and "Nothing was written" in str(e.value)
     assert "0 in float" in str(e.value) and "7 in float" in str(e.value)
     assert not out.exists()
@@ -394,9 +404,13 @@ def test_gptq_preflight_counts_hessians_and_their_working_set():
     from llmopt.quant.checks import preflight
 
     cfg = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, vocab_size=1000,
-        num_attention_heads=32, num_key_value_heads=8,
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        vocab_size=1000,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
 

@@ -96,7 +96,7 @@ def test_asymmetric_overrides_to_8_bits_stay_symmetric():
                 "weight_symmetric": False,
             },
             "4-bit weight-only",
-        ),  # fmt: skip
+        ),
         ({"weight_bits": 4, "weight_granularity": "tensor", "weight_symmetric": False}, "group"),
         ({"weight_bits": 4, "weight_symmetric": "no"}, "True or False"),
     ],

@@ -22,38 +22,86 @@ GiB = 1024**3
 
 
 def _run_json(root: Path, model: str, task: str) -> None:
-    write_json(root / "run.json", {
-        "schema_version": 1, "llmopt_version": "0.1.0", "created": "2026-05-09T12:34:56+00:00",
-        "command": f"llmopt optimize {model} --target cpu --max-quality-drop 0.01",
-        "model": model, "model_path": f"/models/{model}", "target": "cpu",
-        "max_quality_drop": 0.01, "objective": "throughput",
-    })  # fmt: skip
-    write_json(root / "model.json", {
-        "name": model, "path": f"/models/{model}", "builtin": True, "task": task,
-        "architecture": "LlamaForCausalLM", "model_type": "llama", "num_parameters": 134_515_008,
-        "num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
-        "intermediate_size": 1536, "vocab_size": 49152, "max_context": 8192, "dtype": "bfloat16",
-        "weights_dtype": "bfloat16", "bytes_on_disk": 269_060_552,
-        "weight_files": ["model.safetensors"], "weight_format": "safetensors",
-        "tied_embeddings": True, "kv_bytes_per_token": {"float32": 46080, "bfloat16": 23040},
-        "pooling": None, "normalize": None, "fingerprint": "sha256:abc",
-    })  # fmt: skip
+    write_json(
+        root / "run.json",
+        {
+            "schema_version": 1,
+            "llmopt_version": "0.1.0",
+            "created": "2026-05-09T12:34:56+00:00",
+            "command": f"llmopt optimize {model} --target cpu --max-quality-drop 0.01",
+            "model": model,
+            "model_path": f"/models/{model}",
+            "target": "cpu",
+            "max_quality_drop": 0.01,
+            "objective": "throughput",
+        },
+    )
+    write_json(
+        root / "model.json",
+        {
+            "name": model,
+            "path": f"/models/{model}",
+            "builtin": True,
+            "task": task,
+            "architecture": "LlamaForCausalLM",
+            "model_type": "llama",
+            "num_parameters": 134_515_008,
+            "num_layers": 30,
+            "hidden_size": 576,
+            "num_heads": 9,
+            "num_kv_heads": 3,
+            "head_dim": 64,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "max_context": 8192,
+            "dtype": "bfloat16",
+            "weights_dtype": "bfloat16",
+            "bytes_on_disk": 269_060_552,
+            "weight_files": ["model.safetensors"],
+            "weight_format": "safetensors",
+            "tied_embeddings": True,
+            "kv_bytes_per_token": {"float32": 46080, "bfloat16": 23040},
+            "pooling": None,
+            "normalize": None,
+            "fingerprint": "sha256:abc",
+        },
+    )
 
 
 def _plan(root: Path, cands: list[Candidate]) -> None:
-    write_json(root / "plan.json", {
-        "schema_version": 1,
-        "target": {"device": "cpu", "threads": 2, "cpu": "Test CPU", "memory_bytes": 8 * GiB,
-                   "features": ["avx2"]},
-        "workload": {"prompt_tokens": 128, "new_tokens": 64},
-        "memory": {"weights_bytes": {"float32": 538_060_032, "bfloat16": 269_030_016,
-                                     "int8": 150_000_000},
-                   "kv_bytes_per_token": {"float32": 46080}, "notes": ["weights fit 15x over"]},
-        "candidates": [c.to_dict() for c in cands],
-        "skipped": [{"id": "gguf-q4", "engine": "llamacpp", "recipe": "gguf-q4_k_m",
-                     "reason": "llama-cpp-python not installed: pip install llmopt[llamacpp]"}],
-        "notes": ["plan note"],
-    })  # fmt: skip
+    write_json(
+        root / "plan.json",
+        {
+            "schema_version": 1,
+            "target": {
+                "device": "cpu",
+                "threads": 2,
+                "cpu": "Test CPU",
+                "memory_bytes": 8 * GiB,
+                "features": ["avx2"],
+            },
+            "workload": {"prompt_tokens": 128, "new_tokens": 64},
+            "memory": {
+                "weights_bytes": {
+                    "float32": 538_060_032,
+                    "bfloat16": 269_030_016,
+                    "int8": 150_000_000,
+                },
+                "kv_bytes_per_token": {"float32": 46080},
+                "notes": ["weights fit 15x over"],
+            },
+            "candidates": [c.to_dict() for c in cands],
+            "skipped": [
+                {
+                    "id": "gguf-q4",
+                    "engine": "llamacpp",
+                    "recipe": "gguf-q4_k_m",
+                    "reason": "llama-cpp-python not installed: pip install llmopt[llamacpp]",
+                }
+            ],
+            "notes": ["plan note"],
+        },
+    )
 
 
 def _cand(root: Path, c: Candidate, verify=None, bench=None, error=None) -> None:
@@ -70,24 +118,48 @@ def _cand(root: Path, c: Candidate, verify=None, bench=None, error=None) -> None
 
 def _lm_verify(cid: str, ppl: float, top1: float, passed: bool) -> VerifyResult:
     ref = 12.3456
-    return VerifyResult(cid, "causal-lm", [
-        Metric("perplexity", ref, ppl, False, threshold=ref * 1.01, passed=ppl <= ref * 1.01,
-               n=4096, note="wikitext sample"),
-        Metric("top1_agreement", 1.0, top1, True, threshold=0.9, passed=top1 >= 0.9, n=4096),
-        Metric("kl_divergence_mean", 0.0, 0.0123, False, n=4096, unit="nats"),
-        Metric("custom_metric_xyz", None, 7.5, True),
-    ], passed=passed, quality_drop=(ppl - ref) / ref, seconds=3.2)  # fmt: skip
+    return VerifyResult(
+        cid,
+        "causal-lm",
+        [
+            Metric(
+                "perplexity",
+                ref,
+                ppl,
+                False,
+                threshold=ref * 1.01,
+                passed=ppl <= ref * 1.01,
+                n=4096,
+                note="wikitext sample",
+            ),
+            Metric("top1_agreement", 1.0, top1, True, threshold=0.9, passed=top1 >= 0.9, n=4096),
+            Metric("kl_divergence_mean", 0.0, 0.0123, False, n=4096, unit="nats"),
+            Metric("custom_metric_xyz", None, 7.5, True),
+        ],
+        passed=passed,
+        quality_drop=(ppl - ref) / ref,
+        seconds=3.2,
+    )
 
 
 def _lm_bench(cid: str, decode: list[float], rss: int, artifact: int) -> BenchResult:
     return BenchResult(
-        cid, "causal-lm",
-        {"decode_tokens_per_s": summarize(decode, "tok/s"),
-         "prefill_tokens_per_s": summarize([x * 10 for x in decode], "tok/s")},
-        "decode_tokens_per_s", rss, rss - 200_000_000, artifact, 1.1, 0.4,
-        settings={"threads": 2}, env={"torch": "2.5.1", "cpu": "Test CPU", "threads": 2},
+        cid,
+        "causal-lm",
+        {
+            "decode_tokens_per_s": summarize(decode, "tok/s"),
+            "prefill_tokens_per_s": summarize([x * 10 for x in decode], "tok/s"),
+        },
+        "decode_tokens_per_s",
+        rss,
+        rss - 200_000_000,
+        artifact,
+        1.1,
+        0.4,
+        settings={"threads": 2},
+        env={"torch": "2.5.1", "cpu": "Test CPU", "threads": 2},
         notes=["bench note"],
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -98,21 +170,48 @@ def lm_run(tmp_path: Path) -> Path:
     w8 = Candidate("hf-w8a16", "torch", "w8a16", {"weight_bits": 8}, False, "int8 weights")
     _run_json(root, "smollm2-135m", "causal-lm")
     _plan(root, [ref, bf16, w8])
-    _cand(root, ref, _lm_verify(ref.id, 12.3456, 1.0, True),
-          _lm_bench(ref.id, [40.0, 41.0, 42.5], 900_000_000, 538_000_000))  # fmt: skip
-    _cand(root, bf16, _lm_verify(bf16.id, 12.3789, 0.987, True),
-          _lm_bench(bf16.id, [70.0, 74.25, 75.0], 600_000_000, 269_000_000))  # fmt: skip
-    _cand(root, w8, _lm_verify(w8.id, 13.9012, 0.91, False),
-          _lm_bench(w8.id, [90.0, 95.5, 99.0], 450_000_000, 150_000_000))  # fmt: skip
-    write_json(root / "selection.json", Selection(
-        "throughput", bf16.id, 0.01,
-        {ref.id: "reference; slower than hf-bf16", bf16.id: "fastest within budget",
-         w8.id: "perplexity 13.9 above threshold 12.47 (quality drop 12.60% > 1.00%)"},
-        [bf16.id, ref.id], [ref.id, bf16.id, w8.id],
-    ).to_dict())  # fmt: skip
-    write_json(root / "doctor.json", {"findings": [
-        {"check": "python", "status": "ok", "evidence": "3.11", "fix": ""},
-        {"check": "numa", "status": "warn", "evidence": "1 node", "fix": "none needed"}]})  # fmt: skip
+    _cand(
+        root,
+        ref,
+        _lm_verify(ref.id, 12.3456, 1.0, True),
+        _lm_bench(ref.id, [40.0, 41.0, 42.5], 900_000_000, 538_000_000),
+    )
+    _cand(
+        root,
+        bf16,
+        _lm_verify(bf16.id, 12.3789, 0.987, True),
+        _lm_bench(bf16.id, [70.0, 74.25, 75.0], 600_000_000, 269_000_000),
+    )
+    _cand(
+        root,
+        w8,
+        _lm_verify(w8.id, 13.9012, 0.91, False),
+        _lm_bench(w8.id, [90.0, 95.5, 99.0], 450_000_000, 150_000_000),
+    )
+    write_json(
+        root / "selection.json",
+        Selection(
+            "throughput",
+            bf16.id,
+            0.01,
+            {
+                ref.id: "reference; slower than hf-bf16",
+                bf16.id: "fastest within budget",
+                w8.id: "perplexity 13.9 above threshold 12.47 (quality drop 12.60% > 1.00%)",
+            },
+            [bf16.id, ref.id],
+            [ref.id, bf16.id, w8.id],
+        ).to_dict(),
+    )
+    write_json(
+        root / "doctor.json",
+        {
+            "findings": [
+                {"check": "python", "status": "ok", "evidence": "3.11", "fix": ""},
+                {"check": "numa", "status": "warn", "evidence": "1 node", "fix": "none needed"},
+            ]
+        },
+    )
     return root
 
 
@@ -124,19 +223,43 @@ def emb_run(tmp_path: Path) -> Path:
     _run_json(root, "minilm-l6", "embedding")
     _plan(root, [ref, ort])
     for c, cos, rate in ((ref, 1.0, 100.0), (ort, 0.9912, 260.0)):
-        v = VerifyResult(c.id, "embedding", [
-            Metric("cosine_mean", 1.0, cos, True, 0.99, cos >= 0.99, 1000),
-            Metric("cosine_p1", 1.0, cos - 0.01, True, n=1000),
-            Metric("cosine_min", 1.0, cos - 0.02, True, n=1000),
-            Metric("wordsim353_spearman", 0.8, 0.795, True, n=353),
-        ], passed=True, quality_drop=1 - cos)  # fmt: skip
-        b = BenchResult(c.id, "embedding",
-                        {"sentences_per_s_b1": summarize([rate / 4, rate / 4.2], "sent/s"),
-                         "sentences_per_s_b32": summarize([rate, rate * 1.02], "sent/s")},
-                        "sentences_per_s_b32", 300_000_000, 90_000_000, 23_000_000, 0.3, 0.1)  # fmt: skip
+        v = VerifyResult(
+            c.id,
+            "embedding",
+            [
+                Metric("cosine_mean", 1.0, cos, True, 0.99, cos >= 0.99, 1000),
+                Metric("cosine_p1", 1.0, cos - 0.01, True, n=1000),
+                Metric("cosine_min", 1.0, cos - 0.02, True, n=1000),
+                Metric("wordsim353_spearman", 0.8, 0.795, True, n=353),
+            ],
+            passed=True,
+            quality_drop=1 - cos,
+        )
+        b = BenchResult(
+            c.id,
+            "embedding",
+            {
+                "sentences_per_s_b1": summarize([rate / 4, rate / 4.2], "sent/s"),
+                "sentences_per_s_b32": summarize([rate, rate * 1.02], "sent/s"),
+            },
+            "sentences_per_s_b32",
+            300_000_000,
+            90_000_000,
+            23_000_000,
+            0.3,
+            0.1,
+        )
         _cand(root, c, v, b)
-    write_json(root / "selection.json", Selection("throughput", ort.id, 0.01,
-               {ref.id: "reference", ort.id: "fastest within budget"}, [ort.id, ref.id]).to_dict())  # fmt: skip
+    write_json(
+        root / "selection.json",
+        Selection(
+            "throughput",
+            ort.id,
+            0.01,
+            {ref.id: "reference", ort.id: "fastest within budget"},
+            [ort.id, ref.id],
+        ).to_dict(),
+    )
     return root
 
 
@@ -148,10 +271,21 @@ def failed_run(tmp_path: Path) -> Path:
     todo = Candidate("hf-bf16", "torch", "bf16")
     _run_json(root, "smollm2-135m", "causal-lm")
     _plan(root, [bad, ref, todo])  # reference not first in the plan: the view puts it first
-    _cand(root, ref, _lm_verify(ref.id, 12.3456, 1.0, True),
-          _lm_bench(ref.id, [40.0, 41.0, 42.5], 900_000_000, 538_000_000))  # fmt: skip
-    _cand(root, bad, error={"stage": "build", "error": "onnx export failed: <op> Unsupported",
-                            "traceback": "Traceback (most recent call last):\n  boom ```"})  # fmt: skip
+    _cand(
+        root,
+        ref,
+        _lm_verify(ref.id, 12.3456, 1.0, True),
+        _lm_bench(ref.id, [40.0, 41.0, 42.5], 900_000_000, 538_000_000),
+    )
+    _cand(
+        root,
+        bad,
+        error={
+            "stage": "build",
+            "error": "onnx export failed: <op> Unsupported",
+            "traceback": "Traceback (most recent call last):\n  boom ```",
+        },
+    )
     return root
 
 
@@ -163,8 +297,19 @@ def bare_run(tmp_path: Path) -> Path:
 
 
 class _Balance(HTMLParser):
-    VOID = {"meta", "br", "hr", "img", "input", "link", "line", "rect", "circle", "path",
-            "polyline"}  # fmt: skip
+    VOID = {
+        "meta",
+        "br",
+        "hr",
+        "img",
+        "input",
+        "link",
+        "line",
+        "rect",
+        "circle",
+        "path",
+        "polyline",
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -218,9 +363,22 @@ def test_lm_run(lm_run: Path) -> None:
     for text in (md, html):
         for cid in ("hf-fp32", "hf-bf16", "hf-w8a16", "gguf-q4"):
             assert cid in text
-        for num in ("12.35", "12.38", "13.9", "+0.0333", "74.25", "75", "95.5", "1.81x",
-                    "2.33x", "572.2 MiB", fmt_pct(view.get("hf-w8a16").verify.quality_drop),
-                    "custom_metric_xyz", "kl_divergence_mean", "2.5.1"):  # fmt: skip
+        for num in (
+            "12.35",
+            "12.38",
+            "13.9",
+            "+0.0333",
+            "74.25",
+            "75",
+            "95.5",
+            "1.81x",
+            "2.33x",
+            "572.2 MiB",
+            fmt_pct(view.get("hf-w8a16").verify.quality_drop),
+            "custom_metric_xyz",
+            "kl_divergence_mean",
+            "2.5.1",
+        ):
             assert num in text, num
         assert "Chosen: hf-bf16" in text
         assert "perplexity 13.9 above threshold 12.47" in text
@@ -242,8 +400,16 @@ def test_embedding_run(emb_run: Path) -> None:
     _check_html(html)
     for text in (md, html):
         assert "ort-int8" in text and "onnxruntime" in text
-        for name in ("cosine_mean", "cosine_p1", "cosine_min", "wordsim353_spearman",
-                     "sentences_per_s_b32", "sentences_per_s_b1", "0.9912", "2.60x"):  # fmt: skip
+        for name in (
+            "cosine_mean",
+            "cosine_p1",
+            "cosine_min",
+            "wordsim353_spearman",
+            "sentences_per_s_b32",
+            "sentences_per_s_b1",
+            "0.9912",
+            "2.60x",
+        ):
             assert name in text, name
     assert "Chosen: ort-int8" in md
 
@@ -316,7 +482,10 @@ def test_formatters() -> None:
     assert nice_ticks(0, 97) == [0, 20, 40, 60, 80, 100]
     assert nice_ticks(0, 0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
     assert order_names(["z", "cosine_min", "perplexity"], ("perplexity", "cosine_min")) == [
-        "perplexity", "cosine_min", "z"]  # fmt: skip
+        "perplexity",
+        "cosine_min",
+        "z",
+    ]
 
 
 def test_import_without_torch() -> None:
@@ -334,12 +503,27 @@ def test_roofline_rows_render(tmp_path):
     from llmopt.report.facts import roofline_rows
     from llmopt.report.view import CandidateView
 
-    phase = {"phase": "decode b1", "achieved_bytes_per_s": 6.0e9, "bandwidth_share": 0.5,
-             "achieved_flops_per_s": 2.5e9, "flops_share": 0.02, "verdict": "memory-bound",
-             "implication": "fewer bytes per token help"}  # fmt: skip
-    bench = BenchResult("c", "causal-lm", {"decode_tokens_per_s": summarize([10.0])},
-                        "decode_tokens_per_s", 1, 1, 1, 0.0, 0.0,
-                        roofline={"ceilings": {}, "phases": [phase]})  # fmt: skip
+    phase = {
+        "phase": "decode b1",
+        "achieved_bytes_per_s": 6.0e9,
+        "bandwidth_share": 0.5,
+        "achieved_flops_per_s": 2.5e9,
+        "flops_share": 0.02,
+        "verdict": "memory-bound",
+        "implication": "fewer bytes per token help",
+    }
+    bench = BenchResult(
+        "c",
+        "causal-lm",
+        {"decode_tokens_per_s": summarize([10.0])},
+        "decode_tokens_per_s",
+        1,
+        1,
+        1,
+        0.0,
+        0.0,
+        roofline={"ceilings": {}, "phases": [phase]},
+    )
     cv = CandidateView.__new__(CandidateView)
     cv.bench = bench
     rows = roofline_rows(cv)

@@ -131,13 +131,29 @@ def test_budget_fits():
 def _bench(cid: str, task: str, **medians: float) -> BenchResult:
     metrics = {k: summarize([v * 0.98, v, v * 1.02]) for k, v in medians.items()}
     primary = "decode_tokens_per_s" if task == "causal-lm" else "sentences_per_s_b32"
-    return BenchResult(cid, task, metrics, primary, 100 * 2**20, 50 * 2**20, 1, 0.0, 0.0,
-                       settings={"prompt_tokens": 100, "new_tokens": 10})  # fmt: skip
+    return BenchResult(
+        cid,
+        task,
+        metrics,
+        primary,
+        100 * 2**20,
+        50 * 2**20,
+        1,
+        0.0,
+        0.0,
+        settings={"prompt_tokens": 100, "new_tokens": 10},
+    )
 
 
 def test_objectives_read_the_right_numbers():
-    b = _bench("x", "causal-lm", decode_tokens_per_s=20, decode_tokens_per_s_b4=50,
-               prefill_tokens_per_s=1000, decode_ms_per_token=50)  # fmt: skip
+    b = _bench(
+        "x",
+        "causal-lm",
+        decode_tokens_per_s=20,
+        decode_tokens_per_s_b4=50,
+        prefill_tokens_per_s=1000,
+        decode_ms_per_token=50,
+    )
     assert get_objective("throughput").value(b) == pytest.approx(50)  # largest batch measured
     # 100 prompt tokens at 1000/s + 10 tokens x p90 ms/token
     assert get_objective("latency").value(b) == pytest.approx(100 + 10 * 50 * 1.016, rel=1e-3)
@@ -172,21 +188,40 @@ def _verify(cid: str, drop: float) -> VerifyResult:
 
 
 def test_select_by_objective_and_cut_reasons():
-    cands = [Candidate("ref", "hf", "fp32", reference=True), Candidate("fast", "hf", "w8a16"),
-             Candidate("small", "hf", "bf16"), Candidate("cut", "hf", "x")]  # fmt: skip
+    cands = [
+        Candidate("ref", "hf", "fp32", reference=True),
+        Candidate("fast", "hf", "w8a16"),
+        Candidate("small", "hf", "bf16"),
+        Candidate("cut", "hf", "x"),
+    ]
     verify = {
         "ref": _verify("ref", 0),
         "fast": _verify("fast", 0.005),
         "small": _verify("small", 0.002),
     }
     bench = {
-        "ref": _bench("ref", "causal-lm", decode_tokens_per_s=10, prefill_tokens_per_s=500,
-                      decode_ms_per_token=100),
-        "fast": _bench("fast", "causal-lm", decode_tokens_per_s=30, prefill_tokens_per_s=300,
-                       decode_ms_per_token=33),
-        "small": _bench("small", "causal-lm", decode_tokens_per_s=20, prefill_tokens_per_s=2000,
-                        decode_ms_per_token=50),
-    }  # fmt: skip
+        "ref": _bench(
+            "ref",
+            "causal-lm",
+            decode_tokens_per_s=10,
+            prefill_tokens_per_s=500,
+            decode_ms_per_token=100,
+        ),
+        "fast": _bench(
+            "fast",
+            "causal-lm",
+            decode_tokens_per_s=30,
+            prefill_tokens_per_s=300,
+            decode_ms_per_token=33,
+        ),
+        "small": _bench(
+            "small",
+            "causal-lm",
+            decode_tokens_per_s=20,
+            prefill_tokens_per_s=2000,
+            decode_ms_per_token=50,
+        ),
+    }
     bench["small"].peak_rss_bytes = 40 * 2**20
     cut = {"cut": "screened out at fidelity 1 (screen): ppl +7.0% > budget 1.0%"}
     tp = select(SelectionInput(cands, verify, bench, 0.01, "throughput", cut=cut))
@@ -226,14 +261,22 @@ def test_stage_past_the_deadline_is_killed_and_recorded_as_cut(tiny_bert_dir, tm
     info = inspect_model(tiny_bert_dir)
     plan = make_plan(info, CPU, only=["hf-bf16"])
     run = RunDir(tmp_path / "run")
-    run.open({"model_fingerprint": info.fingerprint, "target": "cpu",
-              "model_path": str(tiny_bert_dir), "settings": {"threads": 1}})  # fmt: skip
+    run.open(
+        {
+            "model_fingerprint": info.fingerprint,
+            "target": "cpu",
+            "model_path": str(tiny_bert_dir),
+            "settings": {"threads": 1},
+        }
+    )
     write_json(run.model_json, info.to_dict())
     write_json(run.plan_json, plan.to_dict())
     write_json(run.candidate("hf-bf16").stage_file("candidate"), plan.candidates[1].to_dict())
     t0 = time.monotonic()
-    rec = run_task(str(run.root), Task("hf-bf16", [("build", "full")], "screen", "hf-fp32",
-                                       deadline=time.time()))  # fmt: skip
+    rec = run_task(
+        str(run.root),
+        Task("hf-bf16", [("build", "full")], "screen", "hf-fp32", deadline=time.time()),
+    )
     assert time.monotonic() - t0 < 30
     assert rec["ok"] is False and rec["out_of_time"] == "time budget exhausted during build (full)"
     cdir = run.candidate("hf-bf16")

@@ -73,15 +73,23 @@ def _fake_run(root, tiny_llama_dir, run_target="cpu", deploy_kind="cpu"):
     best = root / "best"
     (best / "deploy").mkdir(parents=True)
     (root / "run.json").write_text(json.dumps({"target": run_target}))
-    (best / "candidate.json").write_text(json.dumps({"id": "torch-fp32", "engine": "torch",
-                                                     "recipe": "fp32", "settings": {}}))  # fmt: skip
+    (best / "candidate.json").write_text(
+        json.dumps({"id": "torch-fp32", "engine": "torch", "recipe": "fp32", "settings": {}})
+    )
     (best / "model.json").write_text(json.dumps(inspect_model(tiny_llama_dir).to_dict()))
     cmd = f"llmopt serve {best} --host 127.0.0.1 --port 8000 --max-num-seqs 3"
-    (best / "launch.json").write_text(json.dumps({"serve": {"command": cmd,
-                                      "scheduler": "--max-num-seqs 3: most decode throughput"}}))  # fmt: skip
-    plan = {"target": {"kind": deploy_kind, "name": "CPU"}, "max_num_seqs": 64,
-            "max_num_batched_tokens": 1024, "max_model_len": 96,
-            "memory": {"block_size": 8, "kv_tokens": 200, "kv_bytes_per_token_per_gpu": 2048}}  # fmt: skip
+    (best / "launch.json").write_text(
+        json.dumps(
+            {"serve": {"command": cmd, "scheduler": "--max-num-seqs 3: most decode throughput"}}
+        )
+    )
+    plan = {
+        "target": {"kind": deploy_kind, "name": "CPU"},
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 1024,
+        "max_model_len": 96,
+        "memory": {"block_size": 8, "kv_tokens": 200, "kv_bytes_per_token_per_gpu": 2048},
+    }
     (best / "deploy" / "plan.json").write_text(json.dumps(plan))
     return root
 
@@ -94,23 +102,35 @@ def test_settings_come_from_the_plan_unless_given(tiny_llama_dir):
     # the budget is far larger) holds what 8 sequences of 128 tokens use, plus scratch.
     r = plan_values(str(tiny_llama_dir), {}, threads=2)
     assert set(r.sources.values()) == {"plan"}, r.sources
-    assert r.values == {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "block_size": 16,
-                        "max_seq_len": 128, "num_blocks": 8 * 8 + 1}  # fmt: skip
+    assert r.values == {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 2048,
+        "block_size": 16,
+        "max_seq_len": 128,
+        "num_blocks": 8 * 8 + 1,
+    }
     assert "capped to 2048 for 2 CPU threads" in r.notes["max_num_batched_tokens"]
     # More threads, more sequences; flags win, and the cache follows the effective values.
     assert plan_values(str(tiny_llama_dir), {}, threads=4).values["max_num_seqs"] == 16
-    r = plan_values(str(tiny_llama_dir), {"max_num_seqs": 3, "block_size": 4, "max_seq_len": 64},
-                    threads=2)  # fmt: skip
-    assert r.sources == {"max_num_seqs": "flag", "block_size": "flag", "max_seq_len": "flag",
-                         "max_num_batched_tokens": "plan", "num_blocks": "plan"}  # fmt: skip
+    r = plan_values(
+        str(tiny_llama_dir), {"max_num_seqs": 3, "block_size": 4, "max_seq_len": 64}, threads=2
+    )
+    assert r.sources == {
+        "max_num_seqs": "flag",
+        "block_size": "flag",
+        "max_seq_len": "flag",
+        "max_num_batched_tokens": "plan",
+        "num_blocks": "plan",
+    }
     assert r.values["num_blocks"] == 3 * 16 + 1
     s = resolve_settings(str(tiny_llama_dir), {"num_blocks": 40}, threads=2)
     assert (s.num_blocks, s.source("num_blocks"), s.source("max_num_seqs")) == (40, "flag", "plan")
     # decode-batch-sizes are checked against the planned max-num-seqs, and the error says so.
     with pytest.raises(ValueError, match=r"max-num-seqs \(8, from the plan\)"):
         resolve_settings(str(tiny_llama_dir), {}, threads=2, decode_batch_sizes=(16,))
-    s = resolve_settings(str(tiny_llama_dir), {"max_num_seqs": 16}, threads=2,
-                         decode_batch_sizes=(16,))  # fmt: skip
+    s = resolve_settings(
+        str(tiny_llama_dir), {"max_num_seqs": 16}, threads=2, decode_batch_sizes=(16,)
+    )
     assert s.batch_sizes() == [16]
 
 
@@ -123,8 +143,13 @@ def test_settings_come_from_the_run_plan(tiny_llama_dir, tmp_path):
         assert set(r.sources.values()) == {"run plan"}, r.sources
         # launch.json's measured max-num-seqs (3) over the bundle's 64; the bundle's budget,
         # blocks and length; its 200 KV tokens = 25 blocks of 8 (3 x 96 tokens would use 36).
-        assert r.values == {"max_num_seqs": 3, "max_num_batched_tokens": 1024, "block_size": 8,
-                            "max_seq_len": 96, "num_blocks": 25 + 1}  # fmt: skip
+        assert r.values == {
+            "max_num_seqs": 3,
+            "max_num_batched_tokens": 1024,
+            "block_size": 8,
+            "max_seq_len": 96,
+            "num_blocks": 25 + 1,
+        }
         assert "most decode throughput" in r.notes["max_num_seqs"]
     r = plan_values(str(run), {"block_size": 4}, threads=2)
     assert r.sources["block_size"] == "flag" and r.values["num_blocks"] == 200 // 4 + 1
@@ -149,8 +174,13 @@ def test_settings_planned_for_a_cuda_gpu(tiny_llama_dir, monkeypatch):
     r = plan_values(str(tiny_llama_dir), {}, device="cuda", recipe="bf16")
     assert set(r.sources.values()) == {"plan"}, r.sources
     # No CPU caps: vLLM's 256 sequences and 8192-token step; the cache what 256 x 128 use.
-    assert r.values == {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16,
-                        "max_seq_len": 128, "num_blocks": 256 * 8 + 1}  # fmt: skip
+    assert r.values == {
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "block_size": 16,
+        "max_seq_len": 128,
+        "num_blocks": 256 * 8 + 1,
+    }
     assert "NVIDIA H100 80GB HBM3, 60.0 of 80.0 GiB free, bfloat16 weights" in r.notes["block_size"]
 
 
@@ -169,8 +199,14 @@ def client(tiny_llama_dir):
     from llmopt.serve.api.app import create_app
     from llmopt.serve.server import load_context
 
-    s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
-                      api_key="k", max_body_bytes=2048)  # fmt: skip
+    s = ServeSettings(
+        max_num_seqs=2,
+        num_blocks=32,
+        block_size=4,
+        max_seq_len=96,
+        api_key="k",
+        max_body_bytes=2048,
+    )
     ctx = load_context(str(tiny_llama_dir), s)
     with TestClient(create_app(ctx), headers={"Authorization": "Bearer k"}) as c:
         c.ctx = ctx
@@ -186,8 +222,17 @@ def _err(r, status):
 
 def test_completion_and_chat_shapes(client):
     name = client.get("/v1/models").json()["data"][0]["id"]
-    r = client.post("/v1/completions", json={"model": name, "prompt": "abc", "max_tokens": 5,
-                                             "temperature": 0, "logprobs": 2, "ignore_eos": True})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": name,
+            "prompt": "abc",
+            "max_tokens": 5,
+            "temperature": 0,
+            "logprobs": 2,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     d = r.json()
     assert d["object"] == "text_completion" and d["usage"]["completion_tokens"] == 5
@@ -195,19 +240,44 @@ def test_completion_and_chat_shapes(client):
     assert len(lp["tokens"]) == 5 and all(len(t) >= 1 for t in lp["top_logprobs"])
     assert d["choices"][0]["finish_reason"] == "length"
     # echo with logprobs: prompt tokens first, the first without a log-probability
-    r = client.post("/v1/completions", json={"model": name, "prompt": [97, 98, 99], "max_tokens": 2,
-                                             "echo": True, "logprobs": 1, "temperature": 0})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": name,
+            "prompt": [97, 98, 99],
+            "max_tokens": 2,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+        },
+    )
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(v, float) for v in lp["token_logprobs"][1:]) and len(lp["tokens"]) == 5
     assert r.json()["choices"][0]["text"].startswith(client.ctx.tokenizer.decode([97, 98, 99]))
     # n=2 and a token-id prompt
-    r = client.post("/v1/completions", json={"model": name, "prompt": [97, 98], "max_tokens": 3,
-                                             "n": 2, "temperature": 0.8, "seed": 1})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": name,
+            "prompt": [97, 98],
+            "max_tokens": 3,
+            "n": 2,
+            "temperature": 0.8,
+            "seed": 1,
+        },
+    )
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
-    r = client.post("/v1/chat/completions", json={"model": name, "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                    "top_logprobs": 1})  # fmt: skip
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": name,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    )
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
     assert c["message"]["role"] == "assistant" and len(c["logprobs"]["content"]) >= 1
@@ -224,8 +294,16 @@ def test_echo_prompt_logprobs_match_the_model(client, tiny_llama_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
-    body = {"model": name, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2,
-            "temperature": 0, "ignore_eos": True, "n": 2}  # fmt: skip
+    body = {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": 3,
+        "echo": True,
+        "logprobs": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 2,
+    }
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     for ch in r.json()["choices"]:
@@ -246,8 +324,11 @@ def test_echo_prompt_logprobs_match_the_model(client, tiny_llama_dir):
         ]
     # Streamed: the prompt and its log-probabilities arrive once, with each choice's first token.
     with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as resp:
-        chunks = [json.loads(x[6:]) for x in resp.iter_lines()
-                  if x.startswith("data: ") and x != "data: [DONE]"]  # fmt: skip
+        chunks = [
+            json.loads(x[6:])
+            for x in resp.iter_lines()
+            if x.startswith("data: ") and x != "data: [DONE]"
+        ]
     streamed = {0: [], 1: []}
     for c in chunks:
         for ch in c["choices"]:
@@ -264,12 +345,18 @@ def test_echo_prompt_logprobs_match_the_model(client, tiny_llama_dir):
     ch, usage = r.json()["choices"][0], r.json()["usage"]
     assert ch["text"] == tok.decode(prompt) and ch["finish_reason"] == "length"
     assert ch["logprobs"]["token_logprobs"] == pytest.approx(full[: len(prompt)])
-    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 0,
-                     "total_tokens": len(prompt)}  # fmt: skip
+    assert usage == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 0,
+        "total_tokens": len(prompt),
+    }
     stream = score | {"stream": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/completions", json=stream) as resp:
-        chunks = [json.loads(x[6:]) for x in resp.iter_lines()
-                  if x.startswith("data: ") and x != "data: [DONE]"]  # fmt: skip
+        chunks = [
+            json.loads(x[6:])
+            for x in resp.iter_lines()
+            if x.startswith("data: ") and x != "data: [DONE]"
+        ]
     assert "".join(c["text"] for x in chunks for c in x["choices"]) == tok.decode(prompt)
     assert chunks[-1]["usage"]["completion_tokens"] == 0
     e = _err(client.post("/v1/completions", json=score | {"echo": False}), 400)
@@ -278,8 +365,14 @@ def test_echo_prompt_logprobs_match_the_model(client, tiny_llama_dir):
 
 def test_stream_chunks_end_with_done_and_usage(client):
     name = client.ctx.served_name
-    body = {"model": name, "prompt": "abc", "max_tokens": 4, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": name,
+        "prompt": "abc",
+        "max_tokens": 4,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/completions", json=body) as r:
         lines = [x for x in r.iter_lines() if x.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -310,8 +403,12 @@ def test_bad_requests_get_openai_errors(client, body, status, param):
 
 def test_guard(client):
     name = client.ctx.served_name
-    e = _err(client.post("/v1/completions", content=b"{not json",
-                         headers={"content-type": "application/json"}), 400)  # fmt: skip
+    e = _err(
+        client.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
     assert "JSON" in e["message"]
     _err(client.post("/v1/completions", json={"model": name, "prompt": "x" * 5000}), 413)
     r = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
@@ -334,8 +431,9 @@ def test_request_timeout_gives_504_and_frees_the_sequence(tiny_llama_dir):
     from llmopt.serve.api.app import create_app
     from llmopt.serve.server import load_context
 
-    s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
-                      request_timeout_s=1e-4)  # fmt: skip
+    s = ServeSettings(
+        max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96, request_timeout_s=1e-4
+    )
     ctx = load_context(str(tiny_llama_dir), s)
     with TestClient(create_app(ctx)) as c:
         body = {"model": ctx.served_name, "prompt": "hello there", "max_tokens": 40}
@@ -355,8 +453,9 @@ def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
     from llmopt.serve.server import load_context
 
     for on, want in ((True, True), (False, False), (None, False)):  # None: the native default
-        s = ServeSettings(max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96,
-                          enable_chunked_prefill=on)  # fmt: skip
+        s = ServeSettings(
+            max_num_seqs=2, num_blocks=32, block_size=4, max_seq_len=96, enable_chunked_prefill=on
+        )
         ctx = load_context(str(tiny_llama_dir), s)
         assert ctx.engine.sched.chunked_prefill is want
         assert ctx.effective["enable_chunked_prefill"]["value"] is want

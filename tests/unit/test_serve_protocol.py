@@ -43,84 +43,167 @@ from llmopt.serve.settings import ServeSettings  # noqa: E402
 
 HEAD = {"id": "cmpl-1", "created": 7, "model": "m"}
 USAGE = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
-LP = CompletionLogprobs(tokens=["a", "b"], token_logprobs=[None, -0.5],
-                        top_logprobs=[None, {"b": -0.5, "c": -1.25}], text_offset=[0, 1])  # fmt: skip
-CHAT_LP = ChatLogprobs(content=[ChatLogprobToken(token="é", logprob=-0.1, bytes=[195, 169],
-                       top_logprobs=[ChatLogprob(token="é", logprob=-0.1, bytes=[195, 169])])])  # fmt: skip
+LP = CompletionLogprobs(
+    tokens=["a", "b"],
+    token_logprobs=[None, -0.5],
+    top_logprobs=[None, {"b": -0.5, "c": -1.25}],
+    text_offset=[0, 1],
+)
+CHAT_LP = ChatLogprobs(
+    content=[
+        ChatLogprobToken(
+            token="é",
+            logprob=-0.1,
+            bytes=[195, 169],
+            top_logprobs=[ChatLogprob(token="é", logprob=-0.1, bytes=[195, 169])],
+        )
+    ]
+)
 
 # (model, the JSON the hand-written dicts produced for the same example)
 EXAMPLES: list[tuple[WireModel, str]] = [
-    (error_body("bad", param="stop"),
-     '{"error":{"message":"bad","type":"invalid_request_error","param":"stop","code":null}}'),
-    (CompletionResponse(**HEAD, choices=[CompletionChoice(index=0, text="ab", logprobs=LP,
-                                                          finish_reason="length")], usage=USAGE),
-     '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
-     '"text":"ab","logprobs":{"tokens":["a","b"],"token_logprobs":[null,-0.5],"top_logprobs":'
-     '[null,{"b":-0.5,"c":-1.25}],"text_offset":[0,1]},"finish_reason":"length"}],"usage":'
-     '{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}'),
-    (CompletionStreamResponse(**HEAD, choices=[CompletionChoice(index=1, text="x")]),
-     '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":1,'
-     '"text":"x","logprobs":null,"finish_reason":null}]}'),
-    (CompletionStreamResponse(**HEAD, choices=[CompletionChoice(index=0, text="x")], usage=None),
-     '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
-     '"text":"x","logprobs":null,"finish_reason":null}],"usage":null}'),
-    (CompletionStreamResponse(**HEAD, choices=[], usage=USAGE),
-     '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[],"usage":'
-     '{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}'),
-    (ChatCompletionResponse(**HEAD, choices=[ChatChoice(index=0, message=ChatMessageOut(
-        content="hi"), logprobs=CHAT_LP, finish_reason="stop")], usage=USAGE),
-     '{"id":"cmpl-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,'
-     '"message":{"role":"assistant","content":"hi"},"logprobs":{"content":[{"token":"é",'
-     '"logprob":-0.1,"bytes":[195,169],"top_logprobs":[{"token":"é","logprob":-0.1,"bytes":'
-     '[195,169]}]}]},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,'
-     '"total_tokens":5}}'),
-    (ChatCompletionStreamResponse(**HEAD, choices=[ChatStreamChoice(
-        index=0, delta=DeltaMessage(role="assistant", content=""))]),
-     '{"id":"cmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index"'
-     ':0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'),
-    (ChatCompletionStreamResponse(**HEAD, choices=[ChatStreamChoice(
-        index=0, delta=DeltaMessage(content="x"))], usage=None),
-     '{"id":"cmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index"'
-     ':0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null}],"usage":null}'),
-    (ChatCompletionStreamResponse(**HEAD, choices=[ChatStreamChoice(
-        index=0, delta=DeltaMessage(), finish_reason="stop")]),
-     '{"id":"cmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index"'
-     ':0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}'),
-    (EmbeddingResponse(data=[EmbeddingData(index=0, embedding=[0.5, -1.0]),
-                             EmbeddingData(index=1, embedding="AAAAPw==")], model="e",
-                       usage=EmbeddingUsage(prompt_tokens=4, total_tokens=4)),  # fmt: skip
-     '{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5,-1.0]},{"object":'
-     '"embedding","index":1,"embedding":"AAAAPw=="}],"model":"e","usage":{"prompt_tokens":4,'
-     '"total_tokens":4}}'),
-    (ModelList(data=[ModelCard(id="m", created=1, max_model_len=96)]),
-     '{"object":"list","data":[{"id":"m","object":"model","created":1,"owned_by":"llmopt",'
-     '"max_model_len":96}]}'),
-    (HealthResponse(status="ok", model="m", task="causal-lm", in_flight=0,
-                    settings={"block_size": {"value": 16, "source": "default"}}),  # fmt: skip
-     '{"status":"ok","model":"m","task":"causal-lm","in_flight":0,"settings":{"block_size":'
-     '{"value":16,"source":"default"}}}'),
-    (HealthResponse(status="engine_dead", model="m", task="causal-lm", in_flight=2, settings={},
-                    engine={"mode": "process", "alive": False}),  # fmt: skip
-     '{"status":"engine_dead","model":"m","task":"causal-lm","in_flight":2,"settings":{},'
-     '"engine":{"mode":"process","alive":false}}'),
+    (
+        error_body("bad", param="stop"),
+        '{"error":{"message":"bad","type":"invalid_request_error","param":"stop","code":null}}',
+    ),
+    (
+        CompletionResponse(
+            **HEAD,
+            choices=[CompletionChoice(index=0, text="ab", logprobs=LP, finish_reason="length")],
+            usage=USAGE,
+        ),
+        '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
+        '"text":"ab","logprobs":{"tokens":["a","b"],"token_logprobs":[null,-0.5],"top_logprobs":'
+        '[null,{"b":-0.5,"c":-1.25}],"text_offset":[0,1]},"finish_reason":"length"}],"usage":'
+        '{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}',
+    ),
+    (
+        CompletionStreamResponse(**HEAD, choices=[CompletionChoice(index=1, text="x")]),
+        '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":1,'
+        '"text":"x","logprobs":null,"finish_reason":null}]}',
+    ),
+    (
+        CompletionStreamResponse(**HEAD, choices=[CompletionChoice(index=0, text="x")], usage=None),
+        '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
+        '"text":"x","logprobs":null,"finish_reason":null}],"usage":null}',
+    ),
+    (
+        CompletionStreamResponse(**HEAD, choices=[], usage=USAGE),
+        '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[],"usage":'
+        '{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}',
+    ),
+    (
+        ChatCompletionResponse(
+            **HEAD,
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=ChatMessageOut(content="hi"),
+                    logprobs=CHAT_LP,
+                    finish_reason="stop",
+                )
+            ],
+            usage=USAGE,
+        ),
+        '{"id":"cmpl-1","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,'
+        '"message":{"role":"assistant","content":"hi"},"logprobs":{"content":[{"token":"é",'
+        '"logprob":-0.1,"bytes":[195,169],"top_logprobs":[{"token":"é","logprob":-0.1,"bytes":'
+        '[195,169]}]}]},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,'
+        '"total_tokens":5}}',
+    ),
+    (
+        ChatCompletionStreamResponse(
+            **HEAD,
+            choices=[ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))],
+        ),
+        '{"id":"cmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index"'
+        ':0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}',
+    ),
+    (
+        ChatCompletionStreamResponse(
+            **HEAD, choices=[ChatStreamChoice(index=0, delta=DeltaMessage(content="x"))], usage=None
+        ),
+        '{"id":"cmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index"'
+        ':0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null}],"usage":null}',
+    ),
+    (
+        ChatCompletionStreamResponse(
+            **HEAD, choices=[ChatStreamChoice(index=0, delta=DeltaMessage(), finish_reason="stop")]
+        ),
+        '{"id":"cmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index"'
+        ':0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}',
+    ),
+    (
+        EmbeddingResponse(
+            data=[
+                EmbeddingData(index=0, embedding=[0.5, -1.0]),
+                EmbeddingData(index=1, embedding="AAAAPw=="),
+            ],
+            model="e",
+            usage=EmbeddingUsage(prompt_tokens=4, total_tokens=4),
+        ),
+        '{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5,-1.0]},{"object":'
+        '"embedding","index":1,"embedding":"AAAAPw=="}],"model":"e","usage":{"prompt_tokens":4,'
+        '"total_tokens":4}}',
+    ),
+    (
+        ModelList(data=[ModelCard(id="m", created=1, max_model_len=96)]),
+        '{"object":"list","data":[{"id":"m","object":"model","created":1,"owned_by":"llmopt",'
+        '"max_model_len":96}]}',
+    ),
+    (
+        HealthResponse(
+            status="ok",
+            model="m",
+            task="causal-lm",
+            in_flight=0,
+            settings={"block_size": {"value": 16, "source": "default"}},
+        ),
+        '{"status":"ok","model":"m","task":"causal-lm","in_flight":0,"settings":{"block_size":'
+        '{"value":16,"source":"default"}}}',
+    ),
+    (
+        HealthResponse(
+            status="engine_dead",
+            model="m",
+            task="causal-lm",
+            in_flight=2,
+            settings={},
+            engine={"mode": "process", "alive": False},
+        ),
+        '{"status":"engine_dead","model":"m","task":"causal-lm","in_flight":2,"settings":{},'
+        '"engine":{"mode":"process","alive":false}}',
+    ),
 ]
 
 
-@pytest.mark.parametrize("model, want", EXAMPLES, ids=lambda x: type(x).__name__ if
-                         isinstance(x, WireModel) else "")  # fmt: skip
+@pytest.mark.parametrize(
+    "model, want", EXAMPLES, ids=lambda x: type(x).__name__ if isinstance(x, WireModel) else ""
+)
 def test_fixed_examples_render_the_previous_json_and_round_trip(model, want):
     assert json_response(model).body.decode() == want  # the bytes of a JSON response
-    assert json.loads(sse_event(model)[len("data: "):]) == json.loads(want)  # and of an event
+    assert json.loads(sse_event(model)[len("data: ") :]) == json.loads(want)  # and of an event
     again = type(model).model_validate_json(want)  # parsing the wire form gives the same body
     assert again.model_dump() == model.model_dump()
 
 
 def test_stream_events_keep_json_dumps_spacing_and_non_finite_floats():
-    chunk = CompletionStreamResponse(**HEAD, choices=[CompletionChoice(
-        index=0, text="ü", logprobs=CompletionLogprobs(tokens=["ü"], token_logprobs=[float("-inf")],
-                                                       top_logprobs=[{}], text_offset=[0]))])  # fmt: skip
+    chunk = CompletionStreamResponse(
+        **HEAD,
+        choices=[
+            CompletionChoice(
+                index=0,
+                text="ü",
+                logprobs=CompletionLogprobs(
+                    tokens=["ü"], token_logprobs=[float("-inf")], top_logprobs=[{}], text_offset=[0]
+                ),
+            )
+        ],
+    )
     ev = sse_event(chunk)
-    assert ev.startswith('data: {"id": "cmpl-1", "object": "text_completion"') and ev.endswith("\n\n")
+    assert ev.startswith('data: {"id": "cmpl-1", "object": "text_completion"') and ev.endswith(
+        "\n\n"
+    )
     assert '"text": "ü"' in ev and "-Infinity" in ev  # as json.dumps(ensure_ascii=False) wrote it
 
 
@@ -152,8 +235,13 @@ def test_live_responses_validate_against_their_models(tiny_llama_dir, tiny_bert_
 
     stream = {"stream": True, "stream_options": {"include_usage": True}}
     comp = {"model": name, "prompt": "ab", "max_tokens": 3, "logprobs": 1, "echo": True, "n": 2}
-    chat = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    chat = {
+        "model": name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     with TestClient(create_app(ctx)) as c:
         check(CompletionResponse, c.post("/v1/completions", json=comp).json())
         for e in events(c.post("/v1/completions", json=comp | stream)):

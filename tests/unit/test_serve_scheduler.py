@@ -254,8 +254,14 @@ def test_out_of_blocks_is_the_engines_class():
 
 
 def _swap_sched(gen, space: int) -> Scheduler:
-    return Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=256, watermark=0,
-                     swap_space_bytes=space, swap_pays=True)  # fmt: skip
+    return Scheduler(
+        gen,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        watermark=0,
+        swap_space_bytes=space,
+        swap_pays=True,
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -114,8 +114,9 @@ def test_saved_reference_outputs_give_the_same_verdict(tiny_llama_dir, tmp_path)
     live = verify_causal_lm("bf16", cand, w, ref, 0.01, gates=Gates(), generation_prompts=2)
     path = tmp_path / "ref.npz"
     # The reference verified as itself saves what the comparison needs...
-    verify_causal_lm("ref", ref, w, None, 0.01, gates=Gates(), generation_prompts=2,
-                     keep_reference=path)  # fmt: skip
+    verify_causal_lm(
+        "ref", ref, w, None, 0.01, gates=Gates(), generation_prompts=2, keep_reference=path
+    )
     saved = ReferenceOutputs.load(path, w, 2, 32)
     assert saved is not None
     cached = verify_causal_lm("bf16", cand, w, saved, 0.01, gates=Gates(), generation_prompts=2)
@@ -144,8 +145,9 @@ def test_top_k_kl_is_exact_for_small_vocabularies_and_a_lower_bound_otherwise():
     full = float((lr.exp() * (lr - lc)).sum(-1).mean())
     for k, exact in ((V, True), (64, False)):
         vals, idx = torch.topk(lr, k, -1)
-        ref = lm.ReferenceOutputs(np.zeros(1), lr.argmax(-1).numpy()[None], idx.numpy()[None],
-                                  vals.numpy()[None], [], "x")  # fmt: skip
+        ref = lm.ReferenceOutputs(
+            np.zeros(1), lr.argmax(-1).numpy()[None], idx.numpy()[None], vals.numpy()[None], [], "x"
+        )
         got = lm._kl_top(ref, 0, lc)
         if exact:
             assert got == pytest.approx(full, rel=1e-4)  # float32 sum vs float64

@@ -132,8 +132,17 @@ def compare_runs(paths: list[str | Path]) -> dict[str, Any]:
                 deltas.append(d),
                 verdicts.append(v),
             )
-        rows.append({"row": row, "metric": metric, "unit": bst.get("unit", ""), "medians": meds,
-                     "spreads": spreads, "deltas": deltas, "verdicts": verdicts})  # fmt: skip
+        rows.append(
+            {
+                "row": row,
+                "metric": metric,
+                "unit": bst.get("unit", ""),
+                "medians": meds,
+                "spreads": spreads,
+                "deltas": deltas,
+                "verdicts": verdicts,
+            }
+        )
     return {"labels": [r["label"] for r in runs], "rows": rows, "charts": _charts(runs)}
 
 
@@ -149,11 +158,17 @@ def _charts(runs: list[dict[str, Any]]) -> dict[str, str]:
 
     def vs_load(key: str) -> list[tuple[str, list[tuple[float, float]], str]]:
         return [
-            (r["label"], [(pt["spec"]["value"], pt["summary"][key]["median"])
-                          for pt in r["doc"]["points"] if key in pt["summary"]],
-             PALETTE[i % len(PALETTE)])
+            (
+                r["label"],
+                [
+                    (pt["spec"]["value"], pt["summary"][key]["median"])
+                    for pt in r["doc"]["points"]
+                    if key in pt["summary"]
+                ],
+                PALETTE[i % len(PALETTE)],
+            )
             for i, r in serve
-        ]  # fmt: skip
+        ]
 
     charts["throughput_vs_load"] = line_chart(
         "Output throughput against load", vs_load("output_throughput"), x_label, "tokens/s"
@@ -171,9 +186,12 @@ def _charts(runs: list[dict[str, Any]]) -> dict[str, str]:
             cdf = [(v, (k + 1) / len(vals)) for k, v in enumerate(vals)]
             series.append((f"{r['label']} ({pt['spec']['label']})", cdf, PALETTE[i % len(PALETTE)]))
         charts[f"{metric}_cdf"] = line_chart(
-            f"{metric.upper()} CDF at the heaviest load", series, f"{metric.upper()} (ms)",
-            "fraction of requests", step=True,
-        )  # fmt: skip
+            f"{metric.upper()} CDF at the heaviest load",
+            series,
+            f"{metric.upper()} (ms)",
+            "fraction of requests",
+            step=True,
+        )
     return {k: v for k, v in charts.items() if v}
 
 

@@ -63,6 +63,11 @@ def bench_embedding(
         warm_total += warm
         stat = summarize([len(subset) / t for t in times], unit="sentences/s")
         metrics[f"sentences_per_s_b{bs}"] = stat
-        log.info("batch %d: %.1f sentences/s (median of %d, %d sentences)", bs, stat.median,
-                 repeats, len(subset))  # fmt: skip
+        log.info(
+            "batch %d: %.1f sentences/s (median of %d, %d sentences)",
+            bs,
+            stat.median,
+            repeats,
+            len(subset),
+        )
     return metrics, warm_total

@@ -57,8 +57,9 @@ def lm_roofline(
 
     kv = info.kv_bytes_per_token.get(recipe.dtype) or info.kv_bytes_per_token.get("float32", 0)
     wb = weight_bytes(info.num_parameters, recipe.dtype, recipe.weight_bits)
-    rows = attribute_lm(metrics, prompt_tokens, new_tokens, info.num_parameters, wb, kv, ceilings,
-                        recipe.dtype)  # fmt: skip
+    rows = attribute_lm(
+        metrics, prompt_tokens, new_tokens, info.num_parameters, wb, kv, ceilings, recipe.dtype
+    )
     return {"ceilings": ceilings.to_dict(), "phases": rows}
 
 
@@ -96,7 +97,6 @@ def bench_lm_model(
     """
     import torch
 
-
     folder, _ = resolve_model(model)
     info = inspect_model(folder)
     if info.task != "causal-lm":
@@ -106,8 +106,10 @@ def bench_lm_model(
     if why:
         raise ValueError(f"{engine}/{recipe} cannot run {model}: {why}")
     if rec.calibrated and checkpoint is None:
-        raise ValueError(f"{recipe} is a calibrated recipe: quantize {model} first and pass the "
-                         "folder as `checkpoint` (`llmopt bench lm` does this)")  # fmt: skip
+        raise ValueError(
+            f"{recipe} is a calibrated recipe: quantize {model} first and pass the "
+            "folder as `checkpoint` (`llmopt bench lm` does this)"
+        )
     settings = {"threads": threads} if threads else {}
     with tempfile.TemporaryDirectory(prefix="llmopt-bench-") as tmp:
         artifact = Path(tmp) / "artifact"
@@ -120,8 +122,14 @@ def bench_lm_model(
         ceilings = measure_ceilings("cpu")
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
         prompt = torch.tensor([ids[:prompt_tokens]], dtype=torch.long)
-        metrics, warm = bench_causal_lm(runner, prompt, new_tokens, repeats,
-                                        batch_sizes=batch_sizes, prompt_lengths=prompt_lengths)  # fmt: skip
+        metrics, warm = bench_causal_lm(
+            runner,
+            prompt,
+            new_tokens,
+            repeats,
+            batch_sizes=batch_sizes,
+            prompt_lengths=prompt_lengths,
+        )
     roof = lm_roofline(metrics, info, rec, prompt.shape[1], new_tokens, ceilings)
     return {
         "model": info.name,
@@ -138,7 +146,7 @@ def bench_lm_model(
             "batch_sizes": list(batch_sizes),
             "prompt_lengths": list(prompt_lengths),
             "threads": torch.get_num_threads(),
-        },  # fmt: skip
+        },
         "peak_rss_bytes": peak_rss_bytes(),
         "env": environment(),
     }

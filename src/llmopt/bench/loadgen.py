@@ -281,12 +281,24 @@ def check_url(base_url: str, allow_remote: bool = False) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-async def _one(client, url: str, model: str, prompt: str, max_tokens: int, w: Workload,
-               timeout_s: float, est_prompt_len: int = 0) -> RequestRecord:  # fmt: skip
+async def _one(
+    client,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    w: Workload,
+    timeout_s: float,
+    est_prompt_len: int = 0,
+) -> RequestRecord:
     body: dict[str, Any] = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if w.ignore_eos:
         body["ignore_eos"] = True
     rec = RequestRecord(success=False, start_time=time.perf_counter())
@@ -355,12 +367,12 @@ async def first_model(client, url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def _run(url: str, spec: LoadSpec, w: Workload, model: str | None, timeout_s: float,
-               warmups: int) -> dict[str, Any]:  # fmt: skip
+async def _run(
+    url: str, spec: LoadSpec, w: Workload, model: str | None, timeout_s: float, warmups: int
+) -> dict[str, Any]:
     try:
         import httpx
     except ImportError:
-
         raise EngineUnavailableError(
             "the load generator needs httpx", "pip install 'llmopt[bench]'"
         ) from None

@@ -97,7 +97,6 @@ def measure_ceilings(
     """
     import torch
 
-
     t0 = time.perf_counter()
 
     def sync() -> None:
@@ -133,18 +132,42 @@ class PhaseWork:
     dtype: str = "float32"
 
     @classmethod
-    def prefill(cls, params: float, weight_bytes: float, kv_bytes_per_token: float,
-                tokens: int, batch: int = 1, dtype: str = "float32") -> PhaseWork:  # fmt: skip
+    def prefill(
+        cls,
+        params: float,
+        weight_bytes: float,
+        kv_bytes_per_token: float,
+        tokens: int,
+        batch: int = 1,
+        dtype: str = "float32",
+    ) -> PhaseWork:
         n = tokens * batch
-        return cls(f"prefill b{batch} p{tokens}", 2.0 * params * n,
-                   weight_bytes + kv_bytes_per_token * n, n, dtype)  # fmt: skip
+        return cls(
+            f"prefill b{batch} p{tokens}",
+            2.0 * params * n,
+            weight_bytes + kv_bytes_per_token * n,
+            n,
+            dtype,
+        )
 
     @classmethod
-    def decode(cls, params: float, weight_bytes: float, kv_bytes_per_token: float, batch: int,
-               context: int, dtype: str = "float32") -> PhaseWork:  # fmt: skip
+    def decode(
+        cls,
+        params: float,
+        weight_bytes: float,
+        kv_bytes_per_token: float,
+        batch: int,
+        context: int,
+        dtype: str = "float32",
+    ) -> PhaseWork:
         # One step: every weight once, plus each sequence's KV cache so far.
-        return cls(f"decode b{batch}", 2.0 * params * batch,
-                   weight_bytes + kv_bytes_per_token * batch * context, batch, dtype)  # fmt: skip
+        return cls(
+            f"decode b{batch}",
+            2.0 * params * batch,
+            weight_bytes + kv_bytes_per_token * batch * context,
+            batch,
+            dtype,
+        )
 
 
 def attribute(

@@ -75,7 +75,9 @@ def line_chart(
     body.append(
         f'<text x="{(left + right) / 2:.1f}" y="{height - 8}" text-anchor="middle">{escape(x_label)}</text>'
     )
-    body.append(f'<text x="14" y="{(top + bottom) / 2:.1f}" text-anchor="middle" transform="rotate(-90 14 {(top + bottom) / 2:.1f})">{escape(y_label)}</text>')  # fmt: skip
+    body.append(
+        f'<text x="14" y="{(top + bottom) / 2:.1f}" text-anchor="middle" transform="rotate(-90 14 {(top + bottom) / 2:.1f})">{escape(y_label)}</text>'
+    )
     for i, (name, s, colour) in enumerate(series):
         s = sorted(s)
         if not s:
@@ -99,5 +101,7 @@ def line_chart(
         body.append(f'<text x="{right + 36}" y="{ly}">{escape(name[:22])}</text>')
     return (
         f'<svg viewBox="0 0 {width} {height}" width="100%" style="max-width:{width}px" role="img" '
-        f'aria-label="{escape(title)}" {_FONT}><title>{escape(title)}</title>' + "".join(body) + "</svg>"
-    )  # fmt: skip
+        f'aria-label="{escape(title)}" {_FONT}><title>{escape(title)}</title>'
+        + "".join(body)
+        + "</svg>"
+    )

@@ -112,8 +112,16 @@ def run_sweep(
     for spec in points:
         runs = []
         for _ in range(repeats):
-            r = run_load(base_url, spec, w, model_seen, slo, timeout_s, warmups=warmups,
-                         allow_remote=allow_remote)  # fmt: skip
+            r = run_load(
+                base_url,
+                spec,
+                w,
+                model_seen,
+                slo,
+                timeout_s,
+                warmups=warmups,
+                allow_remote=allow_remote,
+            )
             model_seen = r["model"]
             runs.append(r)
             k += 1

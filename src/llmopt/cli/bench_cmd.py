@@ -107,16 +107,31 @@ def serve(
     """Load an OpenAI-compatible endpoint; TTFT/TPOT/ITL/E2EL and goodput as vLLM defines them."""
     from rich.progress import Progress
 
-
-    points = parse_points(mode, values, burstiness=burstiness, num_requests=num_requests,
-                          max_seconds=max_seconds, seed=seed)  # fmt: skip
+    points = parse_points(
+        mode,
+        values,
+        burstiness=burstiness,
+        num_requests=num_requests,
+        max_seconds=max_seconds,
+        seed=seed,
+    )
     w = Workload(input_len, output_len, range_ratio, prompts, ignore_eos)
     slo = SLO(ttft_ms, tpot_ms, e2el_ms)
     with Progress(disable=as_json, transient=True) as prog:
         task = prog.add_task("load runs", total=len(points) * repeats)
-        res = run_sweep(url, points, w, repeats, slo, model, label, allow_remote, timeout,
-                        on_run=lambda k, n, r: prog.update(task, completed=k),
-                        warmups=warmups)  # fmt: skip
+        res = run_sweep(
+            url,
+            points,
+            w,
+            repeats,
+            slo,
+            model,
+            label,
+            allow_remote,
+            timeout,
+            on_run=lambda k, n, r: prog.update(task, completed=k),
+            warmups=warmups,
+        )
     path = _write(out, res)
     if as_json:
         _emit(res if path is None else {"bench_json": str(path)} | res)
@@ -129,7 +144,6 @@ def serve(
 
 def _render_serve(res: dict[str, Any], path: Path | None) -> None:
     from rich.table import Table
-
 
     # Metrics as rows, sweep points as columns: stays readable in 80 columns for a few points.
     t = Table(title=f"{res['label']} @ {res['url']}: median \\[min-max] of {res['repeats']} runs")
@@ -168,7 +182,6 @@ def compare(
 
     cmp = compare_runs(list(runs))
     if html is not None:
-
         write_text(html, to_html(cmp))
     if as_json:
         _emit(cmp | {"html": str(html) if html else None})
@@ -218,7 +231,6 @@ def lm(
     import tempfile
     from pathlib import Path
 
-
     with tempfile.TemporaryDirectory(prefix="llmopt-quant-") as tmp:
         checkpoint = None
         if get_recipe(recipe).calibrated:  # quantized first; the engine only loads checkpoints
@@ -226,9 +238,18 @@ def lm(
 
             checkpoint = Path(tmp) / "checkpoint"
             build_checkpoint(resolve_model(model)[0], recipe, checkpoint)
-        res = bench_lm_model(model, engine, recipe, [int(b) for b in batch_sizes.split(",") if b],
-                             [int(p) for p in prompt_lengths.split(",") if p], prompt_tokens,
-                             new_tokens, repeats, threads, checkpoint=checkpoint)  # fmt: skip
+        res = bench_lm_model(
+            model,
+            engine,
+            recipe,
+            [int(b) for b in batch_sizes.split(",") if b],
+            [int(p) for p in prompt_lengths.split(",") if p],
+            prompt_tokens,
+            new_tokens,
+            repeats,
+            threads,
+            checkpoint=checkpoint,
+        )
     if as_json:
         _emit(res)
         return

@@ -97,7 +97,6 @@ def optimize(
 
     address = ray_address or ("local" if ray else None)
     if address:
-
         try:
             import ray as _ray  # noqa: F401
         except ImportError:

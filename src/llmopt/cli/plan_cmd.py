@@ -103,7 +103,6 @@ def plan(
         opt.notes.append("planned from config.json alone: `llmopt optimize` needs the weights")
     checked = None
     if check:
-
         checked = check_plan_on_gpu(serving)
     if as_json:
         extra = {"check": checked} if checked else {}
@@ -111,7 +110,6 @@ def plan(
     else:
         render_plan(info, source, params, opt, serving)
         if checked:
-
             console.print_json(data=checked)
 
 

@@ -26,7 +26,6 @@ EXPORTS = ("gguf-q8_0", "gguf-q4_0")
 def render_facts(facts: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
-
     r = facts.get("recipe", {})
     t = Table(title=f"quantize {facts.get('source', '')} -> {out}")
     t.add_column("fact")
@@ -124,7 +123,6 @@ def quantize(
     # Before torch starts its thread pool (the flag is per thread): fp32 denormals cost 6-15x.
     torch.set_flush_denormal(True)
 
-
     if out is None:
         raise ValueError("give --out DIR (the source folder is never modified)")
     if export is not None and export not in EXPORTS:
@@ -144,8 +142,11 @@ def quantize(
             t0 = time.perf_counter()
 
             def line(stage: str, done: int, total: int) -> None:
-                print(f"{stage}: layer {done}/{total} at {time.perf_counter() - t0:.1f} s",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"{stage}: layer {done}/{total} at {time.perf_counter() - t0:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
             facts = run_quantize(
                 source,

@@ -18,8 +18,14 @@ if TYPE_CHECKING:
 
 __all__ = ["render_doctor", "render_serving", "render_plan", "render_deploy"]
 
-_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "passed": "green", "failed": "bold red",
-          "skipped": "dim"}  # fmt: skip
+_STYLE = {
+    "ok": "green",
+    "warn": "yellow",
+    "fail": "bold red",
+    "passed": "green",
+    "failed": "bold red",
+    "skipped": "dim",
+}
 
 
 def _status(s: str) -> str:
@@ -91,22 +97,45 @@ def render_serving(plan: ServingPlan, sources: dict[str, str] | None = None) -> 
     if sources:
         mt.add_column("from", style="dim")
     rows = [
-        ("layout", f"tensor parallel {m.tp} x pipeline parallel {m.pp}, {plan.replicas} replica(s)"
-                   + ("" if plan.fits else "  [bold red]does not fit[/]")),
-        ("usable", f"{human_bytes(m.usable_bytes)} ({m.utilization:.0%} of {human_bytes(m.gpu_memory_bytes)})"),
-        ("weights", f"{m.precision}: {human_bytes(m.weights_total_bytes)} total, {human_bytes(m.weights_per_gpu_bytes)} per {dev}"),
-        ("reserve", f"{human_bytes(m.reserve_bytes)} = runtime {human_bytes(m.runtime_bytes)} + activations "
-                    f"{human_bytes(m.activation_bytes)} + logits {human_bytes(m.logits_bytes)}"),
-        ("KV cache", f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per {dev}); "
-                     f"budget {human_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens"),
-        ("sequences", f"{m.sequences_at(plan.max_model_len):,} at max-model-len {plan.max_model_len:,}; "
-                      f"{m.sequences_at(plan.workload.input_len + plan.workload.output_len):,} at "
-                      f"{plan.workload.input_len}+{plan.workload.output_len} tokens"),
-    ]  # fmt: skip
+        (
+            "layout",
+            f"tensor parallel {m.tp} x pipeline parallel {m.pp}, {plan.replicas} replica(s)"
+            + ("" if plan.fits else "  [bold red]does not fit[/]"),
+        ),
+        (
+            "usable",
+            f"{human_bytes(m.usable_bytes)} ({m.utilization:.0%} of {human_bytes(m.gpu_memory_bytes)})",
+        ),
+        (
+            "weights",
+            f"{m.precision}: {human_bytes(m.weights_total_bytes)} total, {human_bytes(m.weights_per_gpu_bytes)} per {dev}",
+        ),
+        (
+            "reserve",
+            f"{human_bytes(m.reserve_bytes)} = runtime {human_bytes(m.runtime_bytes)} + activations "
+            f"{human_bytes(m.activation_bytes)} + logits {human_bytes(m.logits_bytes)}",
+        ),
+        (
+            "KV cache",
+            f"{m.kv_dtype}: {m.kv_bytes_per_token:,} B/token ({m.kv_bytes_per_token_per_gpu:,} per {dev}); "
+            f"budget {human_bytes(m.kv_budget_bytes)} = {m.kv_tokens:,} tokens",
+        ),
+        (
+            "sequences",
+            f"{m.sequences_at(plan.max_model_len):,} at max-model-len {plan.max_model_len:,}; "
+            f"{m.sequences_at(plan.workload.input_len + plan.workload.output_len):,} at "
+            f"{plan.workload.input_len}+{plan.workload.output_len} tokens",
+        ),
+    ]
     if plan.estimates:
         e = plan.estimates
-        rows.append(("decode (batch 1)", f"ceiling {e['decode_tokens_per_s_ceiling']} tok/s "
-                     f"(TPOT >= {e['tpot_floor_ms']} ms), expected ~{e['tpot_expected_ms']} ms"))  # fmt: skip
+        rows.append(
+            (
+                "decode (batch 1)",
+                f"ceiling {e['decode_tokens_per_s_ceiling']} tok/s "
+                f"(TPOT >= {e['tpot_floor_ms']} ms), expected ~{e['tpot_expected_ms']} ms",
+            )
+        )
     for k, v in rows:
         mt.add_row(k, v, *([escape(sources.get(k, ""))] if sources else []))
     console.print(mt)

@@ -25,7 +25,7 @@ def serve(
         typer.Argument(
             help="runs/NAME/best (a run's chosen candidate), a Hugging Face folder, "
             "or a built-in name (smollm2-135m, minilm-l6)."
-        ),  # fmt: skip
+        ),
     ],
     recipe: Annotated[
         str | None, typer.Option(help="Recipe for a folder or built-in (fp32, bf16, w8a16...).")
@@ -35,7 +35,7 @@ def serve(
         typer.Option(
             help="vllm or llamacpp: launch that engine's own server with the plan's "
             "flags instead of llmopt's."
-        ),  # fmt: skip
+        ),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -49,7 +49,7 @@ def serve(
             "--api-key",
             envvar="LLMOPT_API_KEY",
             help="Require `Authorization: Bearer KEY` on /v1 (env LLMOPT_API_KEY).",
-        ),  # fmt: skip
+        ),
     ] = None,
     max_num_seqs: Annotated[
         int | None,
@@ -175,28 +175,42 @@ def serve(
     import logging
     from contextlib import nullcontext
 
-
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     common = dict(
-        host=host, port=port, served_name=served_name, api_key=api_key, max_queue=max_queue,
-        request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
-        drain_timeout_s=drain_timeout, embed_batch_window_ms=embed_batch_window_ms,
-        embed_max_batch=embed_max_batch, device=device, threads=threads,
+        host=host,
+        port=port,
+        served_name=served_name,
+        api_key=api_key,
+        max_queue=max_queue,
+        request_timeout_s=request_timeout,
+        max_body_bytes=max_body_bytes,
+        drain_timeout_s=drain_timeout,
+        embed_batch_window_ms=embed_batch_window_ms,
+        embed_max_batch=embed_max_batch,
+        device=device,
+        threads=threads,
         decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"),
         warmup_tokens=warmup_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         engine_process=engine_process,
         compile_prefill=compile_prefill,
         swap_space_gib=swap_space,
-    )  # fmt: skip
-    requested = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                 "block_size": block_size, "num_blocks": num_blocks,
-                 "max_seq_len": max_seq_len}  # fmt: skip
+    )
+    requested = {
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "max_seq_len": max_seq_len,
+    }
     if engine:  # the engine's own server takes the plan's flags itself (llmopt.serve.external)
-
         given = {k: v for k, v in requested.items() if v is not None}
-        settings = ServeSettings(**common, **given, recipe=recipe or "fp32",  # type: ignore[arg-type]
-                                 sources=dict.fromkeys(given, "flag"))  # fmt: skip
+        settings = ServeSettings(
+            **common,
+            **given,
+            recipe=recipe or "fp32",  # type: ignore[arg-type]
+            sources=dict.fromkeys(given, "flag"),
+        )
 
         cfg = external_command(engine, model, settings, gguf)
         sys.stderr.write(f"launching: {cfg.command}\n")

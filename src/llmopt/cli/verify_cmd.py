@@ -37,7 +37,6 @@ def render_report(report: VerifyReport) -> None:
     """Print the gate table, notes, integrity problems and layer attribution."""
     from rich.table import Table
 
-
     t = Table(title=f"verify {report.candidate}  vs  {report.reference}")
     for col in (
         "metric",
@@ -125,7 +124,6 @@ def verify(
     # Before torch starts its thread pool, so every worker thread inherits it (the flag is per
     # thread): SmolLM2's fp32 forward makes denormals, which cost 6-15x on CPU (docs/verify.md).
     torch.set_flush_denormal(True)
-
 
     if candidate is None and endpoint is None:
         raise ValueError("give a CANDIDATE folder or --endpoint URL")

@@ -77,10 +77,19 @@ class DeployResult:
         return all(c.status != "failed" for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"out": str(self.out), "ok": self.ok, "source": {"kind": self.source.kind,
-                "model_dir": str(self.source.model_dir), "recipe": self.source.recipe,
-                "candidate": self.source.candidate}, "files": self.files,
-                "checks": [c.to_dict() for c in self.checks], "plan": self.plan.to_dict()}  # fmt: skip
+        return {
+            "out": str(self.out),
+            "ok": self.ok,
+            "source": {
+                "kind": self.source.kind,
+                "model_dir": str(self.source.model_dir),
+                "recipe": self.source.recipe,
+                "candidate": self.source.candidate,
+            },
+            "files": self.files,
+            "checks": [c.to_dict() for c in self.checks],
+            "plan": self.plan.to_dict(),
+        }
 
 
 def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySource:
@@ -108,8 +117,10 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
         info = inspect_model(str(p), params=params, config_only="auto")
         src = DeploySource(info, p, "config" if info.weight_format == CONFIG_ONLY else "model")
     if src.info.task != "causal-lm":
-        raise DeployError(f"{src.info.name} is an embedding model; bundles serve causal LMs (vLLM) today",
-                          hint="serve embedders in Python with llmopt.engines.load_best(RUN/best)")  # fmt: skip
+        raise DeployError(
+            f"{src.info.name} is an embedding model; bundles serve causal LMs (vLLM) today",
+            hint="serve embedders in Python with llmopt.engines.load_best(RUN/best)",
+        )
     return src
 
 
@@ -121,10 +132,10 @@ def _files(plan: ServingPlan, image: str, model_dir: Path) -> dict[str, str]:
         "plan.json": json.dumps(plan.to_dict(), indent=2, default=str) + "\n",
         "docker-compose.yml": T.compose(plan),
         ".env": f"# Host folder with the model (mounted read-only at {T.MODEL_MOUNT}).\n"
-                f"MODEL_DIR={model_dir}\nIMAGE={image}\n",
+        f"MODEL_DIR={model_dir}\nIMAGE={image}\n",
         "nginx/llm.conf": T.nginx_conf(),
         "k8s.yaml": T.kubernetes(plan, image),
-    }  # fmt: skip
+    }
     for name, cfg in plan.launch.items():  # the alternatives, ready to run by hand
         files[f"launch/{name}.sh"] = (
             f'#!/usr/bin/env bash\n# {name}: {"; ".join(cfg.notes) or "see README.md"}\nexec {cfg.command} "$@"\n'
@@ -135,9 +146,15 @@ def _files(plan: ServingPlan, image: str, model_dir: Path) -> dict[str, str]:
 
 
 def write_bundle(
-    source: DeploySource, out: str | Path, target: Target, workload: Workload | None = None, *,
-    image: str | None = None, validate: bool = True, **plan_kw: Any,
-) -> DeployResult:  # fmt: skip
+    source: DeploySource,
+    out: str | Path,
+    target: Target,
+    workload: Workload | None = None,
+    *,
+    image: str | None = None,
+    validate: bool = True,
+    **plan_kw: Any,
+) -> DeployResult:
     """Plan serving for `source` on `target` and write the bundle folder `out` atomically.
 
     Args:
@@ -183,10 +200,18 @@ def write_bundle(
         )
         manifest = {
             "generator": "llmopt deploy",
-            "source": {"kind": source.kind, "model_dir": str(source.model_dir), "recipe": source.recipe,
-                       "candidate": source.candidate, "fingerprint": source.info.fingerprint},
-            "files": {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in sorted(files.items())},
+            "source": {
+                "kind": source.kind,
+                "model_dir": str(source.model_dir),
+                "recipe": source.recipe,
+                "candidate": source.candidate,
+                "fingerprint": source.info.fingerprint,
+            },
+            "files": {
+                rel: hashlib.sha256(text.encode()).hexdigest()
+                for rel, text in sorted(files.items())
+            },
             "checks": [c.to_dict() for c in checks],
-        }  # fmt: skip
+        }
         write_json(tmp / "bundle.json", manifest).chmod(0o644)
     return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)

@@ -34,8 +34,10 @@ GPU_IMAGE = "vllm/vllm-openai:v0.32.0"
 CPU_BASE = "python:3.11-slim"
 MODEL_MOUNT = "/models/model"
 PORT = 8000
-_HEALTH = ("import os,urllib.request;urllib.request.urlopen("
-           "'http://127.0.0.1:%s/health' % os.environ.get('PORT', '8000'), timeout=4)")  # fmt: skip
+_HEALTH = (
+    "import os,urllib.request;urllib.request.urlopen("
+    "'http://127.0.0.1:%s/health' % os.environ.get('PORT', '8000'), timeout=4)"
+)
 
 
 def slug(name: str) -> str:
@@ -96,7 +98,7 @@ def compose(plan: ServingPlan) -> str:
                 "target": MODEL_MOUNT,
                 "read_only": True,
             }
-        ],  # fmt: skip
+        ],
         "expose": [str(PORT)],
         "healthcheck": {
             "test": ["CMD", "python3", "-c", _HEALTH],
@@ -104,13 +106,20 @@ def compose(plan: ServingPlan) -> str:
             "timeout": "5s",
             "retries": 3,
             "start_period": "600s",
-        },  # fmt: skip
+        },
         "restart": "unless-stopped",
     }
     if plan.target.kind == "gpu":
         llm["ipc"] = "host"  # tensor-parallel workers exchange tensors through shared memory
-        llm["deploy"] = {"resources": {"reservations": {"devices": [
-            {"driver": "nvidia", "count": _gpus_total(plan), "capabilities": ["gpu"]}]}}}  # fmt: skip
+        llm["deploy"] = {
+            "resources": {
+                "reservations": {
+                    "devices": [
+                        {"driver": "nvidia", "count": _gpus_total(plan), "capabilities": ["gpu"]}
+                    ]
+                }
+            }
+        }
     proxy = {
         "image": "nginx:1.27-alpine",
         "volumes": ["./nginx/llm.conf:/etc/nginx/conf.d/default.conf:ro"],
@@ -178,45 +187,63 @@ def kubernetes(plan: ServingPlan, image: str) -> str:
         resources["limits"]["nvidia.com/gpu"] = gpus
         resources["requests"]["nvidia.com/gpu"] = gpus
     pod = {
-        "containers": [{
-            "name": "server",
-            "image": image,
-            "ports": [{"name": "http", "containerPort": PORT}],
-            "env": [{"name": "MODEL_DIR", "value": MODEL_MOUNT}, {"name": "PORT", "value": str(PORT)}],
-            "resources": resources,
-            # Startup allows 15 minutes to load weights; readiness gates traffic; liveness restarts a hung server.
-            "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 90},
-            "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-            "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3},
-            "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
-                             {"name": "dshm", "mountPath": "/dev/shm"}],
-        }],
+        "containers": [
+            {
+                "name": "server",
+                "image": image,
+                "ports": [{"name": "http", "containerPort": PORT}],
+                "env": [
+                    {"name": "MODEL_DIR", "value": MODEL_MOUNT},
+                    {"name": "PORT", "value": str(PORT)},
+                ],
+                "resources": resources,
+                # Startup allows 15 minutes to load weights; readiness gates traffic; liveness restarts a hung server.
+                "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 90},
+                "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+                "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3},
+                "volumeMounts": [
+                    {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                ],
+            }
+        ],
         "volumes": [
-            {"name": "model", "persistentVolumeClaim": {"claimName": f"{name}-weights", "readOnly": True}},
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": f"{name}-weights", "readOnly": True},
+            },
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         ],
-    }  # fmt: skip
+    }
     if plan.target.kind == "gpu":
         pod["tolerations"] = [
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "replicas": plan.replicas,
             "selector": {"matchLabels": labels},
             # No surge: a new pod needs GPUs the old one still holds.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            },
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },
-    }  # fmt: skip
+    }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
         "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
-    }  # fmt: skip
-    head = (f"# Generated by `llmopt deploy`. Needs the image pushed as {image}, a PVC named "
-            f"{name}-weights holding the model folder, and (GPU) the NVIDIA device plugin.\n")  # fmt: skip
+    }
+    head = (
+        f"# Generated by `llmopt deploy`. Needs the image pushed as {image}, a PVC named "
+        f"{name}-weights holding the model folder, and (GPU) the NVIDIA device plugin.\n"
+    )
     return head + yaml.safe_dump_all([deployment, service], sort_keys=False)
 
 

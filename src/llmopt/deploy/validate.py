@@ -74,8 +74,18 @@ def check_nginx(bundle: Path) -> CheckResult:
         (Path(tmp) / "nginx.conf").write_text(
             f"events {{}}\nhttp {{\n    include {tmp}/llm.conf;\n}}\n"
         )
-        rc, out = _run([exe, "-t", "-p", tmp, "-c", f"{tmp}/nginx.conf",
-                        "-g", f"pid {tmp}/nginx.pid; error_log {tmp}/error.log;"])  # fmt: skip
+        rc, out = _run(
+            [
+                exe,
+                "-t",
+                "-p",
+                tmp,
+                "-c",
+                f"{tmp}/nginx.conf",
+                "-g",
+                f"pid {tmp}/nginx.pid; error_log {tmp}/error.log;",
+            ]
+        )
     detail = out.replace(tmp, "<tmp>") + " (upstream host llm mapped to 127.0.0.1 for the test)"
     return CheckResult("nginx", "passed" if rc == 0 else "failed", "nginx -t", detail)
 
@@ -83,13 +93,21 @@ def check_nginx(bundle: Path) -> CheckResult:
 def check_compose(bundle: Path) -> CheckResult:
     exe = _tool("check-jsonschema")
     if not exe:
-        return CheckResult("compose", "skipped", "check-jsonschema",
-                           "pip install check-jsonschema (docker compose config needs the compose plugin)")  # fmt: skip
+        return CheckResult(
+            "compose",
+            "skipped",
+            "check-jsonschema",
+            "pip install check-jsonschema (docker compose config needs the compose plugin)",
+        )
     rc, out = _run(
         [exe, "--builtin-schema", "vendor.compose-spec", str(bundle / "docker-compose.yml")]
     )
-    return CheckResult("compose", "passed" if rc == 0 else "failed",
-                       "check-jsonschema --builtin-schema vendor.compose-spec", out)  # fmt: skip
+    return CheckResult(
+        "compose",
+        "passed" if rc == 0 else "failed",
+        "check-jsonschema --builtin-schema vendor.compose-spec",
+        out,
+    )
 
 
 def check_kubernetes(bundle: Path) -> CheckResult:
@@ -108,9 +126,12 @@ def check_kubernetes(bundle: Path) -> CheckResult:
         except kubernetes_validate.ValidationError as e:
             errors.append(f"{d.get('kind')}: {e.message} at {'.'.join(map(str, e.path))}")
     kinds = ", ".join(d.get("kind", "?") for d in docs)
-    return CheckResult("kubernetes", "failed" if errors else "passed",
-                       f"kubernetes-validate {version} --strict",
-                       "; ".join(errors) or f"{kinds} valid against Kubernetes {version}")  # fmt: skip
+    return CheckResult(
+        "kubernetes",
+        "failed" if errors else "passed",
+        f"kubernetes-validate {version} --strict",
+        "; ".join(errors) or f"{kinds} valid against Kubernetes {version}",
+    )
 
 
 def check_dockerfile(bundle: Path) -> CheckResult:
@@ -134,8 +155,12 @@ def check_dockerfile(bundle: Path) -> CheckResult:
         problems.append("no ENTRYPOINT")
     if any(v.endswith(WEIGHT_SUFFIXES) or "model" in v for v in copied):
         problems.append(f"copies what looks like weights: {copied}")
-    return CheckResult("dockerfile", "failed" if problems else "passed", "dockerfile (BuildKit parser)",
-                       "; ".join(problems) or f"{len(cmds)} instructions; copies only {copied}")  # fmt: skip
+    return CheckResult(
+        "dockerfile",
+        "failed" if problems else "passed",
+        "dockerfile (BuildKit parser)",
+        "; ".join(problems) or f"{len(cmds)} instructions; copies only {copied}",
+    )
 
 
 def check_shell(bundle: Path) -> CheckResult:
@@ -182,11 +207,21 @@ def check_yaml_and_weights(bundle: Path) -> list[CheckResult]:
             "yaml", "failed" if bad else "passed", "PyYAML", "; ".join(bad) or "all YAML files load"
         )
     )
-    heavy = [str(f.relative_to(bundle)) for f in bundle.rglob("*") if f.is_file()
-             and (f.suffix in WEIGHT_SUFFIXES or f.stat().st_size > MAX_FILE)]  # fmt: skip
-    out.append(CheckResult("no-weights", "failed" if heavy else "passed", "file scan",
-                           f"weight-like or large files: {heavy}" if heavy else
-                           "no weight files; every file under 1 MiB"))  # fmt: skip
+    heavy = [
+        str(f.relative_to(bundle))
+        for f in bundle.rglob("*")
+        if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.stat().st_size > MAX_FILE)
+    ]
+    out.append(
+        CheckResult(
+            "no-weights",
+            "failed" if heavy else "passed",
+            "file scan",
+            f"weight-like or large files: {heavy}"
+            if heavy
+            else "no weight files; every file under 1 MiB",
+        )
+    )
     return out
 
 
@@ -200,6 +235,12 @@ def validate_bundle(bundle: str | Path) -> list[CheckResult]:
     ['nginx', 'compose', 'kubernetes', 'dockerfile', 'shell', 'vllm', 'yaml', 'no-weights']
     """
     b = Path(bundle)
-    results = [check_nginx(b), check_compose(b), check_kubernetes(b), check_dockerfile(b),
-               check_shell(b), check_vllm(b)]  # fmt: skip
+    results = [
+        check_nginx(b),
+        check_compose(b),
+        check_kubernetes(b),
+        check_dockerfile(b),
+        check_shell(b),
+        check_vllm(b),
+    ]
     return results + check_yaml_and_weights(b)

@@ -34,8 +34,13 @@ __all__ = [
 ]
 
 TARGETS = ("auto", "cpu", "cuda")
-_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES",
-        "NVIDIA_DRIVER_CAPABILITIES", "LD_LIBRARY_PATH")  # fmt: skip
+_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "NVIDIA_VISIBLE_DEVICES",
+    "NVIDIA_DRIVER_CAPABILITIES",
+    "LD_LIBRARY_PATH",
+)
 
 
 def collect_facts(*, use_torch: bool = True, nvml: Any = None) -> dict[str, Any]:

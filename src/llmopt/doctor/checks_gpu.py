@@ -61,67 +61,109 @@ def likely_causes(facts: dict[str, Any]) -> list[dict[str, Any]]:
     pci, mods, nodes = tr["pci_nvidia"], tr["modules"], tr["dev_nodes"]
     out = []
     if "mismatch" in nvml_err.lower():
-        out.append(_cause(
-            "driver/library version mismatch: the driver was upgraded but the old kernel module is still loaded",
-            f"NVML said: {nvml_err}", ["cat /proc/driver/nvidia/version", "nvidia-smi"],
-            "reboot (or unload and reload the nvidia kernel modules)"))  # fmt: skip
+        out.append(
+            _cause(
+                "driver/library version mismatch: the driver was upgraded but the old kernel module is still loaded",
+                f"NVML said: {nvml_err}",
+                ["cat /proc/driver/nvidia/version", "nvidia-smi"],
+                "reboot (or unload and reload the nvidia kernel modules)",
+            )
+        )
     if tr["pci_readable"] and not pci:
         where = (
             " (this is a container or VM: the host may have a GPU that is not passed through)"
             if cont["inside"]
             else ""
         )
-        out.append(_cause(
-            f"no NVIDIA GPU in this machine{where}",
-            "no PCI device has NVIDIA's vendor id 0x10de in /sys/bus/pci/devices; "
-            f"/dev/nvidia* nodes: {', '.join(nodes) or 'none'}; "
-            f"/proc/driver/nvidia/version {'present' if tr['proc_driver_version'] else 'absent'}",
-            ["lspci -nn | grep -i nvidia", "grep -l 0x10de /sys/bus/pci/devices/*/vendor", "ls -l /dev/nvidia*"],
-            "run on a machine (or cloud instance type) with an NVIDIA GPU, or plan for the CPU with --target cpu"))  # fmt: skip
+        out.append(
+            _cause(
+                f"no NVIDIA GPU in this machine{where}",
+                "no PCI device has NVIDIA's vendor id 0x10de in /sys/bus/pci/devices; "
+                f"/dev/nvidia* nodes: {', '.join(nodes) or 'none'}; "
+                f"/proc/driver/nvidia/version {'present' if tr['proc_driver_version'] else 'absent'}",
+                [
+                    "lspci -nn | grep -i nvidia",
+                    "grep -l 0x10de /sys/bus/pci/devices/*/vendor",
+                    "ls -l /dev/nvidia*",
+                ],
+                "run on a machine (or cloud instance type) with an NVIDIA GPU, or plan for the CPU with --target cpu",
+            )
+        )
         return out
     if pci and cont["inside"] and not nodes:
-        out.append(_cause(
-            "container started without GPU access",
-            f"{len(pci)} NVIDIA PCI device(s) visible but no /dev/nvidia* nodes inside the container",
-            ["ls -l /dev/nvidia*", "docker info | grep -i runtime   # on the host", "nvidia-smi   # on the host"],
-            "start it with `docker run --gpus all` (NVIDIA Container Toolkit on the host) or, on "
-            "Kubernetes, request nvidia.com/gpu with the NVIDIA device plugin"))  # fmt: skip
+        out.append(
+            _cause(
+                "container started without GPU access",
+                f"{len(pci)} NVIDIA PCI device(s) visible but no /dev/nvidia* nodes inside the container",
+                [
+                    "ls -l /dev/nvidia*",
+                    "docker info | grep -i runtime   # on the host",
+                    "nvidia-smi   # on the host",
+                ],
+                "start it with `docker run --gpus all` (NVIDIA Container Toolkit on the host) or, on "
+                "Kubernetes, request nvidia.com/gpu with the NVIDIA device plugin",
+            )
+        )
     if mods and mods.get("nouveau"):
-        out.append(_cause(
-            "the open-source nouveau driver owns the GPU (CUDA needs NVIDIA's driver)",
-            "kernel module nouveau is loaded", ["lsmod | grep -E 'nouveau|nvidia'", "lspci -k -d 10de:"],
-            "blacklist nouveau (echo 'blacklist nouveau' | sudo tee /etc/modprobe.d/blacklist-nouveau.conf; "
-            "sudo update-initramfs -u), install the NVIDIA driver, reboot"))  # fmt: skip
+        out.append(
+            _cause(
+                "the open-source nouveau driver owns the GPU (CUDA needs NVIDIA's driver)",
+                "kernel module nouveau is loaded",
+                ["lsmod | grep -E 'nouveau|nvidia'", "lspci -k -d 10de:"],
+                "blacklist nouveau (echo 'blacklist nouveau' | sudo tee /etc/modprobe.d/blacklist-nouveau.conf; "
+                "sudo update-initramfs -u), install the NVIDIA driver, reboot",
+            )
+        )
     if pci and (mods is None or not mods.get("nvidia")):
         state = "not loaded" if mods is not None else "state unknown (no /proc/modules)"
         if tr["secure_boot"]:
-            out.append(_cause(
-                "Secure Boot blocks the unsigned nvidia kernel module",
-                f"Secure Boot is enabled; nvidia module {state}",
-                ["mokutil --sb-state", "sudo dmesg | grep -i -E 'nvidia|module verification|lockdown'"],
-                "enrol the module's signing key with MOK (distribution driver packages do this), or "
-                "install a signed driver package, or disable Secure Boot"))  # fmt: skip
-        out.append(_cause(
-            "NVIDIA driver not installed, or its module not loaded (e.g. after a kernel update without DKMS rebuild)",
-            f"{len(pci)} NVIDIA PCI device(s) ({', '.join(p['slot'] for p in pci)}); nvidia module {state}; "
-            f"bound driver: {', '.join(str(p['driver']) for p in pci)}",
-            ["lsmod | grep nvidia", "modinfo nvidia", "dkms status", "sudo modprobe nvidia && nvidia-smi",
-             "sudo dmesg | grep -i nvidia"],
-            "install the driver (Ubuntu: sudo ubuntu-drivers install; others: the distribution's "
-            "nvidia-driver package) and reboot"))  # fmt: skip
+            out.append(
+                _cause(
+                    "Secure Boot blocks the unsigned nvidia kernel module",
+                    f"Secure Boot is enabled; nvidia module {state}",
+                    [
+                        "mokutil --sb-state",
+                        "sudo dmesg | grep -i -E 'nvidia|module verification|lockdown'",
+                    ],
+                    "enrol the module's signing key with MOK (distribution driver packages do this), or "
+                    "install a signed driver package, or disable Secure Boot",
+                )
+            )
+        out.append(
+            _cause(
+                "NVIDIA driver not installed, or its module not loaded (e.g. after a kernel update without DKMS rebuild)",
+                f"{len(pci)} NVIDIA PCI device(s) ({', '.join(p['slot'] for p in pci)}); nvidia module {state}; "
+                f"bound driver: {', '.join(str(p['driver']) for p in pci)}",
+                [
+                    "lsmod | grep nvidia",
+                    "modinfo nvidia",
+                    "dkms status",
+                    "sudo modprobe nvidia && nvidia-smi",
+                    "sudo dmesg | grep -i nvidia",
+                ],
+                "install the driver (Ubuntu: sudo ubuntu-drivers install; others: the distribution's "
+                "nvidia-driver package) and reboot",
+            )
+        )
     if pci and mods and mods.get("nvidia") and not tr["nvml_library"]:
-        out.append(_cause(
-            "the driver's user-space library libnvidia-ml.so is missing",
-            "nvidia module loaded, but no libnvidia-ml.so on the library path",
-            ["ldconfig -p | grep nvidia-ml", "nvidia-smi"],
-            "install the driver's utils/compute package matching the kernel module version, or in a "
-            "container set NVIDIA_DRIVER_CAPABILITIES=compute,utility"))  # fmt: skip
+        out.append(
+            _cause(
+                "the driver's user-space library libnvidia-ml.so is missing",
+                "nvidia module loaded, but no libnvidia-ml.so on the library path",
+                ["ldconfig -p | grep nvidia-ml", "nvidia-smi"],
+                "install the driver's utils/compute package matching the kernel module version, or in a "
+                "container set NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+            )
+        )
     if not out:
-        out.append(_cause(
-            "the driver could not be reached for a reason the traces do not show",
-            f"NVML: {nvml_err or 'n/a'}; nvidia-smi: {(facts.get('nvidia_smi') or {}).get('error')}",
-            ["nvidia-smi", "sudo dmesg | grep -i nvidia", "ls -l /dev/nvidia*"],
-            "run nvidia-smi and fix what it reports"))  # fmt: skip
+        out.append(
+            _cause(
+                "the driver could not be reached for a reason the traces do not show",
+                f"NVML: {nvml_err or 'n/a'}; nvidia-smi: {(facts.get('nvidia_smi') or {}).get('error')}",
+                ["nvidia-smi", "sudo dmesg | grep -i nvidia", "ls -l /dev/nvidia*"],
+                "run nvidia-smi and fix what it reports",
+            )
+        )
     return out
 
 
@@ -133,12 +175,23 @@ def _driver(
         dv = nvml.get("driver_version") or smi.get("driver_version")
         cuda = nvml.get("cuda_driver_version") or smi.get("cuda_driver_version")
         ev = f"NVIDIA driver {dv or 'version unknown'} (supports CUDA up to {cuda or '?'}); {len(gpus)} GPU(s), read through {source}"
-        return Finding("gpu.driver", "NVIDIA driver", "ok", ev, None,
-                       {"driver_version": dv, "cuda_driver_version": cuda})  # fmt: skip
-    torch_ev = (f"torch {t['version']} (CUDA build: {t.get('cuda') or 'none, CPU-only'}) sees no CUDA device"
-                if t else "torch not installed")  # fmt: skip
-    ev = (f"no NVIDIA GPU/driver: NVML: {nvml.get('error') or 'not tried'}; nvidia-smi: "
-          f"{smi.get('error') or 'not tried'}; {torch_ev}")  # fmt: skip
+        return Finding(
+            "gpu.driver",
+            "NVIDIA driver",
+            "ok",
+            ev,
+            None,
+            {"driver_version": dv, "cuda_driver_version": cuda},
+        )
+    torch_ev = (
+        f"torch {t['version']} (CUDA build: {t.get('cuda') or 'none, CPU-only'}) sees no CUDA device"
+        if t
+        else "torch not installed"
+    )
+    ev = (
+        f"no NVIDIA GPU/driver: NVML: {nvml.get('error') or 'not tried'}; nvidia-smi: "
+        f"{smi.get('error') or 'not tried'}; {torch_ev}"
+    )
     causes = likely_causes(facts)
     status = NO_GPU_STATUS[target]
     fix = None if status == "ok" else f"{causes[0]['fix']} (confirm: {causes[0]['confirm'][0]})"
@@ -147,24 +200,46 @@ def _driver(
 
 def _gpu(g: dict[str, Any]) -> Finding:
     total, used = g.get("memory_total_bytes") or 0, g.get("memory_used_bytes") or 0
-    parts = [f"{g.get('name')}", f"compute capability {g.get('compute_capability') or '?'}",
-             f"{total / GiB:.1f} GiB ({used / GiB:.1f} GiB in use)", f"MIG {g.get('mig_mode') or 'n/a'}",
-             f"ECC {g.get('ecc_mode') or 'n/a'}"]  # fmt: skip
+    parts = [
+        f"{g.get('name')}",
+        f"compute capability {g.get('compute_capability') or '?'}",
+        f"{total / GiB:.1f} GiB ({used / GiB:.1f} GiB in use)",
+        f"MIG {g.get('mig_mode') or 'n/a'}",
+        f"ECC {g.get('ecc_mode') or 'n/a'}",
+    ]
     vol, agg = g.get("ecc_uncorrected_volatile"), g.get("ecc_uncorrected_aggregate")
     if vol is not None:
         parts.append(f"uncorrected ECC errors {vol} since boot, {agg} lifetime")
     ev, fid = ", ".join(parts), f"gpu.{g.get('index')}"
     title = f"GPU {g.get('index')}"
     if vol:
-        return Finding(fid, title, "fail", ev, "uncorrected memory errors since boot: drain this GPU, "
-                       "reset it (nvidia-smi -r -i N) and replace it if they return")  # fmt: skip
+        return Finding(
+            fid,
+            title,
+            "fail",
+            ev,
+            "uncorrected memory errors since boot: drain this GPU, "
+            "reset it (nvidia-smi -r -i N) and replace it if they return",
+        )
     if g.get("mig_mode") == "enabled":
-        return Finding(fid, title, "warn", ev, "MIG is on: a process sees one MIG slice, not the whole "
-                       "GPU; put the MIG UUID (nvidia-smi -L) in CUDA_VISIBLE_DEVICES, or disable MIG "
-                       "(nvidia-smi -mig 0) to serve one large model")  # fmt: skip
+        return Finding(
+            fid,
+            title,
+            "warn",
+            ev,
+            "MIG is on: a process sees one MIG slice, not the whole "
+            "GPU; put the MIG UUID (nvidia-smi -L) in CUDA_VISIBLE_DEVICES, or disable MIG "
+            "(nvidia-smi -mig 0) to serve one large model",
+        )
     if total and used > 0.1 * total:
-        return Finding(fid, title, "warn", ev, "other processes hold GPU memory (nvidia-smi lists them); "
-                       "stop them or lower --gpu-memory-utilization")  # fmt: skip
+        return Finding(
+            fid,
+            title,
+            "warn",
+            ev,
+            "other processes hold GPU memory (nvidia-smi lists them); "
+            "stop them or lower --gpu-memory-utilization",
+        )
     if agg:
         return Finding(
             fid, title, "warn", ev, "uncorrected ECC errors in this GPU's past: watch it"
@@ -178,9 +253,11 @@ def _dtypes(gpus: list[dict[str, Any]]) -> Finding | None:
         {(g.get("name"), g.get("compute_capability")) for g in gpus if g.get("compute_capability")}
     ):
         sup = dtype_support(cc)
-        rows.append(f"{name} (cc {cc}): bf16 {'yes' if sup['bfloat16'] else 'no (needs 8.0)'}, "
-                    f"fp8 {'yes' if sup['fp8'] else 'no (needs 8.9)'}, "
-                    f"fp4 {'yes' if sup['fp4'] else 'no (needs 10.0)'}, int8 {'yes' if sup['int8'] else 'no'}")  # fmt: skip
+        rows.append(
+            f"{name} (cc {cc}): bf16 {'yes' if sup['bfloat16'] else 'no (needs 8.0)'}, "
+            f"fp8 {'yes' if sup['fp8'] else 'no (needs 8.9)'}, "
+            f"fp4 {'yes' if sup['fp4'] else 'no (needs 10.0)'}, int8 {'yes' if sup['int8'] else 'no'}"
+        )
     return Finding("gpu.dtypes", "precisions", "ok", "; ".join(rows)) if rows else None
 
 
@@ -189,25 +266,54 @@ def _runtime(
 ) -> list[Finding]:
     t = facts.get("torch")
     if not t:
-        return [Finding("cuda.runtime", "CUDA runtime", "warn", "torch is not installed",
-                        "pip install torch (a CUDA build matching the driver)")]  # fmt: skip
+        return [
+            Finding(
+                "cuda.runtime",
+                "CUDA runtime",
+                "warn",
+                "torch is not installed",
+                "pip install torch (a CUDA build matching the driver)",
+            )
+        ]
     if not t.get("cuda"):
-        return [Finding("cuda.runtime", "CUDA runtime", "fail",
-                        f"torch {t['version']} is a CPU-only build; the GPU(s) above are unused",
-                        "install a CUDA build of torch, e.g. pip install torch --index-url "
-                        "https://download.pytorch.org/whl/cu128 (pick the CUDA version your driver supports)")]  # fmt: skip
+        return [
+            Finding(
+                "cuda.runtime",
+                "CUDA runtime",
+                "fail",
+                f"torch {t['version']} is a CPU-only build; the GPU(s) above are unused",
+                "install a CUDA build of torch, e.g. pip install torch --index-url "
+                "https://download.pytorch.org/whl/cu128 (pick the CUDA version your driver supports)",
+            )
+        ]
     out = []
     dv, runtime = drv.get("driver_version"), t["cuda"]
     need = cuda_driver_minimum(runtime)
-    ev = (f"torch {t['version']} built with CUDA {runtime}; driver {dv or '?'} supports CUDA up to "
-          f"{drv.get('cuda_driver_version') or '?'}; CUDA {runtime.split('.')[0]}.x needs driver >= {need}")  # fmt: skip
+    ev = (
+        f"torch {t['version']} built with CUDA {runtime}; driver {dv or '?'} supports CUDA up to "
+        f"{drv.get('cuda_driver_version') or '?'}; CUDA {runtime.split('.')[0]}.x needs driver >= {need}"
+    )
     if t.get("error"):
-        out.append(Finding("cuda.runtime", "CUDA runtime", "fail", f"{ev}; torch: {t['error']}",
-                           f"upgrade the driver to >= {need}, or install a torch build for an older CUDA"))  # fmt: skip
+        out.append(
+            Finding(
+                "cuda.runtime",
+                "CUDA runtime",
+                "fail",
+                f"{ev}; torch: {t['error']}",
+                f"upgrade the driver to >= {need}, or install a torch build for an older CUDA",
+            )
+        )
     elif dv and need and not version_at_least(dv, need):
-        out.append(Finding("cuda.runtime", "CUDA runtime", "fail", ev,
-                           f"upgrade the driver to >= {need}, or install torch built for the CUDA "
-                           f"version the driver supports ({drv.get('cuda_driver_version')})"))  # fmt: skip
+        out.append(
+            Finding(
+                "cuda.runtime",
+                "CUDA runtime",
+                "fail",
+                ev,
+                f"upgrade the driver to >= {need}, or install torch built for the CUDA "
+                f"version the driver supports ({drv.get('cuda_driver_version')})",
+            )
+        )
     else:
         out.append(
             Finding(
@@ -222,10 +328,16 @@ def _runtime(
         sm = cc.replace(".", "")
         ptx_ok = any(a.startswith("compute_") and int(a[8:].rstrip("af")) <= int(sm) for a in arch)
         if arch and f"sm_{sm}" not in arch and not ptx_ok:
-            out.append(Finding("cuda.arch", "torch GPU code", "fail",
-                               f"torch ships code for {', '.join(arch)}, not for sm_{sm} (compute capability {cc})",
-                               "install a torch build that supports this GPU (a newer CUDA build for new GPUs, "
-                               "an older one for old GPUs)"))  # fmt: skip
+            out.append(
+                Finding(
+                    "cuda.arch",
+                    "torch GPU code",
+                    "fail",
+                    f"torch ships code for {', '.join(arch)}, not for sm_{sm} (compute capability {cc})",
+                    "install a torch build that supports this GPU (a newer CUDA build for new GPUs, "
+                    "an older one for old GPUs)",
+                )
+            )
     return out
 
 
@@ -238,20 +350,31 @@ def _device(
     hetero = len({g.get("name") for g in gpus}) > 1
     fix = None
     if hetero and order != "PCI_BUS_ID":
-        fix = ("GPUs differ and CUDA numbers them fastest first while nvidia-smi numbers them by PCI bus: "
-               "export CUDA_DEVICE_ORDER=PCI_BUS_ID so indices agree, then pick with CUDA_VISIBLE_DEVICES")  # fmt: skip
+        fix = (
+            "GPUs differ and CUDA numbers them fastest first while nvidia-smi numbers them by PCI bus: "
+            "export CUDA_DEVICE_ORDER=PCI_BUS_ID so indices agree, then pick with CUDA_VISIBLE_DEVICES"
+        )
     if t.get("devices"):
         d0 = t["devices"][0]
         match = next((g for g in gpus if g.get("uuid") and g.get("uuid") == d0.get("uuid")), None)
         where = f" = NVML index {match['index']}, PCI {match.get('pci_bus_id')}" if match else ""
-        dev = {"cuda:0": d0.get("name"), "uuid": d0.get("uuid"), "nvml_index": match and match["index"],
-               "visible": t.get("device_count"), "source": "torch"}  # fmt: skip
+        dev = {
+            "cuda:0": d0.get("name"),
+            "uuid": d0.get("uuid"),
+            "nvml_index": match and match["index"],
+            "visible": t.get("device_count"),
+            "source": "torch",
+        }
         ev = f"cuda:0 is {d0['name']}{where}; {t['device_count']} device(s) visible; {setting}"
         return Finding("cuda.device", "device used", "warn" if fix else "ok", ev, fix), dev
     if cvd is not None and cvd.strip() in ("", "-1", "none", "NoDevFiles"):
-        return Finding("cuda.device", "device used", "fail" if target == "cuda" else "warn",
-                       f"{setting}: no device is visible to CUDA programs",
-                       "unset CUDA_VISIBLE_DEVICES or list the GPUs to use (indices or UUIDs from nvidia-smi -L)"), None  # fmt: skip
+        return Finding(
+            "cuda.device",
+            "device used",
+            "fail" if target == "cuda" else "warn",
+            f"{setting}: no device is visible to CUDA programs",
+            "unset CUDA_VISIBLE_DEVICES or list the GPUs to use (indices or UUIDs from nvidia-smi -L)",
+        ), None
     picked = gpus[0]
     if cvd:
         first = cvd.split(",")[0].strip()
@@ -264,11 +387,19 @@ def _device(
             None,
         )
         if picked is None:
-            return Finding("cuda.device", "device used", "fail" if target == "cuda" else "warn",
-                           f"{setting}: its first entry {first!r} names no GPU found",
-                           "use indices or UUIDs from nvidia-smi -L"), None  # fmt: skip
-    dev = {"cuda:0": picked.get("name"), "uuid": picked.get("uuid"), "nvml_index": picked.get("index"),
-           "source": "CUDA_VISIBLE_DEVICES over the NVML list (torch could not confirm)"}  # fmt: skip
+            return Finding(
+                "cuda.device",
+                "device used",
+                "fail" if target == "cuda" else "warn",
+                f"{setting}: its first entry {first!r} names no GPU found",
+                "use indices or UUIDs from nvidia-smi -L",
+            ), None
+    dev = {
+        "cuda:0": picked.get("name"),
+        "uuid": picked.get("uuid"),
+        "nvml_index": picked.get("index"),
+        "source": "CUDA_VISIBLE_DEVICES over the NVML list (torch could not confirm)",
+    }
     ev = f"cuda:0 would be {picked.get('name')} (NVML index {picked.get('index')}); {setting}"
     return Finding("cuda.device", "device used", "warn" if fix else "ok", ev, fix), dev
 
@@ -291,9 +422,15 @@ def _compat(
                 torch_cuda if engine == "torch-cuda" else pk.get(_RULE_PACKAGE.get(engine, ""))
             )
             if not ok and installed and version_at_least(installed, since):
-                out.append(Finding(f"compat.{engine}", f"{engine} vs GPU", "fail",
-                                   f"{engine} {installed} is installed; {name} has compute capability {cc}: {why}",
-                                   f"use a {engine} release before {since} for this GPU, or a newer GPU"))  # fmt: skip
+                out.append(
+                    Finding(
+                        f"compat.{engine}",
+                        f"{engine} vs GPU",
+                        "fail",
+                        f"{engine} {installed} is installed; {name} has compute capability {cc}: {why}",
+                        f"use a {engine} release before {since} for this GPU, or a newer GPU",
+                    )
+                )
         table.append(
             {"gpu": name, "compute_capability": cc, "dtypes": dtype_support(cc), "engines": engines}
         )

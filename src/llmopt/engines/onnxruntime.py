@@ -47,14 +47,33 @@ RECIPES = ("fp32", "w8a8-dynamic")
 OPSET = 17
 # Weight-free files that make the artifact folder loadable on its own (tokenizer, config,
 # sentence-transformers module description). Weights are not copied: model.onnx holds them.
-_AUX_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
-              "spiece.model", "sentencepiece.bpe.model", "modules.json",
-              "sentence_bert_config.json", "config_sentence_transformers.json")  # fmt: skip
+_AUX_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+)
 _ST_MODULE_DIR = re.compile(r"^\d+_(Pooling|Normalize)$")
 # ORT's quantizer turns these into integer ops; we count them to show what got quantized.
-_QUANT_OPS = ("DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul", "QAttention",
-              "QGemm", "ConvInteger", "QLinearMatMul")  # fmt: skip
+_QUANT_OPS = (
+    "DynamicQuantizeLinear",
+    "MatMulInteger",
+    "DynamicQuantizeMatMul",
+    "QAttention",
+    "QGemm",
+    "ConvInteger",
+    "QLinearMatMul",
+)
 # Past this size protobuf cannot hold the weights inline (hard 2 GiB limit), so use external data.
 _EXTERNAL_DATA_BYTES = 1_800_000_000
 
@@ -260,20 +279,31 @@ def _export(source: Path, path: Path) -> dict[str, Any]:
                 warnings.simplefilter("ignore")
                 if exporter == "torchscript":
                     torch.onnx.export(
-                        encoder, args, str(path), dynamo=False, opset_version=OPSET,
-                        input_names=names, output_names=["last_hidden_state"],
+                        encoder,
+                        args,
+                        str(path),
+                        dynamo=False,
+                        opset_version=OPSET,
+                        input_names=names,
+                        output_names=["last_hidden_state"],
                         dynamic_axes={n: axes for n in [*names, "last_hidden_state"]},
-                    )  # fmt: skip
+                    )
                 else:
                     from torch.export import Dim
 
                     dims = {0: Dim("batch"), 1: Dim("sequence")}
                     # Opset 18: the dynamo exporter has no lower-opset implementations.
                     torch.onnx.export(
-                        encoder, args, str(path), dynamo=True, opset_version=18, verbose=False,
-                        input_names=names, output_names=["last_hidden_state"],
+                        encoder,
+                        args,
+                        str(path),
+                        dynamo=True,
+                        opset_version=18,
+                        verbose=False,
+                        input_names=names,
+                        output_names=["last_hidden_state"],
                         dynamic_shapes=tuple(dims for _ in names),
-                    )  # fmt: skip
+                    )
             diff = _export_error(encoder, path, names)
             if not diff < 1e-3:
                 raise RuntimeError(f"exported graph differs from torch by {diff:.2e}")
@@ -365,12 +395,15 @@ def _quantize(src: Path, dst: Path, per_channel: bool = True) -> dict[str, Any]:
     # per-tensor weights give mean cosine 0.958 to torch fp32 (fails the 0.99 gate), per-channel
     # 0.992 (min 0.984) at the same speed (batch 32: 276 vs 283 sentences/s, within noise).
     quantize_dynamic(
-        str(src), str(dst), per_channel=per_channel, weight_type=QuantType.QInt8,
+        str(src),
+        str(dst),
+        per_channel=per_channel,
+        weight_type=QuantType.QInt8,
         use_external_data_format=_needs_external(src),
         # ONNX shape inference cannot type the outputs of ORT's fused contrib ops (Attention,
         # SkipLayerNormalization); everything they produce here is float32.
         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
-    )  # fmt: skip
+    )
     _, ops = _graph_summary(dst)
     return {
         "quantizer": "onnxruntime.quantization.quantize_dynamic",

@@ -146,7 +146,6 @@ class HFEmbeddingRunner:
     def _embed_batch(self, batch: list[str]) -> np.ndarray:
         import torch
 
-
         with torch.inference_mode():
             enc = self.tokenizer(
                 batch,

@@ -136,23 +136,25 @@ def interpret_nvml(answers: dict[str, Any]) -> dict[str, Any]:
         mem = _v(d.get("memory")) or {}
         cc = _v(d.get("cc"))
         procs = _v(d.get("processes")) or []
-        devices.append({
-            "index": i,
-            "name": _v(d.get("name")),
-            "uuid": _v(d.get("uuid")),
-            "pci_bus_id": (_v(d.get("pci")) or {}).get("busId"),
-            "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
-            "memory_total_bytes": mem.get("total"),
-            "memory_used_bytes": mem.get("used"),
-            "mig_mode": _mode(d.get("mig_mode")),
-            "ecc_mode": _mode(d.get("ecc_mode")),
-            "ecc_uncorrected_volatile": _v(d.get("ecc_uncorrected_volatile")),
-            "ecc_uncorrected_aggregate": _v(d.get("ecc_uncorrected_aggregate")),
-            "temperature_c": _v(d.get("temperature_c")),
-            "power_limit_w": (_v(d.get("power_limit_mw")) or 0) / 1000 or None,
-            "processes": len(procs),
-            "source": "nvml",
-        })  # fmt: skip
+        devices.append(
+            {
+                "index": i,
+                "name": _v(d.get("name")),
+                "uuid": _v(d.get("uuid")),
+                "pci_bus_id": (_v(d.get("pci")) or {}).get("busId"),
+                "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
+                "memory_total_bytes": mem.get("total"),
+                "memory_used_bytes": mem.get("used"),
+                "mig_mode": _mode(d.get("mig_mode")),
+                "ecc_mode": _mode(d.get("ecc_mode")),
+                "ecc_uncorrected_volatile": _v(d.get("ecc_uncorrected_volatile")),
+                "ecc_uncorrected_aggregate": _v(d.get("ecc_uncorrected_aggregate")),
+                "temperature_c": _v(d.get("temperature_c")),
+                "power_limit_w": (_v(d.get("power_limit_mw")) or 0) / 1000 or None,
+                "processes": len(procs),
+                "source": "nvml",
+            }
+        )
     return {
         "ok": True,
         "error": None,
@@ -169,11 +171,21 @@ def probe_nvml(nvml: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 SMI_FIELDS = (
-    "index", "name", "uuid", "pci.bus_id", "driver_version", "memory.total", "memory.used",
-    "compute_cap", "mig.mode.current", "ecc.mode.current",
-    "ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
-    "temperature.gpu", "power.limit",
-)  # fmt: skip
+    "index",
+    "name",
+    "uuid",
+    "pci.bus_id",
+    "driver_version",
+    "memory.total",
+    "memory.used",
+    "compute_cap",
+    "mig.mode.current",
+    "ecc.mode.current",
+    "ecc.errors.uncorrected.volatile.total",
+    "ecc.errors.uncorrected.aggregate.total",
+    "temperature.gpu",
+    "power.limit",
+)
 
 
 def _smi_value(raw: str) -> str | None:
@@ -203,24 +215,26 @@ def parse_nvidia_smi(csv_text: str, fields: tuple[str, ...] = SMI_FIELDS) -> lis
     out = []
     for line in csv_text.strip().splitlines():
         row = dict(zip(fields, (_smi_value(x) for x in line.split(",")), strict=False))
-        out.append({
-            "index": _num(row, "index"),
-            "name": row.get("name"),
-            "uuid": row.get("uuid"),
-            "pci_bus_id": row.get("pci.bus_id"),
-            "driver_version": row.get("driver_version"),
-            "compute_capability": row.get("compute_cap"),
-            "memory_total_bytes": _mib(row, "memory.total"),
-            "memory_used_bytes": _mib(row, "memory.used"),
-            "mig_mode": (row.get("mig.mode.current") or "").lower() or None,
-            "ecc_mode": (row.get("ecc.mode.current") or "").lower() or None,
-            "ecc_uncorrected_volatile": _num(row, "ecc.errors.uncorrected.volatile.total"),
-            "ecc_uncorrected_aggregate": _num(row, "ecc.errors.uncorrected.aggregate.total"),
-            "temperature_c": _num(row, "temperature.gpu"),
-            "power_limit_w": float(row["power.limit"]) if row.get("power.limit") else None,
-            "processes": None,
-            "source": "nvidia-smi",
-        })  # fmt: skip
+        out.append(
+            {
+                "index": _num(row, "index"),
+                "name": row.get("name"),
+                "uuid": row.get("uuid"),
+                "pci_bus_id": row.get("pci.bus_id"),
+                "driver_version": row.get("driver_version"),
+                "compute_capability": row.get("compute_cap"),
+                "memory_total_bytes": _mib(row, "memory.total"),
+                "memory_used_bytes": _mib(row, "memory.used"),
+                "mig_mode": (row.get("mig.mode.current") or "").lower() or None,
+                "ecc_mode": (row.get("ecc.mode.current") or "").lower() or None,
+                "ecc_uncorrected_volatile": _num(row, "ecc.errors.uncorrected.volatile.total"),
+                "ecc_uncorrected_aggregate": _num(row, "ecc.errors.uncorrected.aggregate.total"),
+                "temperature_c": _num(row, "temperature.gpu"),
+                "power_limit_w": float(row["power.limit"]) if row.get("power.limit") else None,
+                "processes": None,
+                "source": "nvidia-smi",
+            }
+        )
     return out
 
 
@@ -240,8 +254,12 @@ def probe_nvidia_smi(timeout: float = 20.0) -> dict[str, Any]:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         if proc.returncode != 0:
             err = (proc.stdout + proc.stderr).strip().splitlines()
-            return {"ok": False, "path": exe, "error": err[0] if err else f"exit {proc.returncode}",
-                    "devices": []}  # fmt: skip
+            return {
+                "ok": False,
+                "path": exe,
+                "error": err[0] if err else f"exit {proc.returncode}",
+                "devices": [],
+            }
         banner = subprocess.run([exe], capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"ok": False, "path": exe, "error": f"{type(e).__name__}: {e}", "devices": []}
@@ -282,14 +300,16 @@ def probe_torch() -> dict[str, Any] | None:
             for i in range(out["device_count"]):
                 p = torch.cuda.get_device_properties(i)
                 uuid = str(getattr(p, "uuid", "") or "")
-                out["devices"].append({
-                    "index": i,
-                    "name": p.name,
-                    "compute_capability": f"{p.major}.{p.minor}",
-                    "memory_total_bytes": int(p.total_memory),
-                    "uuid": ("GPU-" + uuid) if uuid and not uuid.startswith("GPU-") else uuid,
-                    "multiprocessors": p.multi_processor_count,
-                })  # fmt: skip
+                out["devices"].append(
+                    {
+                        "index": i,
+                        "name": p.name,
+                        "compute_capability": f"{p.major}.{p.minor}",
+                        "memory_total_bytes": int(p.total_memory),
+                        "uuid": ("GPU-" + uuid) if uuid and not uuid.startswith("GPU-") else uuid,
+                        "multiprocessors": p.multi_processor_count,
+                    }
+                )
     except (
         Exception
     ) as e:  # a broken driver surfaces here (e.g. "CUDA driver version is insufficient")

@@ -190,8 +190,15 @@ def probe_container() -> dict[str, Any]:
         evidence.append("/proc/1/cgroup names a container runtime")
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         evidence.append("KUBERNETES_SERVICE_HOST is set")
-    tools = ("docker", "podman", "nerdctl", "kubectl", "nvidia-ctk", "nvidia-container-cli",
-             "nvidia-container-runtime")  # fmt: skip
+    tools = (
+        "docker",
+        "podman",
+        "nerdctl",
+        "kubectl",
+        "nvidia-ctk",
+        "nvidia-container-cli",
+        "nvidia-container-runtime",
+    )
     return {
         "inside": bool(evidence),
         "evidence": evidence,
@@ -205,13 +212,16 @@ def _pci_nvidia() -> list[dict[str, str]]:
     for dev in sorted(root.iterdir()) if root.is_dir() else []:
         vendor = (_read(dev / "vendor") or "").strip()
         if vendor == "0x10de":  # NVIDIA's PCI vendor id
-            out.append({
-                "slot": dev.name,
-                "device_id": (_read(dev / "device") or "").strip(),
-                "class": (_read(dev / "class") or "").strip(),
-                "driver": os.path.basename(os.path.realpath(dev / "driver"))
-                if (dev / "driver").exists() else None,
-            })  # fmt: skip
+            out.append(
+                {
+                    "slot": dev.name,
+                    "device_id": (_read(dev / "device") or "").strip(),
+                    "class": (_read(dev / "class") or "").strip(),
+                    "driver": os.path.basename(os.path.realpath(dev / "driver"))
+                    if (dev / "driver").exists()
+                    else None,
+                }
+            )
     return out
 
 
@@ -237,9 +247,7 @@ def probe_driver_traces() -> dict[str, Any]:
         "pci_readable": Path("/sys/bus/pci/devices").is_dir(),
         "modules": None
         if loaded is None
-        else {
-            m: m in loaded for m in ("nvidia", "nvidia_uvm", "nvidia_drm", "nouveau")
-        },  # fmt: skip
+        else {m: m in loaded for m in ("nvidia", "nvidia_uvm", "nvidia_drm", "nouveau")},
         "proc_driver_version": (_read("/proc/driver/nvidia/version") or "").strip() or None,
         "dev_nodes": sorted(str(p) for p in Path("/dev").glob("nvidia*")),
         "secure_boot": _secure_boot(),

@@ -84,8 +84,17 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("H200", ("h200",), 143771 * MIB, 4800, "9.0", 989, 1979, 900, _SMI),
         GpuSpec("H100-PCIe", ("h100 pcie",), 81559 * MIB, 2000, "9.0", 756, 1513, None, _SMI),
         GpuSpec("H100", ("h100",), 81559 * MIB, 3350, "9.0", 989, 1979, 900, _SMI),
-        GpuSpec("A100-40GB", ("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb"), 40960 * MIB,
-                1555, "8.0", 312, None, 600, _SMI),
+        GpuSpec(
+            "A100-40GB",
+            ("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb"),
+            40960 * MIB,
+            1555,
+            "8.0",
+            312,
+            None,
+            600,
+            _SMI,
+        ),
         GpuSpec("A100", ("a100",), 81920 * MIB, 2039, "8.0", 312, None, 600, _SMI),
         GpuSpec("L40S", ("l40s",), 46068 * MIB, 864, "8.9", 362, 733, None, _SMI),
         GpuSpec("L4", ("l4",), 23034 * MIB, 300, "8.9", 121, 242, None, _SMI),
@@ -94,7 +103,7 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("T4", ("t4",), 15360 * MIB, 320, "7.5", None, None, None, _SMI),
         GpuSpec("V100", ("v100",), 32768 * MIB, 900, "7.0", None, None, 300, _SMI),
     )
-}  # fmt: skip
+}
 
 # Lowest compute capability with native support (tensor-core matmuls) for each dtype.
 # bf16: Ampere (8.0); fp8: Ada/Hopper (8.9); fp4 (NVFP4/MXFP4): Blackwell (10.0); int8 tensor
@@ -112,12 +121,16 @@ DTYPE_MIN_CC: dict[str, tuple[int, int]] = {
 # installed versions, and by the planner against the target GPU.
 ENGINE_MIN_CC: list[tuple[str, str, tuple[int, int], str]] = [
     ("vllm", "0", (7, 0), "vLLM's GPU requirements: compute capability 7.0 or higher"),
-    ("tensorrt", "10.0", (7, 0), "TensorRT 10 is built for SM 7.0+ (Pascal 6.x dropped); "
-     "TensorRT 10.0 support matrix"),
+    (
+        "tensorrt",
+        "10.0",
+        (7, 0),
+        "TensorRT 10 is built for SM 7.0+ (Pascal 6.x dropped); TensorRT 10.0 support matrix",
+    ),
     ("tensorrt", "10.5", (7, 5), "TensorRT 10.5 removed Volta (7.0); TensorRT 10.5 release notes"),
     ("torch-cuda", "13.0", (7, 5), "CUDA 13 dropped Maxwell, Pascal and Volta (below 7.5)"),
     ("flash-attn", "2.0", (8, 0), "FlashAttention-2 needs Ampere (8.0) or newer"),
-]  # fmt: skip
+]
 
 # CUDA runtime major -> minimum Linux driver under minor-version compatibility (NVIDIA's CUDA
 # compatibility guide: 11.x >= 450.80.02, 12.x >= 525.60.13, 13.x >= 580).

@@ -75,10 +75,19 @@ _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 _BUFFER_SUFFIXES = ("position_ids", "token_type_ids", "inv_freq")
 _DTYPE_BYTES = {code: dtype_bytes(name) for code, name in SAFETENSORS_DTYPES.items()}
 _DTYPE_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 # KV-cache element types worth planning for; bf16 and fp16 cost the same.
 _KV_DTYPES = ("float32", "bfloat16", "float16", "fp8", "int8")
 CONFIG_ONLY = "none (config only)"  # weight_format of a ModelInfo built from config.json alone

@@ -47,8 +47,13 @@ class Task:
     deadline: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cid": self.cid, "steps": [list(s) for s in self.steps], "rung": self.rung,
-                "reference_id": self.reference_id, "deadline": self.deadline}  # fmt: skip
+        return {
+            "cid": self.cid,
+            "steps": [list(s) for s in self.steps],
+            "rung": self.rung,
+            "reference_id": self.reference_id,
+            "deadline": self.deadline,
+        }
 
 
 class _OutOfTime(Exception):
@@ -72,7 +77,15 @@ def _spawn(
         timeout = None if deadline is None else max(1.0, deadline - time.time())
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "llmopt.optimize.worker", str(run.root), cid, stage, fidelity],
+                [
+                    sys.executable,
+                    "-m",
+                    "llmopt.optimize.worker",
+                    str(run.root),
+                    cid,
+                    stage,
+                    fidelity,
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -119,8 +132,10 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
         ref_ok = ref is None or ref.done("verify", fid) or ref.done("verify", "full")
         if stage == "verify" and not ref_ok:
             error = "the reference failed, nothing to compare against"
-            write_json(cdir.stage_file("error"),
-                       {"stage": stage, "fidelity": fid, "error": error, "traceback": ""})  # fmt: skip
+            write_json(
+                cdir.stage_file("error"),
+                {"stage": stage, "fidelity": fid, "error": error, "traceback": ""},
+            )
             progress and progress("fail", task.cid, stage, error)
             break
         progress and progress("start", task.cid, stage, fid)
@@ -191,8 +206,13 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, address: str, cpus_per_task: int = 1, progress: Progress | None = None,
-                 num_cpus: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        cpus_per_task: int = 1,
+        progress: Progress | None = None,
+        num_cpus: int | None = None,
+    ):
         try:
             import ray
         except ImportError:
@@ -202,11 +222,13 @@ class RayExecutor:
         self.cpus_per_task = max(1, cpus_per_task)
         self._own = not ray.is_initialized()
         if self._own:
-            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                  "configure_logging": False}  # fmt: skip
+            kw: dict[str, Any] = {
+                "include_dashboard": False,
+                "log_to_driver": False,
+                "configure_logging": False,
+            }
             if address == "local":
-                kw.update(num_cpus=num_cpus or os.cpu_count() or 1,
-                          object_store_memory=100 * 2**20)  # fmt: skip
+                kw.update(num_cpus=num_cpus or os.cpu_count() or 1, object_store_memory=100 * 2**20)
                 ray.init(**kw)
             else:
                 ray.init(address=address, **kw)
@@ -243,9 +265,18 @@ class RayExecutor:
         cdir = RunDir(run_root).candidate(t.cid)
         stage = next((s for s, f in t.steps if not cdir.done(s, f)), t.steps[-1][0])
         write_json(cdir.stage_file("error"), {"stage": stage, "error": why, "traceback": ""})
-        rec = {**t.to_dict(), "ok": False, "error": f"{stage}: {why}", "ran": [], "skipped": [],
-               "seconds": None, "host": None, "pid": None, "node_id": None,
-               "finished": time.time()}  # fmt: skip
+        rec = {
+            **t.to_dict(),
+            "ok": False,
+            "error": f"{stage}: {why}",
+            "ran": [],
+            "skipped": [],
+            "seconds": None,
+            "host": None,
+            "pid": None,
+            "node_id": None,
+            "finished": time.time(),
+        }
         write_json(cdir.task_file(t.rung), rec)
         return rec
 
@@ -255,13 +286,22 @@ class RayExecutor:
 
     def describe(self) -> dict[str, Any]:
         nodes = [n["NodeID"] for n in self.ray.nodes() if n.get("Alive")]
-        return {"executor": "ray", "address": self.address, "parallel": self.parallel,
-                "cpus_per_task": self.cpus_per_task, "nodes": nodes,
-                "ray_version": self.ray.__version__}  # fmt: skip
+        return {
+            "executor": "ray",
+            "address": self.address,
+            "parallel": self.parallel,
+            "cpus_per_task": self.cpus_per_task,
+            "nodes": nodes,
+            "ray_version": self.ray.__version__,
+        }
 
 
-def make_executor(ray_address: str | None, cpus_per_task: int, progress: Progress | None = None,
-                  num_cpus: int | None = None) -> LocalExecutor | RayExecutor:  # fmt: skip
+def make_executor(
+    ray_address: str | None,
+    cpus_per_task: int,
+    progress: Progress | None = None,
+    num_cpus: int | None = None,
+) -> LocalExecutor | RayExecutor:
     """LocalExecutor without an address; RayExecutor for "local" or a cluster address."""
     if not ray_address:
         return LocalExecutor(progress)

@@ -122,23 +122,29 @@ def optimize(
     info, tgt = _inspect(model, target, threads)
     stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
     run = RunDir(out)
-    resumed = run.open(run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)),
-                       force=force)  # fmt: skip
+    resumed = run.open(
+        run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)), force=force
+    )
     write_json(run.model_json, info.to_dict())
     write_doctor(run, target)
     # plan -> search -> select -> best/
     plan = _plan(run, info, tgt, candidates)
-    state, where = _search(run, plan, budget, obj, max_quality_drop, search, ctx, ray_address,
-                           progress)  # fmt: skip
+    state, where = _search(
+        run, plan, budget, obj, max_quality_drop, search, ctx, ray_address, progress
+    )
     selection = _select(run, plan, max_quality_drop, obj, ctx, state)
     if selection.chosen:
         chosen = next(c for c in plan.candidates if c.id == selection.chosen)
         _write_best(run, chosen, tgt.threads, deploy)
     # search.json and the report
-    result = OptimizeResult(run.root, selection, resumed,
-                            ran=[k for rec in state.tasks for k in rec.get("ran", [])],
-                            skipped=[k for rec in state.tasks for k in rec.get("skipped", [])],
-                            search=_search_record(obj, search, budget, where, profile, state))  # fmt: skip
+    result = OptimizeResult(
+        run.root,
+        selection,
+        resumed,
+        ran=[k for rec in state.tasks for k in rec.get("ran", [])],
+        skipped=[k for rec in state.tasks for k in rec.get("skipped", [])],
+        search=_search_record(obj, search, budget, where, profile, state),
+    )
     write_json(run.search_json, result.search)
 
     result.report_md, result.report_html = write_report(run.root)
@@ -162,7 +168,6 @@ def _inspect(model: str | Path, target: str, threads: int | None):
     """The model (a built-in name is resolved and prepared; the name is kept) and the target."""
     from transformers.utils import logging as hf_logging
 
-
     hf_logging.disable_progress_bar()  # preparing a built-in: our progress, not per-tensor bars
     return inspect_model(model), detect_target(target, threads)
 
@@ -179,33 +184,53 @@ def _plan(run: RunDir, info, tgt, only: list[str] | None) -> Plan:
     return plan
 
 
-def _search(run: RunDir, plan: Plan, budget: Budget, obj: Objective, max_quality_drop: float,
-            search: str, ctx: dict[str, Any], ray_address: str | None,
-            progress: Progress | None) -> tuple[SearchState, dict[str, Any]]:  # fmt: skip
+def _search(
+    run: RunDir,
+    plan: Plan,
+    budget: Budget,
+    obj: Objective,
+    max_quality_drop: float,
+    search: str,
+    ctx: dict[str, Any],
+    ray_address: str | None,
+    progress: Progress | None,
+) -> tuple[SearchState, dict[str, Any]]:
     """Run the search on this machine's workers or on Ray; return what it did and where."""
 
     executor = make_executor(ray_address, plan.target.threads, progress)
     try:
-        state = run_search(run, plan.candidates, executor, budget, obj, max_quality_drop,
-                           search, ctx)  # fmt: skip
+        state = run_search(
+            run, plan.candidates, executor, budget, obj, max_quality_drop, search, ctx
+        )
         return state, executor.describe()
     finally:
         executor.close()
 
 
-def _select(run: RunDir, plan: Plan, max_quality_drop: float, obj: Objective,
-            ctx: dict[str, Any], state: SearchState) -> Selection:  # fmt: skip
+def _select(
+    run: RunDir,
+    plan: Plan,
+    max_quality_drop: float,
+    obj: Objective,
+    ctx: dict[str, Any],
+    state: SearchState,
+) -> Selection:
     """selection.json: the choice from the full-fidelity results, with a reason per candidate."""
 
-    inp = SelectionInput.from_run(run, plan.candidates, max_quality_drop, obj.name, ctx,
-                                  state.cut)  # fmt: skip
+    inp = SelectionInput.from_run(run, plan.candidates, max_quality_drop, obj.name, ctx, state.cut)
     sel = select(inp)
     write_json(run.selection_json, sel.to_dict())
     return sel
 
 
-def _search_record(obj: Objective, search: str, budget: Budget, where: dict[str, Any],
-                   profile: str, state: SearchState) -> dict[str, Any]:  # fmt: skip
+def _search_record(
+    obj: Objective,
+    search: str,
+    budget: Budget,
+    where: dict[str, Any],
+    profile: str,
+    state: SearchState,
+) -> dict[str, Any]:
     """What search.json holds: how the search was set up and what it did."""
     return {
         "objective": obj.name,
@@ -213,8 +238,10 @@ def _search_record(obj: Objective, search: str, budget: Budget, where: dict[str,
         "budget": budget.to_dict(),
         "executor": where,
         "profile": profile,
-        "fidelities": {"1 (screen)": SCREEN[profile].to_dict(),
-                       "2 (full)": PROFILES[profile].to_dict()},  # fmt: skip
+        "fidelities": {
+            "1 (screen)": SCREEN[profile].to_dict(),
+            "2 (full)": PROFILES[profile].to_dict(),
+        },
         **state.to_dict(),
     }
 
@@ -256,12 +283,16 @@ def _launch(
     if info.get("task") == "causal-lm" and len(per_b) > 1:
         b = max(per_b, key=per_b.get)
         cmd += f" --max-num-seqs {b}"
-        why = (f"--max-num-seqs {b}: the batch size with the most decode throughput measured "
-               f"({', '.join(f'b{k} {v:.1f}/s' for k, v in sorted(per_b.items()))})")  # fmt: skip
-    api = "/v1/completions, /v1/chat/completions" if info.get("task") == "causal-lm" else (
-        "/v1/embeddings")  # fmt: skip
-    out["serve"] = {"command": cmd, "env": env, "api": f"OpenAI-compatible {api}",
-                    "scheduler": why}  # fmt: skip
+        why = (
+            f"--max-num-seqs {b}: the batch size with the most decode throughput measured "
+            f"({', '.join(f'b{k} {v:.1f}/s' for k, v in sorted(per_b.items()))})"
+        )
+    api = (
+        "/v1/completions, /v1/chat/completions"
+        if info.get("task") == "causal-lm"
+        else ("/v1/embeddings")
+    )
+    out["serve"] = {"command": cmd, "env": env, "api": f"OpenAI-compatible {api}", "scheduler": why}
     return out
 
 
@@ -270,8 +301,13 @@ def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
     try:
         src = resolve_source(run.root)
         res = write_bundle(src, run.best / "deploy", Target.cpu_host(threads), validate=True)
-        return {"written": True, "path": "deploy", "ok": res.ok,
-                "checks": [c.to_dict() for c in res.checks], "files": res.files}  # fmt: skip
+        return {
+            "written": True,
+            "path": "deploy",
+            "ok": res.ok,
+            "checks": [c.to_dict() for c in res.checks],
+            "files": res.files,
+        }
     except Exception as e:  # e.g. embedders: bundles serve causal LMs today
         hint = getattr(e, "hint", None)
         return {"written": False, "reason": f"{type(e).__name__}: {e}", "hint": hint}

@@ -46,11 +46,21 @@ class SearchState:
     stopped_early: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cut": self.cut, "screen_scores": self.screen_scores,
-                "full_scores": self.full_scores, "survivors": self.survivors,
-                "events": self.events, "stopped_early": self.stopped_early,
-                "tasks": [{k: t.get(k) for k in ("cid", "rung", "ok", "error", "seconds", "host",
-                                                  "pid", "node_id")} for t in self.tasks]}  # fmt: skip
+        return {
+            "cut": self.cut,
+            "screen_scores": self.screen_scores,
+            "full_scores": self.full_scores,
+            "survivors": self.survivors,
+            "events": self.events,
+            "stopped_early": self.stopped_early,
+            "tasks": [
+                {
+                    k: t.get(k)
+                    for k in ("cid", "rung", "ok", "error", "seconds", "host", "pid", "node_id")
+                }
+                for t in self.tasks
+            ],
+        }
 
 
 def _steps_seconds(run: RunDir, cid: str, rung: str) -> float | None:
@@ -121,8 +131,20 @@ def run_search(
     ref_build_s = _step_seconds(run, ref.id, "full").get(f"{ref.id}/build", 0.0)
 
     if mode == "exhaustive":
-        _full_rung(run, others, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
-                   max_quality_drop, early_stop=False)  # fmt: skip
+        _full_rung(
+            run,
+            others,
+            executor,
+            budget,
+            st,
+            obj,
+            ctx,
+            run_tasks,
+            ref,
+            ref_full_s,
+            max_quality_drop,
+            early_stop=False,
+        )
         return st
 
     # ---- rung 1: build and screen each candidate, in waves, while the budget allows ----
@@ -157,8 +179,9 @@ def run_search(
                 st.cut[c.id] = _exhausted(
                     f"the build and screen (keeping time for {keep} full verification"
                     f"{'s' if keep > 1 else ''})",
-                    est + reserve, budget,
-                )  # fmt: skip
+                    est + reserve,
+                    budget,
+                )
         for r in run_tasks(wave):
             if r.get("ran") and r.get("seconds"):
                 observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
@@ -172,8 +195,9 @@ def run_search(
         vr = VerifyResult.from_dict(v)
         score = _score(run, c.id, ref.id, "screen", obj, ctx)
         st.screen_scores[c.id] = score
-        entries.append(ScreenEntry(c.id, vr.quality_drop, vr.passed, score,
-                                   quality_name=_quality_name(vr)))  # fmt: skip
+        entries.append(
+            ScreenEntry(c.id, vr.quality_drop, vr.passed, score, quality_name=_quality_name(vr))
+        )
     survivors, cut = screen(entries, max_quality_drop, obj.name)
     st.cut.update(cut)
     st.survivors = survivors
@@ -183,8 +207,20 @@ def run_search(
 
     # ---- rung 2: full fidelity for the survivors ----
     order = [c for s in survivors[1:] for c in others if c.id == s]
-    _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
-               max_quality_drop, early_stop=True)  # fmt: skip
+    _full_rung(
+        run,
+        order,
+        executor,
+        budget,
+        st,
+        obj,
+        ctx,
+        run_tasks,
+        ref,
+        ref_full_s,
+        max_quality_drop,
+        early_stop=True,
+    )
     return st
 
 
@@ -194,8 +230,20 @@ def _calibrated(recipe_name: str) -> bool:
     return get_recipe(recipe_name).calibrated
 
 
-def _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_full_s,
-               max_quality_drop, early_stop: bool) -> None:  # fmt: skip
+def _full_rung(
+    run,
+    order,
+    executor,
+    budget,
+    st,
+    obj,
+    ctx,
+    run_tasks,
+    ref,
+    ref_full_s,
+    max_quality_drop,
+    early_stop: bool,
+) -> None:
     st.full_scores[ref.id] = 1.0
     ref_screen_s = _screen_seconds(run, ref.id, ref_full_s)
     queue = list(order)
@@ -220,8 +268,9 @@ def _full_rung(run, order, executor, budget, st, obj, ctx, run_tasks, ref, ref_f
             if not done and not budget.fits(est, executor.parallel):
                 st.cut[c.id] = _exhausted("full verification", est, budget)
                 continue
-            wave.append(Task(c.id, ([("build", "full")] if not early_stop else []) + FULL,
-                             "full", ref.id))  # fmt: skip
+            wave.append(
+                Task(c.id, ([("build", "full")] if not early_stop else []) + FULL, "full", ref.id)
+            )
         for rec in run_tasks(wave):
             cdir = run.candidate(rec["cid"])
             v = cdir.read("verify")

@@ -40,8 +40,13 @@ class StageProfile:
     bench_batch_sizes: tuple[int, ...] = (1,)  # decode batch sizes (throughput vs concurrency)
 
     VERIFY_FIELDS = ("eval_windows", "window", "sentences", "generation_prompts")
-    BENCH_FIELDS = ("bench_sentences", "bench_repeats", "prompt_tokens", "new_tokens",
-                    "bench_batch_sizes")  # fmt: skip
+    BENCH_FIELDS = (
+        "bench_sentences",
+        "bench_repeats",
+        "prompt_tokens",
+        "new_tokens",
+        "bench_batch_sizes",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form kept in run.json and search.json (an unset generation_prompts is left
@@ -72,26 +77,56 @@ class StageProfile:
 
 PROFILES: dict[str, StageProfile] = {
     # The default. 3 repeats (each after a warm-up) keep a 15-minute search within budget.
-    "full": StageProfile(eval_windows=16, window=512, sentences=2000, bench_sentences=512,
-                         bench_repeats=3, prompt_tokens=100, new_tokens=64,
-                         bench_batch_sizes=(1, 4)),
+    "full": StageProfile(
+        eval_windows=16,
+        window=512,
+        sentences=2000,
+        bench_sentences=512,
+        bench_repeats=3,
+        prompt_tokens=100,
+        new_tokens=64,
+        bench_batch_sizes=(1, 4),
+    ),
     # Tests and smoke runs; still >= 1000 sentences for embeddings, so the cosine statistics
     # mean something.
-    "quick": StageProfile(eval_windows=4, window=256, sentences=1000, bench_sentences=128,
-                          bench_repeats=3, prompt_tokens=64, new_tokens=32,
-                          bench_batch_sizes=(1,)),
-}  # fmt: skip
+    "quick": StageProfile(
+        eval_windows=4,
+        window=256,
+        sentences=1000,
+        bench_sentences=128,
+        bench_repeats=3,
+        prompt_tokens=64,
+        new_tokens=32,
+        bench_batch_sizes=(1,),
+    ),
+}
 
 # Rung 1 of each profile: a quarter of the evaluation tokens or sentences, short benchmarks, no
 # generation.
 SCREEN: dict[str, StageProfile] = {
-    "full": StageProfile(eval_windows=4, window=256, sentences=500, bench_sentences=128,
-                         bench_repeats=2, prompt_tokens=64, new_tokens=24,
-                         bench_batch_sizes=(1,), generation_prompts=0),
-    "quick": StageProfile(eval_windows=2, window=128, sentences=250, bench_sentences=64,
-                          bench_repeats=2, prompt_tokens=32, new_tokens=12,
-                          bench_batch_sizes=(1,), generation_prompts=0),
-}  # fmt: skip
+    "full": StageProfile(
+        eval_windows=4,
+        window=256,
+        sentences=500,
+        bench_sentences=128,
+        bench_repeats=2,
+        prompt_tokens=64,
+        new_tokens=24,
+        bench_batch_sizes=(1,),
+        generation_prompts=0,
+    ),
+    "quick": StageProfile(
+        eval_windows=2,
+        window=128,
+        sentences=250,
+        bench_sentences=64,
+        bench_repeats=2,
+        prompt_tokens=32,
+        new_tokens=12,
+        bench_batch_sizes=(1,),
+        generation_prompts=0,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -106,18 +141,23 @@ class StageSettings:
     fidelity: str = "full"
 
     @classmethod
-    def for_run(cls, profile: str, max_quality_drop: float, gates: str,
-                threads: int | None) -> StageSettings:  # fmt: skip
+    def for_run(
+        cls, profile: str, max_quality_drop: float, gates: str, threads: int | None
+    ) -> StageSettings:
         """Full-fidelity settings of a new run with `--profile profile`."""
         return cls(PROFILES[profile], max_quality_drop, gates, threads)
 
     def run_json(self, profile: str) -> dict[str, Any]:
         """run.json's `settings`: the full sizes flat, the run's knobs, and the screen's sizes
         under `fidelities` (part of the run's identity: a resume must not mix them)."""
-        return {**self.sizes.to_dict(), "profile": profile,
-                "max_quality_drop": self.max_quality_drop, "gates": self.gates,
-                "threads": self.threads,
-                "fidelities": {"screen": SCREEN[profile].to_dict()}}  # fmt: skip
+        return {
+            **self.sizes.to_dict(),
+            "profile": profile,
+            "max_quality_drop": self.max_quality_drop,
+            "gates": self.gates,
+            "threads": self.threads,
+            "fidelities": {"screen": SCREEN[profile].to_dict()},
+        }
 
     @classmethod
     def from_run_json(cls, settings: dict[str, Any], fidelity: str = "full") -> StageSettings:
@@ -125,5 +165,10 @@ class StageSettings:
         over the full ones ("reverify" has none of its own: full sizes)."""
         over = (settings.get("fidelities") or {}).get(fidelity, {})
         sizes = StageProfile.from_dict({**settings, **over})
-        return cls(sizes, float(settings["max_quality_drop"]), settings.get("gates", "default"),
-                   settings.get("threads"), fidelity)  # fmt: skip
+        return cls(
+            sizes,
+            float(settings["max_quality_drop"]),
+            settings.get("gates", "default"),
+            settings.get("threads"),
+            fidelity,
+        )

@@ -25,8 +25,9 @@ from llmopt.rundir.paths import RunDir
 __all__ = ["reverify"]
 
 
-def reverify(run_dir: str | Path, progress: Any = None,
-             ray_address: str | None = None) -> dict[str, Any]:  # fmt: skip
+def reverify(
+    run_dir: str | Path, progress: Any = None, ray_address: str | None = None
+) -> dict[str, Any]:
     """Re-verify and re-benchmark the chosen candidate and the reference of a finished run, with
     the libraries installed now, and say whether the choice still holds. Writes `reverify.json`.
 
@@ -43,13 +44,16 @@ def reverify(run_dir: str | Path, progress: Any = None,
 
     run = RunDir(run_dir)
     if not run.selection_json.exists():
-        raise RunDirError(f"{run.root} has no selection.json",
-                          hint="run `llmopt optimize` to the end first")  # fmt: skip
+        raise RunDirError(
+            f"{run.root} has no selection.json", hint="run `llmopt optimize` to the end first"
+        )
     meta = read_json(run.run_json)
     sel = Selection.from_dict(read_json(run.selection_json))
     if not sel.chosen:
-        raise RunDirError(f"{run.root}: nothing was chosen, so there is no choice to re-check",
-                          hint="look at report.html; relax --max-quality-drop and re-run")  # fmt: skip
+        raise RunDirError(
+            f"{run.root}: nothing was chosen, so there is no choice to re-check",
+            hint="look at report.html; relax --max-quality-drop and re-run",
+        )
     cands = [Candidate.from_dict(c) for c in read_json(run.plan_json)["candidates"]]
     ref = next(c for c in cands if c.reference)
     ids = [ref.id] + ([sel.chosen] if sel.chosen != ref.id else [])

@@ -47,7 +47,7 @@ def run_meta(model, path: Path, info, tgt, settings: dict[str, Any]) -> dict[str
             "bootstrap": DEFAULT_SEED,
             "data": "fixed article split (llmopt.assets.text)",
             "decoding": "greedy",
-        },  # fmt: skip
+        },
         "hardware": hardware_fingerprint(tgt),
     }
 
@@ -57,8 +57,17 @@ def versions() -> dict[str, str | None]:
     from importlib import metadata
 
     out: dict[str, str | None] = {"llmopt": __version__, "python": platform.python_version()}
-    for dist in ("torch", "transformers", "numpy", "onnxruntime", "onnx", "safetensors",
-                 "llama-cpp-python", "vllm", "ray"):  # fmt: skip
+    for dist in (
+        "torch",
+        "transformers",
+        "numpy",
+        "onnxruntime",
+        "onnx",
+        "safetensors",
+        "llama-cpp-python",
+        "vllm",
+        "ray",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -68,10 +77,16 @@ def versions() -> dict[str, str | None]:
 
 def hardware_fingerprint(tgt) -> dict[str, Any]:
     """The facts that make two machines comparable, and a short hash of them."""
-    facts = {"device": tgt.device, "cpu": tgt.cpu, "threads": tgt.threads,
-             "cores": os.cpu_count(), "memory_gib": round(tgt.memory_bytes / 2**30),
-             "features": sorted(tgt.features), "gpu": (tgt.gpu or {}).get("name"),
-             "machine": platform.machine()}  # fmt: skip
+    facts = {
+        "device": tgt.device,
+        "cpu": tgt.cpu,
+        "threads": tgt.threads,
+        "cores": os.cpu_count(),
+        "memory_gib": round(tgt.memory_bytes / 2**30),
+        "features": sorted(tgt.features),
+        "gpu": (tgt.gpu or {}).get("name"),
+        "machine": platform.machine(),
+    }
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
     return {**facts, "fingerprint": digest}
 
@@ -81,9 +96,9 @@ def write_doctor(run: RunDir, target: str) -> None:
     if run.doctor_json.exists():
         return
     try:
-
-        write_json(run.doctor_json, run_doctor(target if target in ("cpu", "cuda") else "auto")
-                   .to_dict())  # fmt: skip
+        write_json(
+            run.doctor_json, run_doctor(target if target in ("cpu", "cuda") else "auto").to_dict()
+        )
     except Exception as e:  # the report says the environment is unknown; the run goes on
         log.warning("doctor failed: %s", e)
         write_json(run.doctor_json, {"error": f"{type(e).__name__}: {e}", "findings": []})

@@ -16,8 +16,14 @@ from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
 from llmopt.optimize.objective import get_objective
 from llmopt.rundir.paths import RunDir
 
-__all__ = ["select", "SelectionInput", "StageResults", "read_results", "pareto_front",
-           "pareto_front_nd"]  # fmt: skip
+__all__ = [
+    "select",
+    "SelectionInput",
+    "StageResults",
+    "read_results",
+    "pareto_front",
+    "pareto_front_nd",
+]
 
 
 @dataclass
@@ -79,14 +85,29 @@ class SelectionInput:
     screen_bench: dict[str, BenchResult] = field(default_factory=dict)
 
     @classmethod
-    def from_run(cls, run: RunDir, cands: list[Candidate], max_quality_drop: float,
-                 objective: str, context: dict[str, Any] | None = None,
-                 cut: dict[str, str] | None = None) -> SelectionInput:  # fmt: skip
+    def from_run(
+        cls,
+        run: RunDir,
+        cands: list[Candidate],
+        max_quality_drop: float,
+        objective: str,
+        context: dict[str, Any] | None = None,
+        cut: dict[str, str] | None = None,
+    ) -> SelectionInput:
         """The full-fidelity results (and screen benchmarks) the run directory holds."""
         full = read_results(run, cands)
         screen = read_results(run, cands, "screen").bench
-        return cls(cands, full.verify, full.bench, max_quality_drop, objective, full.errors,
-                   dict(context or {}), dict(cut or {}), screen)  # fmt: skip
+        return cls(
+            cands,
+            full.verify,
+            full.bench,
+            max_quality_drop,
+            objective,
+            full.errors,
+            dict(context or {}),
+            dict(cut or {}),
+            screen,
+        )
 
 
 def pareto_front_nd(points: dict[str, tuple[float, ...]]) -> list[str]:
@@ -99,8 +120,11 @@ def pareto_front_nd(points: dict[str, tuple[float, ...]]) -> list[str]:
     def dominates(p: tuple[float, ...], q: tuple[float, ...]) -> bool:
         return all(x <= y for x, y in zip(p, q, strict=True)) and p != q
 
-    return [i for i, p in points.items() if not any(dominates(q, p) for j, q in points.items()
-                                                  if j != i)]  # fmt: skip
+    return [
+        i
+        for i, p in points.items()
+        if not any(dominates(q, p) for j, q in points.items() if j != i)
+    ]
 
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -213,20 +237,29 @@ def _vs_eager(
     if c.engine == "hf":
         return ""
     # A plain twin: same recipe and device, no engine settings beyond where it runs.
-    twins = [o.id for o in candidates if o.engine == "hf" and o.recipe == c.recipe
-             and set(o.settings) <= {"threads", "device"}
-             and o.settings.get("device") == c.settings.get("device")]  # fmt: skip
+    twins = [
+        o.id
+        for o in candidates
+        if o.engine == "hf"
+        and o.recipe == c.recipe
+        and set(o.settings) <= {"threads", "device"}
+        and o.settings.get("device") == c.settings.get("device")
+    ]
     key = "decode_tokens_per_s"
-    for results, where in ((bench, "measured in this run"),
-                           (screen, "both at the screen fidelity, in this run")):  # fmt: skip
+    for results, where in (
+        (bench, "measured in this run"),
+        (screen, "both at the screen fidelity, in this run"),
+    ):
         twin = next((t for t in twins if t in results), None)
         if twin is None or chosen not in results:
             continue
         mine, theirs = results[chosen].metrics.get(key), results[twin].metrics.get(key)
         if mine and theirs and theirs.median:
-            return (f"; batch-1 decode {mine.median / theirs.median:.1f}x {twin} "
-                    f"({mine.median:.4g} vs {theirs.median:.4g} tokens/s; the same recipe in "
-                    f"eager transformers, {where})")  # fmt: skip
+            return (
+                f"; batch-1 decode {mine.median / theirs.median:.1f}x {twin} "
+                f"({mine.median:.4g} vs {theirs.median:.4g} tokens/s; the same recipe in "
+                f"eager transformers, {where})"
+            )
     return ""
 
 

@@ -77,8 +77,11 @@ def _cpu_group_size(recipe: Recipe, info: ModelInfo) -> int | None:
         return repr(sorted((k, repr(v)) for k, v in asdict(r).items() if k not in skip))
 
     fam = family(recipe)
-    sizes = {r.group_size for r in RECIPES.values()
-             if getattr(r, "group_size", None) and family(r) == fam}  # fmt: skip
+    sizes = {
+        r.group_size
+        for r in RECIPES.values()
+        if getattr(r, "group_size", None) and family(r) == fam
+    }
     fits = [g for g in sizes if all(w % g == 0 for w in _widths(info))]
     if CPU_GROUP_SIZE in fits:
         return CPU_GROUP_SIZE
@@ -179,8 +182,9 @@ def candidate_space(
                 or engine.incompatible(info, recipe, target.device)
             )
             if reason:
-                skipped.append({"id": cid, "engine": engine.name, "recipe": recipe.name,
-                                "reason": reason})  # fmt: skip
+                skipped.append(
+                    {"id": cid, "engine": engine.name, "recipe": recipe.name, "reason": reason}
+                )
                 continue
             for i, var in enumerate(_variations(engine, info, recipe, target.device)):
                 var = dict(var)
@@ -188,12 +192,24 @@ def candidate_space(
                 vid = cid + ("" if i == 0 else settings_suffix(var))
                 ref = is_ref and i == 0
                 if opt_in and vid not in (only or ()):
-                    skipped.append({"id": vid, "engine": engine.name, "recipe": recipe.name,
-                                    "reason": f"{opt_in}; name it in --candidates to search it"})  # fmt: skip
+                    skipped.append(
+                        {
+                            "id": vid,
+                            "engine": engine.name,
+                            "recipe": recipe.name,
+                            "reason": f"{opt_in}; name it in --candidates to search it",
+                        }
+                    )
                     continue
                 if only and vid not in only and cid not in only and not ref:
-                    skipped.append({"id": vid, "engine": engine.name, "recipe": recipe.name,
-                                    "reason": "not selected (--candidates)"})  # fmt: skip
+                    skipped.append(
+                        {
+                            "id": vid,
+                            "engine": engine.name,
+                            "recipe": recipe.name,
+                            "reason": "not selected (--candidates)",
+                        }
+                    )
                     continue
                 desc = f"{recipe.description or recipe.name} on {engine.name}" + (
                     f" ({settings_suffix(var)[1:]})" if i else ""

@@ -152,7 +152,6 @@ def _verify_embedding(
 ):
     import numpy as np
 
-
     sentences = evaluation_sentences(s.sizes.sentences)
     # Reference outputs are computed once per fidelity and shared by every candidate.
     ref_file = run.reference / (
@@ -194,7 +193,6 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     roofline: dict[str, Any] = {}
     if info.task == "embedding":
-
         sentences = evaluation_sentences(z.sentences)[: z.bench_sentences]
         metrics, warm = bench_embedding(runner, sentences, repeats=z.bench_repeats)
         primary, settings = (
@@ -203,7 +201,6 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
         )
     else:
         import torch
-
 
         ids = runner.tokenizer(evaluation_text()[:20000], add_special_tokens=False)["input_ids"]
         ctx = info.max_context or 2048

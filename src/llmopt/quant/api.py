@@ -139,7 +139,6 @@ def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) 
 def _quantize(source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress):
     import torch
 
-
     t0 = time.perf_counter()
     recipe = get_recipe(recipe)
     source, out = Path(source), Path(out)
@@ -197,8 +196,9 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
             excluded, steps = _auto_exclude(
                 model, res, eval_windows, ref_nll, q_nll, budget, device
             )
-            _refuse_if_over_budget(recipe, steps, ref_nll, eval_windows.shape[1] - 1, budget,
-                                   len(res.linears))  # fmt: skip
+            _refuse_if_over_budget(
+                recipe, steps, ref_nll, eval_windows.shape[1] - 1, budget, len(res.linears)
+            )
         tokens = eval_windows.shape[1] - 1
         ref_ppl = math.exp(ref_nll / tokens)
         ppl = math.exp(steps[-1][1] / tokens)
@@ -254,7 +254,6 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
 def _load_checked(source: Path, recipe: Recipe, calibration, device: str, keep_originals: bool):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
 
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
@@ -329,7 +328,6 @@ def _nll(model, windows, device: str) -> float:
     import torch
     import torch.nn.functional as F
 
-
     model.to(device)
     total = 0.0
     with torch.no_grad(), kv_fp8():
@@ -356,8 +354,9 @@ def _drop(nll: float, ref_nll: float, tokens: int) -> float:
     return math.exp((nll - ref_nll) / tokens) - 1.0
 
 
-def _refuse_if_over_budget(recipe, steps, ref_nll: float, tokens: int, budget: float,
-                           total: int) -> None:  # fmt: skip
+def _refuse_if_over_budget(
+    recipe, steps, ref_nll: float, tokens: int, budget: float, total: int
+) -> None:
     if _drop(steps[-1][1], ref_nll, tokens) <= budget:
         return
     tried = ", ".join(f"{k} in float: {_drop(n, ref_nll, tokens):+.2%}" for k, n in steps)

@@ -104,11 +104,7 @@ def calibration_windows(tokenizer, config: CalibrationConfig) -> torch.Tensor:
     """
     import torch
 
-    if config.path is None:
-
-        text = calibration_text()
-    else:
-        text = read_text(config.path)
+    text = calibration_text() if config.path is None else read_text(config.path)
     # Tokenizing megabytes costs seconds (minutes for byte-level vocabularies): read about four
     # times the characters the windows need (~4 characters per token), which still leaves a choice.
     text = text[: 16 * config.num_samples * config.seq_len]

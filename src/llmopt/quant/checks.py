@@ -146,7 +146,6 @@ def _asymmetric_notes(pf: Preflight) -> list[str]:
 def _memory(model_meta, recipe, pf, device, num_samples, seq_len, keep_originals) -> None:
     import psutil
 
-
     nbytes = dtype_bytes(recipe.dtype)
     n_params = sum(p.numel() for p in model_meta.parameters())
     # The model in host memory, plus float copies of the quantized weights for auto-exclude.

@@ -23,7 +23,6 @@ def score_gguf(path: str, text: str, prompt: str, max_tokens: int = 256, new: in
     import numpy as np
     from llama_cpp import Llama
 
-
     disable_extra_buffers()
     llm = Llama(
         model_path=path,

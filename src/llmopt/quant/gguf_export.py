@@ -128,7 +128,6 @@ def export_gguf(source: Path, out: Path, qtype: str = "Q8_0") -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
-
     t0 = time.perf_counter()
     qtype = qtype.upper()
     if qtype not in GGUF_TYPES:

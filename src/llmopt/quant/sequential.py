@@ -40,8 +40,14 @@ if TYPE_CHECKING:
 
     from llmopt.core.recipes import Recipe
 
-__all__ = ["QuantizedLinear", "SequentialResult", "decoder_layers", "layers_prefix", "run_sequential",
-           "kv_fp8"]  # fmt: skip
+__all__ = [
+    "QuantizedLinear",
+    "SequentialResult",
+    "decoder_layers",
+    "layers_prefix",
+    "run_sequential",
+    "kv_fp8",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +89,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-
         raise UnsupportedModelError(
             f"{type(model).__name__} has no model.layers list; sequential quantization supports "
             "decoder LMs laid out like Llama (model.embed_tokens, model.layers, model.norm)",

@@ -40,8 +40,16 @@ def checklist(view: RunView) -> list[Check]:
     Args:
         view: the loaded run.
     """
-    checks = [_quantization(view), _kernels(view), _memory(view), _scheduler(view),
-              _caches(view), _integrity(view), _selection(view), _noise(view)]  # fmt: skip
+    checks = [
+        _quantization(view),
+        _kernels(view),
+        _memory(view),
+        _scheduler(view),
+        _caches(view),
+        _integrity(view),
+        _selection(view),
+        _noise(view),
+    ]
     if view.doctor:
         checks.append(_doctor(view))
     return checks
@@ -164,8 +172,13 @@ def _kernels(view: RunView) -> Check:
     ev, active = [], []
     for cv in view.candidates:
         facts = {k: v for k, v in (cv.build or {}).items() if _KERNEL_KEY.search(k)}
-        facts.update({k: v for k, v in (cv.candidate.settings if cv.candidate else {}).items()
-                      if _KERNEL_KEY.search(k)})  # fmt: skip
+        facts.update(
+            {
+                k: v
+                for k, v in (cv.candidate.settings if cv.candidate else {}).items()
+                if _KERNEL_KEY.search(k)
+            }
+        )
         if facts:
             ev.append(f"{cv.id}: " + ", ".join(f"{k}={_short(v)}" for k, v in facts.items()))
             if any(v not in (None, False, 0, "", [], {}, "none", "eager") for v in facts.values()):
@@ -173,8 +186,15 @@ def _kernels(view: RunView) -> Check:
     chosen = view.chosen
     if chosen is not None:
         on = chosen.id in active
-        ev.insert(0, f"chosen {chosen.id}: " + ("fused/compiled kernels reported by its engine"
-                  if on else "eager kernels (its engine reports no fusion or compilation)"))  # fmt: skip
+        ev.insert(
+            0,
+            f"chosen {chosen.id}: "
+            + (
+                "fused/compiled kernels reported by its engine"
+                if on
+                else "eager kernels (its engine reports no fusion or compilation)"
+            ),
+        )
     if not ev:
         ev = ["no engine reported fusion or compilation (eager PyTorch kernels)"]
     status = "ok" if chosen is not None and chosen.id in active else "info"
@@ -186,21 +206,29 @@ def _scheduler(view: RunView) -> Check:
     s = view.run.get("settings") or {}
     ev = []
     if view.task == "causal-lm":
-        ev.append(f"workload measured: {s.get('prompt_tokens', '?')}-token prompts, "
-                  f"{s.get('new_tokens', '?')} new tokens, batch sizes {s.get('bench_batch_sizes', [1])}")  # fmt: skip
+        ev.append(
+            f"workload measured: {s.get('prompt_tokens', '?')}-token prompts, "
+            f"{s.get('new_tokens', '?')} new tokens, batch sizes {s.get('bench_batch_sizes', [1])}"
+        )
     else:
         ev.append(f"workload measured: {s.get('bench_sentences', '?')} sentences at batch 1 and 32")
     chosen = view.chosen
     status = "info"
     if chosen is not None and chosen.bench is not None:
-        per_b = {int(m.group(1)): st.median for n, st in chosen.bench.metrics.items()
-                 if (m := re.fullmatch(r"(?:decode_tokens|sentences)_per_s_b(\d+)", n))}  # fmt: skip
+        per_b = {
+            int(m.group(1)): st.median
+            for n, st in chosen.bench.metrics.items()
+            if (m := re.fullmatch(r"(?:decode_tokens|sentences)_per_s_b(\d+)", n))
+        }
         if "decode_tokens_per_s" in chosen.bench.metrics:
             per_b.setdefault(1, chosen.bench.metrics["decode_tokens_per_s"].median)
         if len(per_b) >= 2:
             best = max(per_b, key=per_b.get)
-            ev.append(f"chosen {chosen.id}: " + ", ".join(f"batch {b}: {fmt_num(v)}/s"
-                      for b, v in sorted(per_b.items())) + f"; best at batch {best}")  # fmt: skip
+            ev.append(
+                f"chosen {chosen.id}: "
+                + ", ".join(f"batch {b}: {fmt_num(v)}/s" for b, v in sorted(per_b.items()))
+                + f"; best at batch {best}"
+            )
             status = "ok"
         threads = (chosen.candidate.settings if chosen.candidate else {}).get("threads")
         env_threads = chosen.bench.env.get("torch_threads")
@@ -213,8 +241,10 @@ def _scheduler(view: RunView) -> Check:
         ev.append(f"launch: {serve['scheduler']}")
     dep = view.deploy or {}
     if dep.get("written"):
-        ev.append(f"deploy bundle best/deploy written with its serving plan ({len(dep.get('files', []))} files; "
-                  f"validators {'passed' if dep.get('ok') else 'reported problems'})")  # fmt: skip
+        ev.append(
+            f"deploy bundle best/deploy written with its serving plan ({len(dep.get('files', []))} files; "
+            f"validators {'passed' if dep.get('ok') else 'reported problems'})"
+        )
     elif dep:
         ev.append(f"no deploy bundle: {dep.get('reason', '?')}")
     return Check(status, title, ev)
@@ -232,9 +262,11 @@ def _caches(view: RunView) -> Check:
             recompute = 1000.0 * p / pre.median  # what a step without a KV cache would cost
             ok = dec.median < recompute
             status = "ok" if ok else "warn"
-            ev.append(f"KV cache: {chosen.id} decodes in {fmt_num(dec.median)} ms/token; "
-                      f"recomputing the {p}-token prompt takes {fmt_num(recompute)} ms "
-                      f"({'cache in use' if ok else 'no faster than recomputing: cache not effective'})")  # fmt: skip
+            ev.append(
+                f"KV cache: {chosen.id} decodes in {fmt_num(dec.median)} ms/token; "
+                f"recomputing the {p}-token prompt takes {fmt_num(recompute)} ms "
+                f"({'cache in use' if ok else 'no faster than recomputing: cache not effective'})"
+            )
         kv = (view.model or {}).get("kv_bytes_per_token") or {}
         if kv:
             ev.append(
@@ -244,8 +276,9 @@ def _caches(view: RunView) -> Check:
         ev.append("encoder model: no KV cache; each request is one forward pass")
     ref_files = sorted(p.name for p in (view.run_dir / "reference").glob("*") if p.is_file())
     if ref_files:
-        ev.append("reference outputs computed once and shared by every candidate: "
-                  + ", ".join(ref_files))  # fmt: skip
+        ev.append(
+            "reference outputs computed once and shared by every candidate: " + ", ".join(ref_files)
+        )
     ev.append("candidate artifacts built once and reused by the screen, full fidelity and reverify")
     return Check(status, title, ev)
 

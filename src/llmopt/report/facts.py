@@ -37,8 +37,15 @@ __all__ = [
 
 VERIFY_HEADERS = ["metric", "reference", "candidate", "delta", "threshold", "gate", "n", "unit"]
 BENCH_HEADERS = ["metric", "median", "p50", "p90", "p99", "min", "max", "n", "unit"]
-ROOFLINE_HEADERS = ["phase", "achieved GB/s", "share of copy bandwidth", "achieved GFLOP/s",
-                    "share of matmul peak", "verdict", "what it implies"]  # fmt: skip
+ROOFLINE_HEADERS = [
+    "phase",
+    "achieved GB/s",
+    "share of copy bandwidth",
+    "achieved GFLOP/s",
+    "share of matmul peak",
+    "verdict",
+    "what it implies",
+]
 
 
 def summary_line(view: RunView) -> str:
@@ -184,12 +191,17 @@ def roofline_rows(cv: CandidateView) -> list[list[str]]:
     """
     phases = (getattr(cv.bench, "roofline", None) or {}).get("phases", []) if cv.bench else []
     return [
-        [str(p.get("phase", p.get("metric", "?"))),
-         fmt_num(p["achieved_bytes_per_s"] / 1e9), fmt_pct(p["bandwidth_share"]),
-         fmt_num(p["achieved_flops_per_s"] / 1e9), fmt_pct(p["flops_share"]),
-         str(p["verdict"]), str(p.get("implication", ""))]
+        [
+            str(p.get("phase", p.get("metric", "?"))),
+            fmt_num(p["achieved_bytes_per_s"] / 1e9),
+            fmt_pct(p["bandwidth_share"]),
+            fmt_num(p["achieved_flops_per_s"] / 1e9),
+            fmt_pct(p["flops_share"]),
+            str(p["verdict"]),
+            str(p.get("implication", "")),
+        ]
         for p in phases
-    ]  # fmt: skip
+    ]
 
 
 def bench_facts(cv: CandidateView) -> list[list[str]]:

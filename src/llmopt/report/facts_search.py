@@ -18,8 +18,15 @@ __all__ = [
     "search_rows",
 ]
 
-SEARCH_HEADERS = ["candidate", "screen quality drop", "screen objective (x ref)",
-                  "full objective", "ran on", "task seconds", "outcome"]  # fmt: skip
+SEARCH_HEADERS = [
+    "candidate",
+    "screen quality drop",
+    "screen objective (x ref)",
+    "full objective",
+    "ran on",
+    "task seconds",
+    "outcome",
+]
 ROOFLINE_SUMMARY_HEADERS = ["candidate", "phase", "verdict", "share of ceiling", "what it implies"]
 DOCTOR_HEADERS = ["check", "status", "evidence", "fix"]
 
@@ -62,16 +69,19 @@ def search_rows(view: RunView) -> list[list[str]]:
         secs = sum(float(t.get("seconds") or 0) for t in cv.tasks.values())
         full = values.get(cv.id)
         unit = sel.objective_unit if sel else ""
-        rows.append([
-            cv.id + (" (reference)" if cv.reference else ""),
-            fmt_pct(sv.quality_drop) if sv else "n/a",
-            "1.00x" if cv.reference and cv.screen_bench else
-            (f"{score:.2f}x" if score is not None else "n/a"),
-            f"{fmt_num(full)} {unit}".strip() if full is not None else "n/a",
-            "; ".join(where) or "n/a",
-            fmt_num(secs) if secs else "n/a",
-            view.status(cv).text,
-        ])  # fmt: skip
+        rows.append(
+            [
+                cv.id + (" (reference)" if cv.reference else ""),
+                fmt_pct(sv.quality_drop) if sv else "n/a",
+                "1.00x"
+                if cv.reference and cv.screen_bench
+                else (f"{score:.2f}x" if score is not None else "n/a"),
+                f"{fmt_num(full)} {unit}".strip() if full is not None else "n/a",
+                "; ".join(where) or "n/a",
+                fmt_num(secs) if secs else "n/a",
+                view.status(cv).text,
+            ]
+        )
     return rows
 
 
@@ -84,8 +94,15 @@ def roofline_summary_rows(view: RunView) -> list[list[str]]:
         for p in phases:
             verdict = str(p.get("verdict", "?"))
             share = p.get("bandwidth_share") if "memory" in verdict else p.get("flops_share")
-            rows.append([cv.id, str(p.get("phase", p.get("metric", "?"))), verdict,
-                         fmt_pct(share), str(p.get("implication", ""))])  # fmt: skip
+            rows.append(
+                [
+                    cv.id,
+                    str(p.get("phase", p.get("metric", "?"))),
+                    verdict,
+                    fmt_pct(share),
+                    str(p.get("implication", "")),
+                ]
+            )
     return rows
 
 
@@ -93,10 +110,14 @@ def doctor_rows(view: RunView) -> list[list[str]]:
     """doctor.json findings (the environment the run saw)."""
     d = view.doctor or {}
     rows = [
-        [str(f.get("title") or f.get("id") or f.get("check", "")), str(f.get("status", "")),
-         str(f.get("evidence", "")), str(f.get("fix") or "")]
+        [
+            str(f.get("title") or f.get("id") or f.get("check", "")),
+            str(f.get("status", "")),
+            str(f.get("evidence", "")),
+            str(f.get("fix") or ""),
+        ]
         for f in d.get("findings", [])
-    ]  # fmt: skip
+    ]
     if d.get("error"):
         rows.append(["doctor", "error", str(d["error"]), ""])
     return rows

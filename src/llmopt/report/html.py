@@ -268,9 +268,10 @@ def _roofline(view: RunView) -> str:
     rows = roofline_summary_rows(view)
     if not rows:
         return ""
-    return ("<h2>Roofline verdict per phase</h2><p class='muted'>chosen candidate and reference; "
-            "ceilings measured in the same process</p>"
-            + _table(ROOFLINE_SUMMARY_HEADERS, rows))  # fmt: skip
+    return (
+        "<h2>Roofline verdict per phase</h2><p class='muted'>chosen candidate and reference; "
+        "ceilings measured in the same process</p>" + _table(ROOFLINE_SUMMARY_HEADERS, rows)
+    )
 
 
 def _detail(view: RunView, cv: CandidateView) -> str:
@@ -306,8 +307,10 @@ def _detail(view: RunView, cv: CandidateView) -> str:
     if cv.bench is not None:
         out += ["<h3>Bench</h3>", _table(BENCH_HEADERS, bench_rows(cv)), _kv(bench_facts(cv))]
         if roof := roofline_rows(cv):
-            out += ["<h3>Roofline</h3><p class='muted'>ceilings measured in the same process</p>",
-                    _table(ROOFLINE_HEADERS, roof)]  # fmt: skip
+            out += [
+                "<h3>Roofline</h3><p class='muted'>ceilings measured in the same process</p>",
+                _table(ROOFLINE_HEADERS, roof),
+            ]
         out.append(_notes(cv.bench.notes))
     if cv.error:
         e = cv.error

@@ -181,8 +181,12 @@ def _detail(view: RunView, cv: CandidateView) -> list[str]:
         out += ["Bench:", "", *_table(BENCH_HEADERS, bench_rows(cv))]
         out += [f"- {k}: {_md(v)}" for k, v in bench_facts(cv)]
         if roof := roofline_rows(cv):
-            out += ["", "Roofline (ceilings measured in the same process):", "",
-                    *_table(ROOFLINE_HEADERS, roof)]  # fmt: skip
+            out += [
+                "",
+                "Roofline (ceilings measured in the same process):",
+                "",
+                *_table(ROOFLINE_HEADERS, roof),
+            ]
         out += [f"- {_md(n)}" for n in cv.bench.notes] + [""]
     if cv.error:
         e = cv.error

@@ -25,13 +25,21 @@ def latency_quantiles(cv: CandidateView) -> tuple[str, list[tuple[float, float]]
         return None
     if "decode_ms_per_token" in b.metrics:
         s = b.metrics["decode_ms_per_token"]
-        return "ms per decoded token (batch 1)", [(s.min, 0.0), (s.p50, 0.5), (s.p90, 0.9),
-                                                  (s.p99, 0.99), (s.max, 1.0)]  # fmt: skip
+        return "ms per decoded token (batch 1)", [
+            (s.min, 0.0),
+            (s.p50, 0.5),
+            (s.p90, 0.9),
+            (s.p99, 0.99),
+            (s.max, 1.0),
+        ]
     if "sentences_per_s_b1" in b.metrics:
         s = b.metrics["sentences_per_s_b1"]  # a rate: its slowest run is the latency's max
         inv = lambda r: 1000.0 / r if r else 0.0  # noqa: E731
-        return "ms per sentence (batch 1)", [(inv(s.max), 0.0), (inv(s.p50), 0.5),
-                                             (inv(s.min), 1.0)]  # fmt: skip
+        return "ms per sentence (batch 1)", [
+            (inv(s.max), 0.0),
+            (inv(s.p50), 0.5),
+            (inv(s.min), 1.0),
+        ]
     return None
 
 
@@ -90,8 +98,9 @@ def throughput_concurrency_svg(view: RunView) -> str | None:
     body = [_line(_L, _H - _B, _W - _R, _H - _B, "#57606a")]
     for i, x in enumerate(xs):
         body.append(_text(sx(i), _H - _B + 16, str(x), "middle", ' fill="#57606a"'))
-    body.append(_text((_L + _W - _R) / 2, _H - _B + 34, "batch size (concurrent sequences)",
-                      "middle"))  # fmt: skip
+    body.append(
+        _text((_L + _W - _R) / 2, _H - _B + 34, "batch size (concurrent sequences)", "middle")
+    )
     for t in yt:
         body.append(_line(_L, sy(t), _W - _R, sy(t), "#d0d7de", ' stroke-dasharray="2,3"'))
         body.append(_text(_L - 6, sy(t) + 4, fmt_num(t), "end", ' fill="#57606a"'))

@@ -349,8 +349,21 @@ def load_run(run_dir: str | Path) -> RunView:
         )
     # Reference first, then plan order (the sort is stable).
     views.sort(key=lambda c: not c.reference)
-    return RunView(run_dir, run, model, doctor, plan, selection, views, missing, problems,
-                   search, reverify, deploy, launch)  # fmt: skip
+    return RunView(
+        run_dir,
+        run,
+        model,
+        doctor,
+        plan,
+        selection,
+        views,
+        missing,
+        problems,
+        search,
+        reverify,
+        deploy,
+        launch,
+    )
 
 
 def _finite(*xs: float) -> bool:

@@ -52,8 +52,13 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 PLANNED = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_seq_len")
 # Fallbacks when nothing plans (None: the engine's own default, see ServeSettings).
-DEFAULTS: dict[str, int | None] = {"max_num_seqs": 8, "max_num_batched_tokens": 2048,
-                                   "block_size": 16, "num_blocks": None, "max_seq_len": None}  # fmt: skip
+DEFAULTS: dict[str, int | None] = {
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 2048,
+    "block_size": 16,
+    "num_blocks": None,
+    "max_seq_len": None,
+}
 FLAGS = {name: "--" + name.replace("_", "-") for name in PLANNED}
 CPU_SEQS_PER_THREAD = 4  # decode throughput on CPU stops growing long before vLLM's 256 sequences
 CPU_MIN_SEQS = 4
@@ -77,8 +82,9 @@ class Resolution:
         self.set(name, value_note[0], source, value_note[1])
 
 
-def resolve_settings(model: str, requested: dict[str, int | None], recipe: str | None = None,
-                     **kw: Any) -> ServeSettings:  # fmt: skip
+def resolve_settings(
+    model: str, requested: dict[str, int | None], recipe: str | None = None, **kw: Any
+) -> ServeSettings:
     """`ServeSettings` for serving `model`, the planned settings filled in.
 
     Args:
@@ -92,12 +98,19 @@ def resolve_settings(model: str, requested: dict[str, int | None], recipe: str |
     """
     device, threads = kw.get("device", "cpu"), kw.get("threads")
     res = plan_values(model, requested, recipe=recipe, device=device, threads=threads)
-    return ServeSettings(**kw, **res.values, recipe=recipe or "fp32", sources=res.sources,
-                         source_notes=res.notes)  # fmt: skip
+    return ServeSettings(
+        **kw, **res.values, recipe=recipe or "fp32", sources=res.sources, source_notes=res.notes
+    )
 
 
-def plan_values(model: str, requested: dict[str, int | None], *, recipe: str | None = None,
-                device: str = "cpu", threads: int | None = None) -> Resolution:  # fmt: skip
+def plan_values(
+    model: str,
+    requested: dict[str, int | None],
+    *,
+    recipe: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> Resolution:
     """The five planned settings for `model` on `device` (see the module docstring)."""
     res = Resolution()
     for name in PLANNED:
@@ -131,34 +144,51 @@ def plan_values(model: str, requested: dict[str, int | None], *, recipe: str | N
         try:
             plan, note = _plan_here(info, recipe, device, threads)
         except Exception as e:  # planning must never stop the server: the fallbacks still work
-            log.warning("no serving plan for %s on %s (%s: %s): fixed defaults", info.name,
-                        device, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "no serving plan for %s on %s (%s: %s): fixed defaults",
+                info.name,
+                device,
+                type(e).__name__,
+                e,
+            )
             plan = None
         if plan is not None and plan.memory.kv_tokens > 0:
-            here = {"max_num_seqs": plan.max_num_seqs,
-                    "max_num_batched_tokens": plan.max_num_batched_tokens,
-                    "block_size": plan.memory.block_size, "max_seq_len": plan.max_model_len}  # fmt: skip
+            here = {
+                "max_num_seqs": plan.max_num_seqs,
+                "max_num_batched_tokens": plan.max_num_batched_tokens,
+                "block_size": plan.memory.block_size,
+                "max_seq_len": plan.max_model_len,
+            }
             wl = plan.workload
             held = plan.memory.sequences_at(wl.input_len + wl.output_len)
-            seqs_note = (f"the KV cache holds {held} sequences of {wl.input_len}+{wl.output_len} "
-                         "tokens")  # fmt: skip
+            seqs_note = (
+                f"the KV cache holds {held} sequences of {wl.input_len}+{wl.output_len} tokens"
+            )
             if cpu and wl.concurrency and wl.concurrency < held:
-                seqs_note = (f"{wl.concurrency} for {threads} CPU threads "
-                             f"({CPU_SEQS_PER_THREAD} per thread); {seqs_note}")  # fmt: skip
+                seqs_note = (
+                    f"{wl.concurrency} for {threads} CPU threads "
+                    f"({CPU_SEQS_PER_THREAD} per thread); {seqs_note}"
+                )
             for name, value in here.items():
                 if name not in res.values:
-                    why = {"max_num_seqs": f"{note}; {seqs_note}",
-                           "max_num_batched_tokens": f"{note}; vLLM's step budget",
-                           "block_size": note,
-                           "max_seq_len": f"{note}; the model's context as far as the KV cache "
-                                          "holds it"}[name]  # fmt: skip
+                    why = {
+                        "max_num_seqs": f"{note}; {seqs_note}",
+                        "max_num_batched_tokens": f"{note}; vLLM's step budget",
+                        "block_size": note,
+                        "max_seq_len": f"{note}; the model's context as far as the KV cache "
+                        "holds it",
+                    }[name]
                     res.planned(name, "plan", _cpu_cap(name, value, why, cpu, threads))
             if kv is None:
                 m = plan.memory
                 plan_kv = (m.kv_tokens, m.kv_bytes_per_token_per_gpu, note)
         elif plan is not None:
-            log.warning("the serving plan finds no room for a KV cache for %s on %s (%s): fixed "
-                        "defaults", info.name, device, plan.notes[0] if plan.notes else "")  # fmt: skip
+            log.warning(
+                "the serving plan finds no room for a KV cache for %s on %s (%s): fixed defaults",
+                info.name,
+                device,
+                plan.notes[0] if plan.notes else "",
+            )
     for name in PLANNED:
         if name not in res.values and name != "num_blocks":
             res.set(name, DEFAULTS[name], "default")
@@ -171,16 +201,22 @@ def _cpu_cap(name: str, value: int, note: str, cpu: bool, threads: int) -> tuple
     """(value, note) with the CPU caps applied to a plan's vLLM-sized numbers."""
     if not cpu:
         return value, note
-    cap = {"max_num_seqs": max(CPU_MIN_SEQS, CPU_SEQS_PER_THREAD * threads),
-           "max_num_batched_tokens": max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * threads)
-           }.get(name)  # fmt: skip
+    cap = {
+        "max_num_seqs": max(CPU_MIN_SEQS, CPU_SEQS_PER_THREAD * threads),
+        "max_num_batched_tokens": max(CPU_MIN_BATCHED_TOKENS, CPU_TOKENS_PER_THREAD * threads),
+    }.get(name)
     if cap is None or value <= cap:
         return value, note
     return cap, f"{note}; {value} capped to {cap} for {threads} CPU threads"
 
 
-def _num_blocks(res: Resolution, info: Any, kv: tuple[int, str] | None,
-                plan_kv: tuple[int, int, str] | None, cpu: bool) -> None:  # fmt: skip
+def _num_blocks(
+    res: Resolution,
+    info: Any,
+    kv: tuple[int, str] | None,
+    plan_kv: tuple[int, int, str] | None,
+    cpu: bool,
+) -> None:
     """KV blocks: the planned KV tokens, at most what max_num_seqs full sequences can use."""
     bs, seqs = int(res.values["block_size"]), int(res.values["max_num_seqs"])  # type: ignore[arg-type]
     max_len = res.values["max_seq_len"] or min(int(info.max_context or 4096), 4096)
@@ -194,20 +230,33 @@ def _num_blocks(res: Resolution, info: Any, kv: tuple[int, str] | None,
             tokens = CPU_KV_CACHE_BYTES // per_tok
             note += f"; KV cache capped at {CPU_KV_CACHE_BYTES // GiB} GiB on the CPU"
     else:
-        res.set("num_blocks", DEFAULTS["num_blocks"], "default",
-                "enough for max-num-seqs sequences of max-seq-len tokens")  # fmt: skip
+        res.set(
+            "num_blocks",
+            DEFAULTS["num_blocks"],
+            "default",
+            "enough for max-num-seqs sequences of max-seq-len tokens",
+        )
         return
     blocks = tokens // bs
     if blocks > usable:
-        blocks, note = usable, (f"{note}; {tokens:,} KV tokens fit, {seqs} sequences of "
-                                f"{max_len} tokens use {usable} blocks")  # fmt: skip
+        blocks, note = (
+            usable,
+            (
+                f"{note}; {tokens:,} KV tokens fit, {seqs} sequences of "
+                f"{max_len} tokens use {usable} blocks"
+            ),
+        )
     else:
         note = f"{note}; {tokens:,} KV tokens"
     blocks = max(1, blocks)
     if blocks * bs < int(max_len) and res.sources["max_seq_len"] in ("plan", "run plan"):
         # The (capped) cache cannot hold one sequence of the planned length: shorten it.
-        res.set("max_seq_len", blocks * bs, res.sources["max_seq_len"],
-                f"{res.notes['max_seq_len']}; cut to the {blocks * bs} tokens the KV cache holds")  # fmt: skip
+        res.set(
+            "max_seq_len",
+            blocks * bs,
+            res.sources["max_seq_len"],
+            f"{res.notes['max_seq_len']}; cut to the {blocks * bs} tokens the KV cache holds",
+        )
     res.set("num_blocks", blocks + 1, source, note + " (+1 scratch block)")
 
 
@@ -215,12 +264,12 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
     """`plan_serving` for this machine now, with the recipe's weight precision and KV dtype."""
     from dataclasses import replace
 
-
     precision, dtype = _precision(recipe, device)
     if device == "cpu":
         avail = int(probe_memory()["available_bytes"])
-        target = replace(Target.cpu_host(threads), memory_bytes=avail,
-                         source="this machine: available RAM")  # fmt: skip
+        target = replace(
+            Target.cpu_host(threads), memory_bytes=avail, source="this machine: available RAM"
+        )
         # How many requests a CPU batches usefully: the plan's concurrency, so its reserve
         # (logits of max-num-seqs sequences) is sized for what will really run.
         workload = Workload(concurrency=max(CPU_MIN_SEQS, CPU_SEQS_PER_THREAD * threads))
@@ -228,7 +277,6 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
         where = f"{avail / GiB:.1f} GiB RAM available, {threads} threads"
     else:
         import torch
-
 
         if not torch.cuda.is_available():
             raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
@@ -245,8 +293,15 @@ def _plan_here(info: Any, recipe: str, device: str, threads: int) -> tuple[Any, 
         )
         workload, utilization = None, min(0.90, free / total)
         where = f"{p.name}, {free / GiB:.1f} of {total / GiB:.1f} GiB free"
-    plan = plan_serving(info, target, workload, precision=precision, dtype=dtype, kv_dtype=dtype,
-                        utilization=utilization)  # fmt: skip
+    plan = plan_serving(
+        info,
+        target,
+        workload,
+        precision=precision,
+        dtype=dtype,
+        kv_dtype=dtype,
+        utilization=utilization,
+    )
     return plan, f"{where}, {precision} weights, {dtype} KV"
 
 
@@ -291,11 +346,15 @@ def _run_plan(best: Path, device: str) -> dict[str, Any]:
                 try:
                     out[name] = (int(argv[argv.index(flag) + 1]), f"best/launch.json: {why}", True)
                 except ValueError:
-                    log.warning("best/launch.json: %s %s is not a number", flag,
-                                argv[argv.index(flag) + 1])  # fmt: skip
+                    log.warning(
+                        "best/launch.json: %s %s is not a number", flag, argv[argv.index(flag) + 1]
+                    )
     elif serve.get("command"):
-        log.info("best/launch.json was measured on %s, not %s: its serve flags are not used",
-                 run_device, device)  # fmt: skip
+        log.info(
+            "best/launch.json was measured on %s, not %s: its serve flags are not used",
+            run_device,
+            device,
+        )
     deploy = best / "deploy" / "plan.json"
     if deploy.is_file():
         try:
@@ -306,10 +365,12 @@ def _run_plan(best: Path, device: str) -> dict[str, Any]:
                 return out
             note = f"best/deploy/plan.json ({(d.get('target') or {}).get('name', kind)})"
             mem = d.get("memory") or {}
-            for name, value in (("max_num_seqs", d.get("max_num_seqs")),
-                                ("max_num_batched_tokens", d.get("max_num_batched_tokens")),
-                                ("block_size", mem.get("block_size")),
-                                ("max_seq_len", d.get("max_model_len"))):  # fmt: skip
+            for name, value in (
+                ("max_num_seqs", d.get("max_num_seqs")),
+                ("max_num_batched_tokens", d.get("max_num_batched_tokens")),
+                ("block_size", mem.get("block_size")),
+                ("max_seq_len", d.get("max_model_len")),
+            ):
                 if value and name not in out:
                     out[name] = (int(value), note, False)
             tokens, per_tok = mem.get("kv_tokens"), mem.get("kv_bytes_per_token_per_gpu")
@@ -322,6 +383,10 @@ def _run_plan(best: Path, device: str) -> dict[str, Any]:
         except Exception as e:  # a damaged bundle must not stop the server
             log.warning("%s unreadable (%s: %s): not used", deploy, type(e).__name__, e)
     if not out:
-        log.info("%s records no serving plan for %s (no serve flags in launch.json, no "
-                 "deploy/plan.json): planning for this machine", best, device)  # fmt: skip
+        log.info(
+            "%s records no serving plan for %s (no serve flags in launch.json, no "
+            "deploy/plan.json): planning for this machine",
+            best,
+            device,
+        )
     return out

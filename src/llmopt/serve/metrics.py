@@ -14,8 +14,27 @@ from typing import Any, Protocol
 
 __all__ = ["ServeMetrics", "EngineStats"]
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class EngineStats(Protocol):
@@ -81,20 +100,39 @@ class ServeMetrics:
         self.preemptions = Counter(
             "llmopt_num_preemptions", "Sequences preempted (recompute or swap).", registry=r
         )
-        self.requests = Counter("llmopt_requests", "Finished requests by endpoint and outcome.",
-                                ["endpoint", "outcome"], registry=r)  # fmt: skip
-        self.rejected = Counter("llmopt_requests_rejected", "Requests refused before any work.",
-                                ["reason"], registry=r)  # fmt: skip
-        self.ttft = Histogram("llmopt_time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram("llmopt_time_per_output_token_seconds",
-                              "Time per output token after the first (per request mean).",
-                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("llmopt_e2e_request_latency_seconds", "Request latency.",
-                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.embed_batch = Histogram("llmopt_embedding_batch_size",
-                                     "Texts per embedding forward pass (dynamic batching).",
-                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)  # fmt: skip
+        self.requests = Counter(
+            "llmopt_requests",
+            "Finished requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "llmopt_requests_rejected", "Requests refused before any work.", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "llmopt_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "llmopt_time_per_output_token_seconds",
+            "Time per output token after the first (per request mean).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llmopt_e2e_request_latency_seconds",
+            "Request latency.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.embed_batch = Histogram(
+            "llmopt_embedding_batch_size",
+            "Texts per embedding forward pass (dynamic batching).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         # Where the engine's steps spent their time (Generator.time, llmopt's own): prefill
         # and decode forwards, and whole steps; the rest of the wall time is between steps.
         self.engine_time = {

@@ -54,12 +54,15 @@ def find_best(model: str) -> Path | None:
     try:
         best = read_best(Path(model).expanduser())
     except NoBestError as e:
-        raise ServeSourceError(e.message, "look at its report.html, or serve the model folder itself") from e
+        raise ServeSourceError(
+            e.message, "look at its report.html, or serve the model folder itself"
+        ) from e
     return best.dir if best is not None else None
 
 
-def describe_source(model: str, recipe: str | None,
-                    default: str = "fp32") -> tuple[Path | None, Any, str]:  # fmt: skip
+def describe_source(
+    model: str, recipe: str | None, default: str = "fp32"
+) -> tuple[Path | None, Any, str]:
     """(the run's best/ folder or None, its ModelInfo, the recipe to serve it with).
 
     A run's best brings its verified recipe (`recipe` must agree); a folder or built-in takes
@@ -116,9 +119,14 @@ def batching_engine(best: Path | None) -> str:
     return GENERATION_ENGINE
 
 
-def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSettings,
-                        metrics: ServeMetrics,
-                        engine_name: str = GENERATION_ENGINE) -> ServerContext:  # fmt: skip
+def _generation_context(
+    folder: Path,
+    recipe: str,
+    name: str,
+    settings: ServeSettings,
+    metrics: ServeMetrics,
+    engine_name: str = GENERATION_ENGINE,
+) -> ServerContext:
 
     engine_process, compile_prefill = native_switches(settings)
     spec = GeneratorSpec(
@@ -139,27 +147,47 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
     if engine_process:
         from transformers import AutoTokenizer
 
-
         log.info("starting the engine process (model load and warm-up happen there)")
         engine: EngineClient = EngineProcess(
-            spec, {"tokens": settings.warmup_tokens, "threads": settings.threads,
-                         "log_level": log.getEffectiveLevel()},
-            settings.max_num_seqs, settings.max_num_batched_tokens, chunked, metrics,
-            swap_space_bytes=swap)  # fmt: skip
+            spec,
+            {
+                "tokens": settings.warmup_tokens,
+                "threads": settings.threads,
+                "log_level": log.getEffectiveLevel(),
+            },
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+            chunked,
+            metrics,
+            swap_space_bytes=swap,
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder)
         shape = {k: engine.info[k] for k in ("block_size", "num_blocks", "max_seq_len")}
     else:
         gen = get_engine(spec.engine).load_generator(spec)
         warm_generator(gen, settings.warmup_tokens, settings.device)
-        engine = EngineLoop(gen, settings.max_num_seqs, settings.max_num_batched_tokens, metrics,
-                            chunked_prefill=chunked, swap_space_bytes=swap)  # fmt: skip
+        engine = EngineLoop(
+            gen,
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+            metrics,
+            chunked_prefill=chunked,
+            swap_space_bytes=swap,
+        )
         tokenizer = gen.tokenizer
-        shape = {"block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
-                 "max_seq_len": int(gen.max_seq_len)}  # fmt: skip
-    effective = {"max_num_seqs": engine.max_num_seqs,
-                 "enable_chunked_prefill": engine.chunked_prefill,
-                 "engine_process": engine_process, "compile_prefill": compile_prefill,
-                 "max_num_batched_tokens": settings.max_num_batched_tokens, **shape}  # fmt: skip
+        shape = {
+            "block_size": int(gen.block_size),
+            "num_blocks": int(gen.num_blocks),
+            "max_seq_len": int(gen.max_seq_len),
+        }
+    effective = {
+        "max_num_seqs": engine.max_num_seqs,
+        "enable_chunked_prefill": engine.chunked_prefill,
+        "engine_process": engine_process,
+        "compile_prefill": compile_prefill,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        **shape,
+    }
     view = {}
     for key, value in effective.items():
         src, note = settings.source(key), settings.source_notes.get(key, "")
@@ -169,9 +197,18 @@ def _generation_context(folder: Path, recipe: str, name: str, settings: ServeSet
             note = note or _DEFAULT_NOTES.get(key, "the engine's default")
         log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
         view[key] = {"value": value, "source": src}
-    return ServerContext(settings, name, "causal-lm", tokenizer, metrics, shape["max_seq_len"],
-                         engine=engine, num_blocks=engine.capacity_blocks,
-                         block_size=shape["block_size"], effective=view)  # fmt: skip
+    return ServerContext(
+        settings,
+        name,
+        "causal-lm",
+        tokenizer,
+        metrics,
+        shape["max_seq_len"],
+        engine=engine,
+        num_blocks=engine.capacity_blocks,
+        block_size=shape["block_size"],
+        effective=view,
+    )
 
 
 def native_switches(settings: ServeSettings) -> tuple[bool, bool]:
@@ -184,10 +221,16 @@ def native_switches(settings: ServeSettings) -> tuple[bool, bool]:
     )
 
 
-def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, name: str,
-                       settings: ServeSettings, metrics: ServeMetrics) -> ServerContext:  # fmt: skip
+def _embedding_context(
+    best: Path | None,
+    folder: Path,
+    info: Any,
+    recipe: str,
+    name: str,
+    settings: ServeSettings,
+    metrics: ServeMetrics,
+) -> ServerContext:
     from transformers import AutoTokenizer
-
 
     if best is not None:
         cand = Best.read(best).candidate
@@ -196,10 +239,13 @@ def _embedding_context(best: Path | None, folder: Path, info: Any, recipe: str, 
         engine, rec = get_engine("hf"), get_recipe(recipe)
         why = engine.incompatible(info, rec, settings.device)
         if why:
-            raise ServeSourceError(f"cannot serve {info.name} with recipe {recipe!r}: {why}",
-                                   "pick another --recipe (fp32, bf16)")  # fmt: skip
-        runner = load_runner("hf", folder, info, rec,
-                             {"device": settings.device, "threads": settings.threads})  # fmt: skip
+            raise ServeSourceError(
+                f"cannot serve {info.name} with recipe {recipe!r}: {why}",
+                "pick another --recipe (fp32, bf16)",
+            )
+        runner = load_runner(
+            "hf", folder, info, rec, {"device": settings.device, "threads": settings.threads}
+        )
     tok = getattr(runner, "tokenizer", None) or AutoTokenizer.from_pretrained(folder)
     limit = getattr(runner, "max_length", None) or info.max_seq_length or info.max_context or 512
     runner.embed(["warm-up"], batch_size=1)
@@ -279,9 +325,15 @@ def run_server(ctx: ServerContext, log_level: str = "info") -> None:
     from llmopt.serve.api.app import create_app  # heavy: fastapi
 
     s = ctx.settings
-    config = uvicorn.Config(create_app(ctx), host=s.host, port=s.port, log_level=log_level,
-                            access_log=False, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(ctx),
+        host=s.host,
+        port=s.port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
     before = sys.getswitchinterval()
     sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
     try:

@@ -136,7 +136,6 @@ def verify_models(
     ref_runner, info, _ = load_runner(reference, "fp32", threads)
     integrity: list[str] = []
     if endpoint:
-
         cand_name = endpoint
         client = ep.OpenAIEndpoint(endpoint, endpoint_model, tokenizer=ref_runner.tokenizer)
         cand_runner = client.embedding_runner() if info.task == "embedding" else client
@@ -158,7 +157,6 @@ def verify_models(
             hint="rebuild the candidate or fix the export that wrote it",
         )
     if info.task == "embedding":
-
         sents = evaluation_sentences(sentences)
         ref_res = verify_embedding(
             "reference",
@@ -193,7 +191,6 @@ def verify_models(
         if endpoint:
             result = ep.verify_causal_lm_endpoint("candidate", client, ids, ref_runner, gates)
         else:
-
             result = verify_causal_lm(
                 "candidate",
                 cand_runner,
@@ -205,7 +202,6 @@ def verify_models(
             )
         report = VerifyReport(str(reference), cand_name, result)
         if tasks:
-
             metric = score_tasks(load_tasks(tasks), ref_runner, cand_runner, gates)
             result.metrics.append(metric)
             result.passed = result.passed and metric.passed is not False
@@ -216,7 +212,6 @@ def verify_models(
 
 def _attribute(ref_runner, cand_runner, task: str):
     import torch
-
 
     tok = ref_runner.tokenizer
     ids = tok(evaluation_text()[:2000], add_special_tokens=False, return_tensors="pt")

@@ -194,7 +194,6 @@ def verify_causal_lm_endpoint(
     """
     import torch.nn.functional as F
 
-
     gates = gates or Gates()
     t0 = time.perf_counter()
     n, T = windows.shape

@@ -91,8 +91,9 @@ class ReferenceOutputs:
         self.greedy, self.digest = greedy, digest
 
     @classmethod
-    def from_runner(cls, runner: CausalLMRunner, windows: torch.Tensor, prompts: int = 2,
-                    new: int = 32) -> ReferenceOutputs:  # fmt: skip
+    def from_runner(
+        cls, runner: CausalLMRunner, windows: torch.Tensor, prompts: int = 2, new: int = 32
+    ) -> ReferenceOutputs:
         """Run the reference over `windows` (and its greedy generations) once."""
         import torch.nn.functional as F
 
@@ -108,9 +109,15 @@ class ReferenceOutputs:
         """Write atomically (a `.npz` of plain arrays; loaded without pickle)."""
 
         with atomic_file(path) as f:
-            np.savez(f, nll=self.nll, argmax=self.argmax, top_ids=self.top_ids,
-                     top_logp=self.top_logp, greedy=np.asarray(self.greedy, dtype=np.int64),
-                     digest=np.array(self.digest))  # fmt: skip
+            np.savez(
+                f,
+                nll=self.nll,
+                argmax=self.argmax,
+                top_ids=self.top_ids,
+                top_logp=self.top_logp,
+                greedy=np.asarray(self.greedy, dtype=np.int64),
+                digest=np.array(self.digest),
+            )
 
     @classmethod
     def load(
@@ -154,8 +161,9 @@ class _Collector:
         self.top_ids[i], self.top_logp[i] = idx.numpy(), vals.numpy()
 
     def done(self) -> ReferenceOutputs:
-        return ReferenceOutputs(self.nll, self.argmax, self.top_ids, self.top_logp, self.greedy,
-                                self.digest)  # fmt: skip
+        return ReferenceOutputs(
+            self.nll, self.argmax, self.top_ids, self.top_logp, self.greedy, self.digest
+        )
 
 
 def _kl_top(ref: ReferenceOutputs, i: int, logp_c: torch.Tensor) -> float:
@@ -270,7 +278,6 @@ def verify_causal_lm(
     """
     import torch
     import torch.nn.functional as F
-
 
     # No gates given: only perplexity is gated (the historic behaviour); the
     # others are reported. `Gates()` turns on every default gate (what `llmopt verify` does).

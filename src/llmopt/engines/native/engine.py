@@ -80,8 +80,10 @@ class NativeEngine(Engine):
         if kernel == "int4" and group:
             widths = {info.hidden_size, info.intermediate_size or info.hidden_size}
             if any(w % group for w in widths) or group not in (32, 64, 128, 256):
-                return (f"int4 group size {group} must be 32, 64, 128 or 256 and divide the "
-                        f"model's widths {sorted(widths)}")  # fmt: skip
+                return (
+                    f"int4 group size {group} must be 32, 64, 128 or 256 and divide the "
+                    f"model's widths {sorted(widths)}"
+                )
         return None
 
     def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:

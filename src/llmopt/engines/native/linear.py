@@ -191,8 +191,9 @@ class Fp8Linear(_QuantLinear):
             return self._finish(wo_gemv(x2, self.weight, self.scale), shape)
         xs = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
         xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale,
-                             out_dtype=self.dtype)  # fmt: skip
+        y = torch._scaled_mm(
+            xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=self.dtype
+        )
         return self._finish(y, shape)
 
 
@@ -236,8 +237,15 @@ def _gemv_kernel():
 
     configs = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-        for bn, bk, w in ((8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (32, 128, 4), (64, 128, 8))
-    ]  # fmt: skip
+        for bn, bk, w in (
+            (8, 512, 4),
+            (16, 256, 4),
+            (16, 512, 8),
+            (32, 256, 8),
+            (32, 128, 4),
+            (64, 128, 8),
+        )
+    ]
 
     @triton.autotune(configs=configs, key=["N", "K"])
     @triton.jit

@@ -119,9 +119,12 @@ class Attention(nn.Module):
         self.v_cache.index_copy_(0, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
         if prefill:
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
                 enable_gqa=self.n_heads != self.n_kv,
-            ).transpose(1, 2)  # fmt: skip
+            ).transpose(1, 2)
         else:
             out = self._paged(q, pos, block_tables, block_size)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
@@ -138,8 +141,13 @@ class Attention(nn.Module):
             # A long prefill chunk: queries a slice at a time, so the fp32 scores stay bounded
             # (each query row's attention is independent of the others').
             rows = max(1, self.max_score_elems // (B * self.n_heads * S))
-            return torch.cat([self._attend(q[:, a : a + rows], pos[:, a : a + rows], kc, vc)
-                              for a in range(0, T, rows)], dim=1)  # fmt: skip
+            return torch.cat(
+                [
+                    self._attend(q[:, a : a + rows], pos[:, a : a + rows], kc, vc)
+                    for a in range(0, T, rows)
+                ],
+                dim=1,
+            )
         return self._attend(q, pos, kc, vc)
 
     def _attend(self, q, pos, kc, vc):

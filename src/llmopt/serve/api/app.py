@@ -37,12 +37,23 @@ __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
-_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-                 413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+_STATUS_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 
-async def _send_error(send: Any, status: int, message: str, type: str, code: str | None = None,
-                      headers: dict[str, str] | None = None) -> None:  # fmt: skip
+async def _send_error(
+    send: Any,
+    status: int,
+    message: str,
+    type: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
     resp = json_response(error_body(message, type, None, code), status, headers)
     await resp({"type": "http"}, _no_receive, send)
 
@@ -63,14 +74,24 @@ class Guard:
         ctx, s = self.ctx, self.ctx.settings
         if ctx.draining:
             ctx.metrics.rejected.labels("draining").inc()
-            return await _send_error(send, 503, "the server is shutting down; retry on another "
-                                     "replica", "service_unavailable", "shutting_down")  # fmt: skip
+            return await _send_error(
+                send,
+                503,
+                "the server is shutting down; retry on another replica",
+                "service_unavailable",
+                "shutting_down",
+            )
         headers = dict(scope.get("headers") or [])
         if s.api_key and not _authorized(headers.get(b"authorization", b""), s.api_key):
             ctx.metrics.rejected.labels("unauthorized").inc()
-            return await _send_error(send, 401, "missing or wrong API key: send "
-                                     "`Authorization: Bearer <key>`", "authentication_error",
-                                     "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return await _send_error(
+                send,
+                401,
+                "missing or wrong API key: send `Authorization: Bearer <key>`",
+                "authentication_error",
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
         body = b""
         if scope["method"] in ("POST", "PUT", "PATCH"):
             declared = headers.get(b"content-length")
@@ -109,8 +130,13 @@ class Guard:
     async def _too_large(self, send: Any) -> None:
         self.ctx.metrics.rejected.labels("too_large").inc()
         limit = self.ctx.settings.max_body_bytes
-        await _send_error(send, 413, f"request body larger than {limit} bytes (server "
-                          "--max-body-bytes)", "invalid_request_error", "request_too_large")  # fmt: skip
+        await _send_error(
+            send,
+            413,
+            f"request body larger than {limit} bytes (server --max-body-bytes)",
+            "invalid_request_error",
+            "request_too_large",
+        )
 
 
 def _authorized(header: bytes, key: str) -> bool:
@@ -175,8 +201,14 @@ def create_app(ctx: ServerContext) -> Any:
             extra["engine"] = ctx.engine.describe()
             if not extra["engine"]["alive"]:  # nothing can be served: route elsewhere
                 status = "engine_dead"
-        body = HealthResponse(status=status, model=ctx.served_name, task=ctx.task,
-                              in_flight=ctx.outstanding, settings=ctx.effective, **extra)  # fmt: skip
+        body = HealthResponse(
+            status=status,
+            model=ctx.served_name,
+            task=ctx.task,
+            in_flight=ctx.outstanding,
+            settings=ctx.effective,
+            **extra,
+        )
         return json_response(body, 200 if status == "ok" else 503)
 
     @app.get("/metrics")

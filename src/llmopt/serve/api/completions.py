@@ -50,9 +50,15 @@ def _registry(request: Request) -> list[Generation]:
     return request.scope.setdefault("state", {}).setdefault("llmopt_generations", [])
 
 
-def _start(ctx: ServerContext, request: Request, req: Any, prompts: list[list[int]],
-           max_tokens: int, logprobs: int,
-           prompt_logprobs: int | None = None) -> list[Generation]:  # fmt: skip
+def _start(
+    ctx: ServerContext,
+    request: Request,
+    req: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    logprobs: int,
+    prompt_logprobs: int | None = None,
+) -> list[Generation]:
     ctx.admit(len(prompts) * req.n, request.url.path)
     stops = req.stop_list()
     deadline = time.monotonic() + ctx.settings.request_timeout_s
@@ -61,8 +67,9 @@ def _start(ctx: ServerContext, request: Request, req: Any, prompts: list[list[in
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
             params = ctx.sampling_params(req, max_tokens, logprobs, seed, prompt_logprobs)
-            gens.append(Generation(ctx, ids, params, stops, req.priority, deadline,
-                                   _registry(request)))  # fmt: skip
+            gens.append(
+                Generation(ctx, ids, params, stops, req.priority, deadline, _registry(request))
+            )
     return gens
 
 
@@ -86,17 +93,23 @@ async def _until_done_or_gone(request: Request, coro: Any) -> Any:
     return Response(status_code=499)  # nobody is listening; the status is for the access log
 
 
-def _usage(prompts: list[list[int]], gens: list[Generation],
-           generated: bool = True) -> UsageInfo:  # fmt: skip
+def _usage(prompts: list[list[int]], gens: list[Generation], generated: bool = True) -> UsageInfo:
     p = sum(len(x) for x in prompts)
     c = sum(g.n_tokens for g in gens) if generated else 0
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-async def _stream(ctx: ServerContext, gens: list[Generation], prompts: list[list[int]],
-                  include_usage: bool, first: list[SparseWireModel],
-                  chunk: Callable[..., SparseWireModel], choice: Callable[[int, Delta], Any],
-                  endpoint: str, generated: bool = True) -> AsyncIterator[str]:  # fmt: skip
+async def _stream(
+    ctx: ServerContext,
+    gens: list[Generation],
+    prompts: list[list[int]],
+    include_usage: bool,
+    first: list[SparseWireModel],
+    chunk: Callable[..., SparseWireModel],
+    choice: Callable[[int, Delta], Any],
+    endpoint: str,
+    generated: bool = True,
+) -> AsyncIterator[str]:
     """The SSE body: `first`, then one `chunk(choices=[choice(i, delta)])` per delta (with
     `usage: null` when the client asked for usage), then the usage chunk, then `[DONE]`."""
     outcome = "ok"
@@ -146,7 +159,9 @@ async def _collect(gens: list[Generation]) -> list[list[Delta]]:
 
 
 # -- logprobs in both formats -----------------------------------------------------------------
-def _completion_logprobs(ctx: ServerContext, deltas: list[Delta], offset: int) -> CompletionLogprobs:
+def _completion_logprobs(
+    ctx: ServerContext, deltas: list[Delta], offset: int
+) -> CompletionLogprobs:
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -161,8 +176,12 @@ def _completion_logprobs(ctx: ServerContext, deltas: list[Delta], offset: int) -
             top_logprobs.append(top)
             text_offset.append(offset)
             offset += len(s)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs,
-                              top_logprobs=top_logprobs, text_offset=text_offset)  # fmt: skip
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
+        text_offset=text_offset,
+    )
 
 
 def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) -> CompletionLogprobs:
@@ -187,8 +206,12 @@ def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) ->
             top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(s)
-    return CompletionLogprobs(tokens=toks, token_logprobs=token_logprobs,
-                              top_logprobs=top_logprobs, text_offset=text_offset)  # fmt: skip
+    return CompletionLogprobs(
+        tokens=toks,
+        token_logprobs=token_logprobs,
+        top_logprobs=top_logprobs,
+        text_offset=text_offset,
+    )
 
 
 def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> ChatLogprobs:
@@ -240,14 +263,16 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
             lp = _completion_logprobs(ctx, [d], len(prefix))
             if prefix:
                 lp = _echo_logprobs(ctx, prompts[i // n], d.prompt_logprobs) + lp
-        return CompletionChoice(index=i, text=prefix + text, logprobs=lp,
-                                finish_reason=d.finish_reason)  # fmt: skip
+        return CompletionChoice(
+            index=i, text=prefix + text, logprobs=lp, finish_reason=d.finish_reason
+        )
 
     if req.stream:
         include = bool(req.stream_options and req.stream_options.include_usage)
         chunk = partial(CompletionStreamResponse, id=cid, created=created, model=ctx.served_name)
-        body = _stream(ctx, gens, prompts, include, [], chunk, stream_choice, "completions",
-                       not score_only)  # fmt: skip
+        body = _stream(
+            ctx, gens, prompts, include, [], chunk, stream_choice, "completions", not score_only
+        )
         return _streaming(body)
 
     result = await _until_done_or_gone(request, _collect(gens))
@@ -263,27 +288,42 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
         if lp is not None and echo:
             plp = deltas[0].prompt_logprobs if deltas else None
             lp = _echo_logprobs(ctx, prompts[i // n], plp) + lp
-        choices.append(CompletionChoice(index=i, text=text, logprobs=lp,
-                                        finish_reason=deltas[-1].finish_reason if deltas
-                                        else "stop"))  # fmt: skip
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=text,
+                logprobs=lp,
+                finish_reason=deltas[-1].finish_reason if deltas else "stop",
+            )
+        )
     ctx.metrics.requests.labels("completions", "ok").inc()
-    return json_response(CompletionResponse(id=cid, created=created, model=ctx.served_name,
-                                            choices=choices,
-                                            usage=_usage(prompts, gens, not score_only)))  # fmt: skip
+    return json_response(
+        CompletionResponse(
+            id=cid,
+            created=created,
+            model=ctx.served_name,
+            choices=choices,
+            usage=_usage(prompts, gens, not score_only),
+        )
+    )
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
 def _chat_prompt(ctx: ServerContext, req: ChatRequest) -> list[int]:
     tok = ctx.tokenizer
     if not getattr(tok, "chat_template", None):
-        raise APIError(400, f"`{ctx.served_name}` has no chat template; use /v1/completions",
-                       code="no_chat_template")  # fmt: skip
+        raise APIError(
+            400,
+            f"`{ctx.served_name}` has no chat template; use /v1/completions",
+            code="no_chat_template",
+        )
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template that rejects the conversation (roles out of order...)
-        raise APIError(400, f"the chat template rejected the messages: {e}",
-                       param="messages") from None  # fmt: skip
+        raise APIError(
+            400, f"the chat template rejected the messages: {e}", param="messages"
+        ) from None
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -300,16 +340,24 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
 
     def stream_choice(i: int, d: Delta) -> ChatStreamChoice:
         # A final delta with no text carries only the finish reason: no `content` at all.
-        delta = DeltaMessage(content=d.text) if d.text or d.finish_reason is None else DeltaMessage()
+        delta = (
+            DeltaMessage(content=d.text) if d.text or d.finish_reason is None else DeltaMessage()
+        )
         lp = _chat_logprobs(ctx, [d], k) if req.logprobs else None
         return ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=d.finish_reason)
 
     if req.stream:
-        chunk = partial(ChatCompletionStreamResponse, id=cid, created=created,
-                        model=ctx.served_name)  # fmt: skip
-        first = [chunk(choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                             content=""))])
-                 for i in range(len(gens))]  # fmt: skip
+        chunk = partial(
+            ChatCompletionStreamResponse, id=cid, created=created, model=ctx.served_name
+        )
+        first = [
+            chunk(
+                choices=[
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                ]
+            )
+            for i in range(len(gens))
+        ]
         include = bool(req.stream_options and req.stream_options.include_usage)
         return _streaming(_stream(ctx, gens, [ids], include, first, chunk, stream_choice, "chat"))
 
@@ -320,9 +368,21 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
     choices = []
     for i, deltas in enumerate(result):
         msg = ChatMessageOut(content="".join(d.text for d in deltas))
-        choices.append(ChatChoice(index=i, message=msg,
-                                  logprobs=_chat_logprobs(ctx, deltas, k) if req.logprobs else None,
-                                  finish_reason=deltas[-1].finish_reason if deltas else "stop"))  # fmt: skip
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=msg,
+                logprobs=_chat_logprobs(ctx, deltas, k) if req.logprobs else None,
+                finish_reason=deltas[-1].finish_reason if deltas else "stop",
+            )
+        )
     ctx.metrics.requests.labels("chat", "ok").inc()
-    return json_response(ChatCompletionResponse(id=cid, created=created, model=ctx.served_name,
-                                                choices=choices, usage=_usage([ids], gens)))  # fmt: skip
+    return json_response(
+        ChatCompletionResponse(
+            id=cid,
+            created=created,
+            model=ctx.served_name,
+            choices=choices,
+            usage=_usage([ids], gens),
+        )
+    )

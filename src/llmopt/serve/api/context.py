@@ -46,31 +46,46 @@ class ServerContext:
     # -- checks that become 400/404/429 -------------------------------------------------------
     def check_model(self, model: str) -> None:
         if model != self.served_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                           f"`{self.served_name}` (GET /v1/models)", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.served_name}` (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     def require(self, task: str, endpoint: str) -> None:
         if self.task != task:
             what = "an embedding model" if self.task == "embedding" else "a generative model"
-            raise APIError(400, f"{endpoint} is not available: this server serves {what} "
-                           f"(`{self.served_name}`)", code="unsupported_endpoint")  # fmt: skip
+            raise APIError(
+                400,
+                f"{endpoint} is not available: this server serves {what} (`{self.served_name}`)",
+                code="unsupported_endpoint",
+            )
 
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         total = prompt_len + max_tokens
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if total > self.max_seq_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_seq_len} "
-                           f"tokens. However, you requested {total} tokens ({prompt_len} in the "
-                           f"prompt, {max_tokens} for the completion). Please reduce the prompt "
-                           "or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_seq_len} "
+                f"tokens. However, you requested {total} tokens ({prompt_len} in the "
+                f"prompt, {max_tokens} for the completion). Please reduce the prompt "
+                "or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         blocks = math.ceil(total / self.block_size)
         if self.num_blocks and blocks > self.num_blocks:
-            raise APIError(400, f"{total} tokens need {blocks} KV-cache blocks; the server has "
-                           f"{self.num_blocks} in all (start it with more --num-blocks)",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"{total} tokens need {blocks} KV-cache blocks; the server has "
+                f"{self.num_blocks} in all (start it with more --num-blocks)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
     def admit(self, n: int, endpoint: str) -> None:
         """Take `n` places in the bounded queue, or answer 429 with Retry-After."""
@@ -78,11 +93,15 @@ class ServerContext:
         if self.outstanding + n > cap:
             self.metrics.rejected.labels("capacity").inc()
             retry = self.retry_after()
-            raise APIError(429, f"server at capacity: {self.outstanding} requests in flight "
-                           f"(max-num-seqs {self.settings.max_num_seqs} + max-queue "
-                           f"{self.settings.max_queue}); retry after {retry} s",
-                           type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(retry)})  # fmt: skip
+            raise APIError(
+                429,
+                f"server at capacity: {self.outstanding} requests in flight "
+                f"(max-num-seqs {self.settings.max_num_seqs} + max-queue "
+                f"{self.settings.max_queue}); retry after {retry} s",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry)},
+            )
 
     def retry_after(self) -> int:
         # About one request latency per full batch queued ahead, at least 1 s.
@@ -111,14 +130,27 @@ class ServerContext:
         vocab = len(self.tokenizer)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise APIError(400, f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}",
-                           param="prompt")  # fmt: skip
+            raise APIError(
+                400, f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}", param="prompt"
+            )
         return ids
 
-    def sampling_params(self, req: Any, max_tokens: int, logprobs: int, seed: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+    def sampling_params(
+        self,
+        req: Any,
+        max_tokens: int,
+        logprobs: int,
+        seed: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         # The engine stops at the model's EOS ids itself unless ignore_eos.
-        return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature),
-                              top_p=float(req.top_p), top_k=int(req.top_k), seed=seed,
-                              ignore_eos=bool(req.ignore_eos), logprobs=int(logprobs),
-                              prompt_logprobs=prompt_logprobs)  # fmt: skip
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(req.temperature),
+            top_p=float(req.top_p),
+            top_k=int(req.top_k),
+            seed=seed,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=int(logprobs),
+            prompt_logprobs=prompt_logprobs,
+        )

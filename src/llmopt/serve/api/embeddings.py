@@ -123,15 +123,20 @@ async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
     ctx.check_model(req.model)
     ctx.require("embedding", "/v1/embeddings")
     if req.dimensions is not None:
-        raise APIError(400, "dimensions is not supported (the model's size is fixed)",
-                       param="dimensions")  # fmt: skip
+        raise APIError(
+            400, "dimensions is not supported (the model's size is fixed)", param="dimensions"
+        )
     texts = req.texts(ctx.tokenizer)
     lens = [len(ids) for ids in ctx.tokenizer(texts, add_special_tokens=True)["input_ids"]]
     too_long = [i for i, n in enumerate(lens) if n > ctx.max_seq_len]
     if too_long:
-        raise APIError(400, f"input {too_long[0]} has {lens[too_long[0]]} tokens; this model "
-                       f"takes at most {ctx.max_seq_len}", param="input",
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"input {too_long[0]} has {lens[too_long[0]]} tokens; this model "
+            f"takes at most {ctx.max_seq_len}",
+            param="input",
+            code="context_length_exceeded",
+        )
     ctx.admit(1, "/v1/embeddings")
     ctx.outstanding += 1
     t0 = time.monotonic()
@@ -151,8 +156,11 @@ async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
     ctx.metrics.requests.labels("embeddings", "ok").inc()
     data = []
     for i, v in enumerate(vecs):
-        emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
-                    if req.encoding_format == "base64" else [float(x) for x in v])  # fmt: skip
+        emb: Any = (
+            base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+            if req.encoding_format == "base64"
+            else [float(x) for x in v]
+        )
         data.append(EmbeddingData(index=i, embedding=emb))
     usage = EmbeddingUsage(prompt_tokens=sum(lens), total_tokens=sum(lens))
     return json_response(EmbeddingResponse(data=data, model=ctx.served_name, usage=usage))

@@ -41,9 +41,16 @@ class Delta:
 class Generation:
     """A sequence in the engine, seen as an async stream of `Delta`s."""
 
-    def __init__(self, ctx: ServerContext, prompt_ids: list[int], params: Any,
-                 stops: list[str], priority: int, deadline: float,
-                 registry: list[Generation] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        ctx: ServerContext,
+        prompt_ids: list[int],
+        params: Any,
+        stops: list[str],
+        priority: int,
+        deadline: float,
+        registry: list[Generation] | None = None,
+    ):
         self.ctx = ctx
         self.prompt_ids = prompt_ids
         self.deadline = deadline
@@ -78,8 +85,9 @@ class Generation:
                     raise APIError(400, f"the engine refused the request: {item}")
                 if isinstance(item, BaseException):
                     self._engine_done = True  # the engine loop already dropped it
-                    raise APIError(500, f"engine error: {type(item).__name__}: {item}",
-                                   type="server_error")  # fmt: skip
+                    raise APIError(
+                        500, f"engine error: {type(item).__name__}: {item}", type="server_error"
+                    )
                 yield self._on_event(item)
                 if self.finish_reason is not None:
                     self.outcome = "ok"
@@ -141,8 +149,12 @@ _DEADLINE = object()  # queued by a request's timer when its deadline passes
 
 
 def _timeout(ctx: ServerContext) -> APIError:
-    return APIError(504, f"request timed out after {ctx.settings.request_timeout_s:g} s "
-                    "(server --request-timeout)", type="timeout_error", code="timeout")  # fmt: skip
+    return APIError(
+        504,
+        f"request timed out after {ctx.settings.request_timeout_s:g} s (server --request-timeout)",
+        type="timeout_error",
+        code="timeout",
+    )
 
 
 async def merge(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:

@@ -31,9 +31,15 @@ __all__ = [
 class APIError(Exception):
     """An HTTP error with OpenAI's body. Raised anywhere in a handler; rendered by the app."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
@@ -88,11 +94,16 @@ class _Sampling(_Req):
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by this server; leave it at 0",
-                               param=name, code="unsupported_parameter")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{name} is not supported by this server; leave it at 0",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed with stream=true",
-                           param="stream_options")  # fmt: skip
+            raise APIError(
+                400, "stream_options is only allowed with stream=true", param="stream_options"
+            )
 
 
 class CompletionRequest(_Sampling):
@@ -113,8 +124,12 @@ class CompletionRequest(_Sampling):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.max_tokens == 0 and not self.echo:
-            raise APIError(400, "max_tokens 0 generates nothing: it is for scoring the prompt "
-                           "with echo=true (and logprobs)", param="max_tokens")  # fmt: skip
+            raise APIError(
+                400,
+                "max_tokens 0 generates nothing: it is for scoring the prompt "
+                "with echo=true (and logprobs)",
+                param="max_tokens",
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -141,8 +156,11 @@ class ChatMessage(_Req):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise APIError(400, f"content part type {part.get('type')!r} is not supported "
-                               "(text only)", param="messages")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"content part type {part.get('type')!r} is not supported (text only)",
+                    param="messages",
+                )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 
@@ -161,8 +179,9 @@ class ChatRequest(_Sampling):
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format other than text is not supported",
-                           param="response_format")  # fmt: skip
+            raise APIError(
+                400, "response_format other than text is not supported", param="response_format"
+            )
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.top_logprobs and not self.logprobs:

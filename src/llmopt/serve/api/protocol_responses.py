@@ -75,8 +75,9 @@ class SparseWireModel(WireModel):
         return out
 
 
-def json_response(body: WireModel, status: int = 200,
-                  headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+def json_response(
+    body: WireModel, status: int = 200, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """`body` as a JSON response (Starlette's encoder, as every other response)."""
     return JSONResponse(body.model_dump(), status, headers=headers)
 
@@ -100,8 +101,12 @@ class ErrorResponse(WireModel):
     error: ErrorInfo
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> ErrorResponse:  # fmt: skip
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> ErrorResponse:
     return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
 
 
@@ -122,10 +127,12 @@ class CompletionLogprobs(WireModel):
     text_offset: list[int] = []
 
     def __add__(self, other: CompletionLogprobs) -> CompletionLogprobs:
-        return CompletionLogprobs(tokens=self.tokens + other.tokens,
-                                  token_logprobs=self.token_logprobs + other.token_logprobs,
-                                  top_logprobs=self.top_logprobs + other.top_logprobs,
-                                  text_offset=self.text_offset + other.text_offset)  # fmt: skip
+        return CompletionLogprobs(
+            tokens=self.tokens + other.tokens,
+            token_logprobs=self.token_logprobs + other.token_logprobs,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+            text_offset=self.text_offset + other.text_offset,
+        )
 
 
 class CompletionChoice(WireModel):

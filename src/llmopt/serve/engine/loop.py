@@ -35,14 +35,24 @@ class EngineLoop:
             swapped-out KV caches (0: recompute only).
     """
 
-    def __init__(self, gen: BatchGenerator, max_num_seqs: int, max_num_batched_tokens: int,
-                 metrics: ServeMetrics, chunked_prefill: bool = True,
-                 swap_space_bytes: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        gen: BatchGenerator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        metrics: ServeMetrics,
+        chunked_prefill: bool = True,
+        swap_space_bytes: int = 0,
+    ):
         self.gen = gen
         self.metrics = metrics
-        self.sched = Scheduler(gen, max_num_seqs, max_num_batched_tokens,
-                               chunked_prefill=chunked_prefill,
-                               swap_space_bytes=swap_space_bytes)  # fmt: skip
+        self.sched = Scheduler(
+            gen,
+            max_num_seqs,
+            max_num_batched_tokens,
+            chunked_prefill=chunked_prefill,
+            swap_space_bytes=swap_space_bytes,
+        )
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._stop = threading.Event()
@@ -66,8 +76,11 @@ class EngineLoop:
 
     def describe(self) -> dict[str, Any]:
         """For /health: where the engine runs, and its last error (a failed step)."""
-        return {"mode": "thread", "alive": True,
-                "last_error": None if self.error is None else repr(self.error)}  # fmt: skip
+        return {
+            "mode": "thread",
+            "alive": True,
+            "last_error": None if self.error is None else repr(self.error),
+        }
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

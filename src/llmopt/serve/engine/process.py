@@ -59,9 +59,17 @@ class EngineProcess:
         start_timeout: seconds to wait for the child's model load and warm-up.
     """
 
-    def __init__(self, spec: GeneratorSpec, warmup: dict, max_num_seqs: int,
-                 max_num_batched_tokens: int, chunked_prefill: bool, metrics: ServeMetrics,
-                 start_timeout: float = 3600.0, swap_space_bytes: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        spec: GeneratorSpec,
+        warmup: dict,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool,
+        metrics: ServeMetrics,
+        start_timeout: float = 3600.0,
+        swap_space_bytes: int = 0,
+    ):
         self.metrics = metrics
         self.error: BaseException | None = None
         self._ids = itertools.count(1)
@@ -70,10 +78,18 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        sched = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                 "chunked_prefill": chunked_prefill, "swap_space_bytes": swap_space_bytes}  # fmt: skip
-        self._proc = ctx.Process(target=_engine_main, args=(child, spec, warmup, sched),
-                                 name="llmopt-engine-core", daemon=True)  # fmt: skip
+        sched = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "chunked_prefill": chunked_prefill,
+            "swap_space_bytes": swap_space_bytes,
+        }
+        self._proc = ctx.Process(
+            target=_engine_main,
+            args=(child, spec, warmup, sched),
+            name="llmopt-engine-core",
+            daemon=True,
+        )
         self._proc.start()
         child.close()
         self.info = self._wait_ready(start_timeout)
@@ -86,8 +102,10 @@ class EngineProcess:
     def _wait_ready(self, timeout: float) -> dict:
         if not self._conn.poll(timeout):
             self._proc.kill()
-            raise EngineProcessError(f"the engine process was not ready after {timeout:.0f} s",
-                                     "look at its log lines above (model load, warm-up)")  # fmt: skip
+            raise EngineProcessError(
+                f"the engine process was not ready after {timeout:.0f} s",
+                "look at its log lines above (model load, warm-up)",
+            )
         try:
             kind, payload = self._conn.recv()
         except EOFError:
@@ -100,16 +118,20 @@ class EngineProcess:
             ) from None
         if kind == "failed":
             self._proc.join(5)
-            raise EngineProcessError(f"the engine process failed to start: {payload}",
-                                     "the same settings without --engine-process show the "
-                                     "full traceback")  # fmt: skip
+            raise EngineProcessError(
+                f"the engine process failed to start: {payload}",
+                "the same settings without --engine-process show the full traceback",
+            )
         return payload
 
     def describe(self) -> dict[str, Any]:
         """For /health: the engine process, whether it is alive, and why not."""
-        return {"mode": "process", "pid": self._proc.pid,
-                "alive": self.error is None and self._proc.is_alive(),
-                "last_error": None if self.error is None else str(self.error)}  # fmt: skip
+        return {
+            "mode": "process",
+            "pid": self._proc.pid,
+            "alive": self.error is None and self._proc.is_alive(),
+            "last_error": None if self.error is None else str(self.error),
+        }
 
     # -- called on the event loop -------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -195,8 +217,10 @@ class EngineProcess:
 
 def _engine_main(conn: Any, spec: GeneratorSpec, warmup: dict, sched_kwargs: dict) -> None:
     """The child: load, warm up, then run the scheduler until told to stop or the parent goes."""
-    logging.basicConfig(level=warmup.get("log_level", logging.WARNING),
-                        format="%(levelname)s engine-core: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=warmup.get("log_level", logging.WARNING),
+        format="%(levelname)s engine-core: %(message)s",
+    )
     try:
         if warmup.get("threads"):
             import torch
@@ -208,10 +232,19 @@ def _engine_main(conn: Any, spec: GeneratorSpec, warmup: dict, sched_kwargs: dic
     except Exception as e:  # the parent shows it and exits
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"max_num_seqs": sched.max_num_seqs, "chunked_prefill": sched.chunked_prefill,
-                         "capacity_blocks": sched.capacity_blocks,
-                         "block_size": int(gen.block_size), "num_blocks": int(gen.num_blocks),
-                         "max_seq_len": int(gen.max_seq_len)}))  # fmt: skip
+    conn.send(
+        (
+            "ready",
+            {
+                "max_num_seqs": sched.max_num_seqs,
+                "chunked_prefill": sched.chunked_prefill,
+                "capacity_blocks": sched.capacity_blocks,
+                "block_size": int(gen.block_size),
+                "num_blocks": int(gen.num_blocks),
+                "max_seq_len": int(gen.max_seq_len),
+            },
+        )
+    )
     while True:
         # Wait for work when idle; otherwise take whatever arrived and step.
         if not sched.has_work() and not conn.poll(0.5):

@@ -136,10 +136,17 @@ class Scheduler:
         swap_pays: the engine's verdict (default: `llmopt.serve.engine.swap.swap_pays(gen)`).
     """
 
-    def __init__(self, gen: BatchGenerator, max_num_seqs: int, max_num_batched_tokens: int,
-                 out_of_blocks: type[BaseException] | None = None,
-                 watermark: int | None = None, chunked_prefill: bool = True,
-                 swap_space_bytes: int = 0, swap_pays: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        gen: BatchGenerator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        out_of_blocks: type[BaseException] | None = None,
+        watermark: int | None = None,
+        chunked_prefill: bool = True,
+        swap_space_bytes: int = 0,
+        swap_pays: bool | None = None,
+    ):
         self.gen = gen
         self.max_num_seqs = min(max_num_seqs, int(gen.max_batch))
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -192,10 +199,17 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pre = sum(s.status == "preempted" for s in self._queued.values())
         swapped = sum(s.swapped is not None for s in self._queued.values())
-        return SchedulerStats(len(self._queued) - pre, len(self.running), pre,
-                              int(self.gen.free_blocks), self.capacity_blocks,
-                              self.preemptions_total, swapped, self.swap_used_bytes,
-                              getattr(self.gen, "time", None))  # fmt: skip
+        return SchedulerStats(
+            len(self._queued) - pre,
+            len(self.running),
+            pre,
+            int(self.gen.free_blocks),
+            self.capacity_blocks,
+            self.preemptions_total,
+            swapped,
+            self.swap_used_bytes,
+            getattr(self.gen, "time", None),
+        )
 
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, Any]]:
@@ -331,8 +345,11 @@ class Scheduler:
             v = victims.pop(0)
             how = "recompute"
             nbytes = len(self.gen.blocks_of(v.seq_id)) * self.gen.block_size * self._kv_token
-            if (self.swap and self.gen.prefill_pending(v.seq_id) == 0
-                    and self.swap_used_bytes + nbytes <= self.swap_space_bytes):  # fmt: skip
+            if (
+                self.swap
+                and self.gen.prefill_pending(v.seq_id) == 0
+                and self.swap_used_bytes + nbytes <= self.swap_space_bytes
+            ):
                 v.swapped = self.gen.swap_out(v.seq_id)
                 self.swap_used_bytes += v.swapped.nbytes
                 self.swaps_total += 1

@@ -34,7 +34,6 @@ def device_balance(device: str) -> tuple[float, str]:
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
-
         name = torch.cuda.get_device_name()
         spec = match_gpu(name)
         major, _ = torch.cuda.get_device_capability()
@@ -57,8 +56,10 @@ def swap_pays(gen: BatchGenerator) -> tuple[bool, str]:
     intensity = params / kv  # 2P FLOPs recomputed vs 2 kv bytes moved, per token
     balance, how = device_balance(str(gen.device))
     verdict = intensity > balance
-    why = (f"recomputing costs {intensity:,.0f} FLOP per KV byte swapped ({params / 1e6:,.0f} M "
-           f"layer parameters, {kv / 1024:.1f} KiB of KV per token); the device does "
-           f"{balance:,.0f} FLOP in the time it moves one byte ({how}): "
-           f"{'swap' if verdict else 'recompute'}")  # fmt: skip
+    why = (
+        f"recomputing costs {intensity:,.0f} FLOP per KV byte swapped ({params / 1e6:,.0f} M "
+        f"layer parameters, {kv / 1024:.1f} KiB of KV per token); the device does "
+        f"{balance:,.0f} FLOP in the time it moves one byte ({how}): "
+        f"{'swap' if verdict else 'recompute'}"
+    )
     return verdict, why
