@@ -32,7 +32,7 @@ SHAPES = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
-    # For the smoke tests of the scripts (tests/unit/test_native_engine.py runs decode.py).
+    # For the smoke tests of the scripts (tests/unit/engines/native/test_engine.py runs decode.py).
     "tiny": {
         "model_type": "llama",
         "hidden_size": 256,

@@ -9,7 +9,7 @@
       launch configs  the same numbers as vLLM / SGLang / TensorRT-LLM / trtexec / llama.cpp flags
 
 Every figure is plain arithmetic on `ModelInfo` and the target, reproduced by hand in
-tests/unit/test_plan_serving.py. Smallest split first because tensor parallelism pays an
+tests/unit/planning/test_serving.py. Smallest split first because tensor parallelism pays an
 all-reduce per layer; spare GPUs serve more requests as independent replicas instead.
 """
 

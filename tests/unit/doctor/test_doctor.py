@@ -26,7 +26,7 @@ from llmopt.hardware.gpu import (
 )
 from llmopt.hardware.specs import cuda_driver_minimum, dtype_support, lookup_gpu, match_gpu
 
-FIX = Path(__file__).parents[1] / "fixtures" / "doctor"
+FIX = Path(__file__).parents[2] / "fixtures" / "doctor"
 H200_FACTS = json.loads((FIX / "recorded_h200_facts.json").read_text())
 CPU_FACTS = json.loads((FIX / "recorded_cpu_vm_facts.json").read_text())
 H200_NVML = json.loads((FIX / "recorded_h200_nvml_answers.json").read_text())

@@ -17,7 +17,7 @@ from llmopt.engines.native.config import NativeConfig, UnsupportedModel
 from llmopt.engines.native.generator import Generator
 from llmopt.engines.native.weights import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 BASE = dict(
     vocab_size=128,
     hidden_size=64,

@@ -23,7 +23,7 @@ from llmopt.planning.memory import memory_plan
 from llmopt.planning.serving import plan_serving
 from llmopt.planning.workload import Workload
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 CFG_8B = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
 CFG_70B = json.loads((CONFIGS / "llama-3.1-70b" / "config.json").read_text())

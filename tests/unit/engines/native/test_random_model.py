@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
 
 import random_model  # noqa: E402
 

@@ -22,7 +22,7 @@ from llmopt.deploy.validate import _tool
 from llmopt.hardware.target import Target
 from llmopt.planning.workload import Workload
 
-CONFIG_8B = Path(__file__).parents[1] / "fixtures" / "configs" / "llama-3.1-8b"
+CONFIG_8B = Path(__file__).parents[2] / "fixtures" / "configs" / "llama-3.1-8b"
 
 
 @pytest.fixture(scope="module")
