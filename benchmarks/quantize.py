@@ -62,7 +62,7 @@ def worker_model(args) -> dict:
     from llmopt.assets.text import token_windows
     from llmopt.core.recipes import get_recipe
     from llmopt.quant import CalibrationConfig, fake_quantized_model
-    from llmopt.quant.api import _nll
+    from llmopt.quant.api import held_out_nll
 
     torch.manual_seed(0)
     source, _ = resolve_model(args.model)
@@ -84,7 +84,7 @@ def worker_model(args) -> dict:
     tok = AutoTokenizer.from_pretrained(source)
     text = evaluation_text()[: 8 * args.eval_len * args.eval_windows]
     windows = token_windows(tok, text, args.eval_len, args.eval_windows)
-    nll = _nll(model, windows, "cpu")
+    nll = held_out_nll(model, windows, "cpu")
     recipe = get_recipe(args.worker)
     return {
         "recipe": args.worker,

@@ -2,7 +2,7 @@
 
 Same model (built-in SmolLM2-135M, fp32), same calibration tokens (16 x 256 windows of the
 built-in Wikipedia calibration split, seed 0, drawn by `llmopt.quant.calibration_windows`) and the
-same perplexity evaluation (8 x 512 held-out tokens, `llmopt.quant.api._nll`) as
+same perplexity evaluation (8 x 512 held-out tokens, `llmopt.quant.api.held_out_nll`) as
 `benchmarks/quantize.py`, so its figures sit next to llmopt's recipes. Each scheme loads the fp32
 folder fresh with transformers, runs `llmcompressor.oneshot` on those windows (ignore lm_head),
 checks that the in-memory model really computes with quantized weights (and activations, where the
@@ -258,7 +258,7 @@ def worker(args) -> dict:
     from llmopt.assets import resolve_model
     from llmopt.assets.text import evaluation_text, token_windows
     from llmopt.hardware.runtime import peak_rss_bytes
-    from llmopt.quant.api import _nll
+    from llmopt.quant.api import held_out_nll
     from llmopt.quant.calibration import CalibrationConfig, calibration_windows
 
     torch.manual_seed(0)
@@ -312,7 +312,7 @@ def worker(args) -> dict:
     else:
         row["seconds"] = load_s
         row["peak_bytes"] = peak_rss_bytes()
-    nll = _nll(model, windows, "cpu")
+    nll = held_out_nll(model, windows, "cpu")
     row["eval_tokens"] = int(windows.numel())
     row["eval_tokens_sha256"] = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
     row["perplexity"] = math.exp(nll / (args.eval_len - 1))

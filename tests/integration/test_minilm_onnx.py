@@ -12,6 +12,7 @@ import pytest
 
 from llmopt.bench.embedding import bench_embedding
 from llmopt.core.recipes import get_recipe
+from llmopt.core.settings import EngineSettings
 from llmopt.engines.pooling import pool
 from llmopt.verify.embedding import reference_outputs, verify_embedding
 
@@ -87,7 +88,7 @@ def minilm(tmp_path_factory):
         facts[recipe] = engine.build(src, info, get_recipe(recipe), root / recipe)
         # sort_by_length: half the padding on these sentences, so the test runs faster.
         runners[recipe] = engine.load(
-            root / recipe, info, get_recipe(recipe), {"sort_by_length": True}
+            root / recipe, info, get_recipe(recipe), EngineSettings(sort_by_length=True)
         )
     sentences = _sentences(N_SENTENCES)
     torch_runner = TorchRunner(src)

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from llmopt.core.settings import EngineSettings
 from llmopt.quant import CalibrationConfig, quantize
 from llmopt.quant.api import EvalConfig
 
@@ -116,7 +117,7 @@ def test_asymmetric_w4_beats_symmetric_and_loads_in_transformers_and_torch(smoll
     with torch.no_grad():
         ref = hf.eval()(ids).logits.float()
     rec = get_recipe("w4a16-rtn-g64-asym")
-    runner = get_engine("torch").load(out, inspect_model(smollm2), rec, {})
+    runner = get_engine("torch").load(out, inspect_model(smollm2), rec, EngineSettings())
     mine = runner.logits(ids)
     sqnr = 10 * torch.log10(ref.pow(2).sum() / (ref - mine).pow(2).sum())
     assert sqnr > 30, float(sqnr)  # same int4 values; the kernel runs bf16 activations

@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+from llmopt.core.settings import EngineSettings
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -79,7 +81,7 @@ def test_embeddings_match_in_process(embed_server):
     assert got.shape == (2, 384) and [d.index for d in r.data] == [0, 1]
     assert r.usage.prompt_tokens > 0
     info = inspect_model(MODEL)
-    ref = get_engine("hf").load(info.path, info, get_recipe("fp32"), {}).embed(texts)
+    ref = get_engine("hf").load(info.path, info, get_recipe("fp32"), EngineSettings()).embed(texts)
     np.testing.assert_allclose(got, ref, atol=1e-4)
     b64 = _client(embed_server).embeddings.create(
         model=MODEL, input=texts[0], encoding_format="base64"

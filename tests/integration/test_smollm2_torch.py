@@ -8,6 +8,7 @@ import torch
 from llmopt.assets import prepare_builtin
 from llmopt.assets.text import evaluation_text, token_windows
 from llmopt.core.recipes import get_recipe
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine
 from llmopt.model.info import inspect_model
 from llmopt.verify.lm import verify_causal_lm
@@ -25,7 +26,7 @@ def smollm2(tmp_path_factory):
         out = tmp_path_factory.mktemp(name) / "artifact"
         out.mkdir()
         engine.build(src, info, get_recipe(name), out)
-        runners[name] = engine.load(out, info, get_recipe(name), {})
+        runners[name] = engine.load(out, info, get_recipe(name), EngineSettings())
     return src, info, runners
 
 

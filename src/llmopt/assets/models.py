@@ -35,6 +35,7 @@ __all__ = [
     "llmopt_home",
     "install_command",
     "install_assets",
+    "builtin_gguf",
     "assets_status",
     "prepare_builtin",
     "resolve_model",
@@ -414,3 +415,17 @@ def peer_onnx_minilm_int8() -> Path:
     if not (folder / "model.onnx").is_file():
         raise AssetMissingError(f"{folder / 'model.onnx'} is missing", hint=_install_hint())
     return folder
+
+
+def builtin_gguf(name: str) -> str | None:
+    """The GGUF file a built-in model ships as (llama.cpp serves it as is), else None.
+
+    >>> builtin_gguf("minilm-l6") is None
+    True
+    """
+    if name != "smollm2-135m":
+        return None
+    spec = importlib.util.find_spec(BUILTIN_MODELS[name].module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF)

@@ -12,6 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmopt.core.settings import EngineSettings
+
 __all__ = [
     "SCHEMA_VERSION",
     "Task",
@@ -52,9 +54,18 @@ class Candidate(Serializable):
     id: str
     engine: str  # registry name, e.g. "torch", "onnxruntime"
     recipe: str  # recipe preset name, e.g. "fp32", "bf16", "w8a16", "ort-int8"
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: EngineSettings = field(default_factory=EngineSettings)
     reference: bool = False
     description: str = ""
+
+    def __post_init__(self) -> None:
+        # candidate.json stores the settings as a flat object; construction accepts one too.
+        self.settings = EngineSettings.from_dict(self.settings)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["settings"] = self.settings.to_dict()
+        return d
 
 
 @dataclass

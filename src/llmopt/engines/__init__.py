@@ -14,10 +14,12 @@ generators (`llmopt serve`) through `get_engine(name).load_generator(spec)`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from llmopt.core.recipes import Recipe, get_recipe
+from llmopt.core.settings import EngineSettings
 from llmopt.engines.base import CausalLMRunner, EmbeddingRunner, Engine
 from llmopt.rundir.best import Best
 
@@ -56,7 +58,7 @@ def load_runner(
     artifact: str | Path,
     info: Any,
     recipe: str | Recipe,
-    settings: dict[str, Any] | None = None,
+    settings: EngineSettings | Mapping[str, Any] | None = None,
 ) -> CausalLMRunner | EmbeddingRunner:
     """Load a built artifact with engine `engine_name` and return its runner for `info.task`.
 
@@ -70,7 +72,7 @@ def load_runner(
     if getattr(info, "task", None) == "embedding" and "embedding" not in engine.tasks:
         log.warning("engine %r does not embed; loading the artifact with 'hf'", engine.name)
         engine = get_engine("hf")
-    return engine.load(Path(artifact), info, get_recipe(recipe), dict(settings or {}))
+    return engine.load(Path(artifact), info, get_recipe(recipe), EngineSettings.from_dict(settings))
 
 
 def load_best(best_dir) -> CausalLMRunner | EmbeddingRunner:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmopt.core.recipes import Recipe
+    from llmopt.core.settings import EngineSettings
     from llmopt.engines.generation import BatchGenerator, GeneratorSpec
     from llmopt.model.info import ModelInfo
 
@@ -87,9 +88,14 @@ class Engine(ABC):
 
     @abstractmethod
     def load(
-        self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]
+        self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: EngineSettings
     ) -> CausalLMRunner | EmbeddingRunner:
         """Load a built artifact and return a runner for `info.task`."""
+
+    def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:
+        """Setting variations worth measuring as separate candidates, each a partial
+        `EngineSettings` as a dict (the first is the default, `{}`)."""
+        return [{}]
 
     def load_generator(self, spec: GeneratorSpec) -> BatchGenerator:
         """A continuous-batching generator for `spec` (engines with `batching = True`).

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.pooling import embed_in_batches, pool
@@ -137,19 +138,19 @@ class OnnxRuntimeEngine(Engine):
         return facts
 
     def load(
-        self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]
+        self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: EngineSettings
     ) -> OrtEmbeddingRunner:
         """Open `artifact/model.onnx` in a CPU session and return an embedding runner."""
         # The model's own truncation length (sentence-transformers' max_seq_length), as torch uses.
         limit = int(getattr(info, "max_seq_length", None) or info.max_context or 512)
-        max_length = min(int(settings.get("max_length", limit)), limit)
+        max_length = min(int(settings.max_length or limit), limit)
         return OrtEmbeddingRunner(
             Path(artifact),
             pooling=info.pooling,
             normalize=info.normalize,
             max_length=max_length,
-            threads=settings.get("threads") or os.cpu_count() or 1,
-            sort_by_length=bool(settings.get("sort_by_length", True)),
+            threads=settings.threads or os.cpu_count() or 1,
+            sort_by_length=settings.sort_by_length is not False,
         )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.pooling import embed_in_batches, pool
@@ -79,13 +80,13 @@ class HFEngine(Engine):
         facts["seconds"] = time.perf_counter() - t0
         return facts
 
-    def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]):
+    def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: EngineSettings):
         import torch
         from transformers import AutoTokenizer
 
-        if settings.get("threads"):
-            torch.set_num_threads(int(settings["threads"]))
-        device = settings.get("device", "cpu")
+        if settings.threads:
+            torch.set_num_threads(int(settings.threads))
+        device = settings.device
         model = _load_model(artifact, info.task, recipe).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(artifact)
         if info.task == "embedding":
@@ -131,12 +132,19 @@ class HFCausalLMRunner:
 class HFEmbeddingRunner:
     """EmbeddingRunner over a transformers encoder, pooled by `llmopt.engines.pooling.pool`."""
 
-    def __init__(self, model, tokenizer, info: ModelInfo, device: str = "cpu", settings=None):
-        settings = settings or {}
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        info: ModelInfo,
+        device: str = "cpu",
+        settings: EngineSettings | None = None,
+    ):
+        settings = settings or EngineSettings()
         self.model, self.tokenizer, self.info, self.device = model, tokenizer, info, device
         limit = getattr(info, "max_seq_length", None) or info.max_context or 512
-        self.max_length = min(int(settings.get("max_length", limit)), int(limit))
-        self.sort_by_length = bool(settings.get("sort_by_length", True))
+        self.max_length = min(int(settings.max_length or limit), int(limit))
+        self.sort_by_length = settings.sort_by_length is not False
 
     def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
 

@@ -267,11 +267,11 @@ def _launch(
     out: dict[str, Any] = {
         "engine": cand.engine,
         "recipe": cand.recipe,
-        "settings": cand.settings,
+        "settings": cand.settings.to_dict(),
         "artifact": "artifact",
         "python": f"from llmopt.engines import load_best; runner = load_best({str(best)!r})",
     }
-    threads = cand.settings.get("threads")
+    threads = cand.settings.threads
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
     cmd = f"llmopt serve {best} --host 127.0.0.1 --port 8000"
     why = "batch limit left at the server's default (one batch size measured)"

@@ -242,8 +242,8 @@ def _vs_eager(
         for o in candidates
         if o.engine == "hf"
         and o.recipe == c.recipe
-        and set(o.settings) <= {"threads", "device"}
-        and o.settings.get("device") == c.settings.get("device")
+        and set(o.settings.to_dict()) <= {"threads", "device"}
+        and o.settings.device == c.settings.device
     ]
     key = "decode_tokens_per_s"
     for results, where in (

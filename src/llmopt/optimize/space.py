@@ -14,10 +14,10 @@ is measured once, under the first name; and on CPU one group size per quantizati
 searched (128, or the largest registered size that divides the model's widths; a size that does
 not divide them is never built; `--candidates` still selects the others explicitly).
 
-Engine settings: an engine may offer variations worth measuring with an optional method
-`settings_space(info, recipe, device) -> list[dict]` (the first entry is its default). Engines
-without it get one candidate per recipe; on CPU that keeps the candidate count small. A variation
-with an `opt_in` entry (its reason) is listed as skipped unless named in `--candidates`.
+Engine settings (`llmopt.core.settings.EngineSettings`): an engine offers variations worth
+measuring with `Engine.settings_space(info, recipe, device)` (the first entry is its default; the
+base class offers none, one candidate per recipe, which keeps the CPU candidate count small). A
+variation with an `opt_in` reason is listed as skipped unless named in `--candidates`.
 """
 
 from __future__ import annotations
@@ -129,11 +129,7 @@ def settings_suffix(variation: dict[str, Any]) -> str:
 
 
 def _variations(engine: Engine, info: ModelInfo, recipe: Recipe, device: str) -> list[dict]:
-    space = getattr(engine, "settings_space", None)
-    if space is None:
-        return [{}]
-    found = list(space(info, recipe, device) or [{}])
-    return found or [{}]
+    return list(engine.settings_space(info, recipe, device)) or [{}]
 
 
 def candidate_space(
@@ -146,7 +142,7 @@ def candidate_space(
 
     Args:
         info: from `inspect_model`.
-        target: from `plan.detect_target`.
+        target: from `llmopt.hardware.target.detect_target`.
         only: restrict to these candidate ids (the reference is always kept).
         settings: settings given to every candidate (threads, device).
 

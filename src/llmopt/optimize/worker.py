@@ -219,9 +219,9 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     if info.task == "causal-lm" and fidelity != "screen":  # the screen only ranks candidates
         # The machine's ceilings, measured in this process right after the phases, so each
         # phase's achieved bandwidth and FLOP/s read as a share of what the machine does now.
-        ceilings = measure_ceilings(cand.settings.get("device", "cpu"))
+        ceilings = measure_ceilings(cand.settings.device)
         roofline = lm_roofline(metrics, info, recipe, prompt.shape[1], new, ceilings)
-    settings.update(repeats=z.bench_repeats, threads=cand.settings.get("threads"))
+    settings.update(repeats=z.bench_repeats, threads=cand.settings.threads)
     return BenchResult(
         candidate_id=cid,
         task=info.task,

@@ -162,7 +162,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     eval_windows, ref_nll = None, None
     if measure:
         eval_windows = _eval_windows(tokenizer)
-        ref_nll = _nll(model, eval_windows, device)
+        ref_nll = held_out_nll(model, eval_windows, device)
 
     # 3. Layer by layer.
     def layer_progress(done: int, total: int) -> None:
@@ -190,7 +190,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     quality: dict[str, Any] = {}
     excluded: list[str] = []
     if measure:
-        q_nll = _nll(model, eval_windows, device)
+        q_nll = held_out_nll(model, eval_windows, device)
         steps = [(0, q_nll)]
         if auto_exclude:
             excluded, steps = _auto_exclude(
@@ -323,7 +323,7 @@ def _eval_windows(tokenizer):
     return token_windows(tokenizer, text, EvalConfig.seq_len, EvalConfig.windows)
 
 
-def _nll(model, windows, device: str) -> float:
+def held_out_nll(model, windows, device: str) -> float:
     """Mean per-window summed NLL of the next token (the same quantity `llmopt verify` uses)."""
     import torch
     import torch.nn.functional as F
@@ -384,7 +384,7 @@ def _auto_exclude(model, res, windows, ref_nll, q_nll, budget, device):
             lin.weight.data.copy_(q.original.to(lin.weight.dtype))
             remove_activation_hook(lin)
         done = min(k, cap)
-        steps.append((done, _nll(model, windows, device)))
+        steps.append((done, held_out_nll(model, windows, device)))
         k *= 2
     return [q.name for q in ranked[:done]], steps
 

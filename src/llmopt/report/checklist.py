@@ -56,7 +56,7 @@ def checklist(view: RunView) -> list[Check]:
 
 
 def _is_quantized(cv: CandidateView) -> bool:
-    facts = {**(cv.candidate.settings if cv.candidate else {}), **(cv.build or {})}
+    facts = {**(cv.candidate.settings.to_dict() if cv.candidate else {}), **(cv.build or {})}
     if facts.get("weight_bits") or facts.get("quantized"):
         return True
     return not cv.reference and bool(_QUANT_RE.search(cv.recipe))
@@ -175,7 +175,7 @@ def _kernels(view: RunView) -> Check:
         facts.update(
             {
                 k: v
-                for k, v in (cv.candidate.settings if cv.candidate else {}).items()
+                for k, v in (cv.candidate.settings.to_dict() if cv.candidate else {}).items()
                 if _KERNEL_KEY.search(k)
             }
         )
@@ -230,7 +230,7 @@ def _scheduler(view: RunView) -> Check:
                 + f"; best at batch {best}"
             )
             status = "ok"
-        threads = (chosen.candidate.settings if chosen.candidate else {}).get("threads")
+        threads = chosen.candidate.settings.threads if chosen.candidate else None
         env_threads = chosen.bench.env.get("torch_threads")
         if threads:
             ev.append(f"threads: {threads} requested, {env_threads} used by torch in the bench")

@@ -291,7 +291,7 @@ def _detail(view: RunView, cv: CandidateView) -> str:
     if c and c.description:
         facts.append(["description", c.description])
     if c and c.settings:
-        facts.append(["settings", fmt_value("", c.settings)])
+        facts.append(["settings", fmt_value("", c.settings.to_dict())])
     facts += [[f"build.{k}", fmt_value(k, v)] for k, v in (cv.build or {}).items()]
     if cv.missing:
         facts.append(["missing", ", ".join(cv.missing)])

@@ -159,7 +159,7 @@ def _detail(view: RunView, cv: CandidateView) -> list[str]:
     if c and c.description:
         out += [f"- description: {_md(c.description)}"]
     if c and c.settings:
-        out += [f"- settings: {_md(fmt_value('', c.settings))}"]
+        out += [f"- settings: {_md(fmt_value('', c.settings.to_dict()))}"]
     if cv.build:
         out += [
             f"- build: {_md(', '.join(f'{k}: {fmt_value(k, v)}' for k, v in cv.build.items()))}"

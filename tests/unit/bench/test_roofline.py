@@ -7,6 +7,7 @@ import torch
 
 from llmopt.bench.roofline import Ceilings, PhaseWork, attribute, attribute_lm, measure_ceilings
 from llmopt.core.schema import summarize
+from llmopt.core.settings import EngineSettings
 
 # 10 GB/s copy, 100 GFLOP/s fp32: ridge at 10 FLOP/byte.
 C = Ceilings(10e9, {"float32": 100e9, "bfloat16": 400e9}, "cpu", 2, 0.0)
@@ -69,7 +70,7 @@ def test_swept_lm_bench_keeps_historic_names(tiny_llama_dir, tmp_path):
     out = tmp_path / "a"
     out.mkdir()
     engine.build(tiny_llama_dir, info, recipe, out)
-    runner = engine.load(out, info, recipe, {"threads": 1})
+    runner = engine.load(out, info, recipe, EngineSettings(threads=1))
     prompt = torch.arange(3, 19).unsqueeze(0)  # (1, 16)
     stats, warm = bench_causal_lm(runner, prompt, 4, 2, batch_sizes=(1, 3), prompt_lengths=(8, 16))
     assert set(stats) == {

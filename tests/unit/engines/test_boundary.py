@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 
 import torch  # noqa: E402
 
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine, load_runner  # noqa: E402
 from llmopt.engines.generation import (  # noqa: E402
     BatchGenerator,
@@ -123,14 +124,14 @@ def test_load_runner_loads_old_embedding_runs_with_hf(monkeypatch, caplog, tmp_p
     embedder = SimpleNamespace(task="embedding")
     with caplog.at_level(logging.WARNING, logger="llmopt.engines"):
         assert load_runner("torch", tmp_path, embedder, "fp32", {"threads": 2}) == "hf"
-    assert calls == [("hf", "fp32", {"threads": 2})]
+    assert calls == [("hf", "fp32", EngineSettings(threads=2))]  # a dict is typed on the way
     assert "does not embed" in caplog.text
     # A causal LM stays on the engine named, and a Recipe object works as well as its name.
     from llmopt.core.recipes import get_recipe
 
     lm = SimpleNamespace(task="causal-lm")
     assert load_runner("torch", tmp_path, lm, get_recipe("bf16")) == "torch"
-    assert calls[-1] == ("torch", "bf16", {})
+    assert calls[-1] == ("torch", "bf16", EngineSettings())
 
 
 # -- the API layer's engine clients -----------------------------------------------------------

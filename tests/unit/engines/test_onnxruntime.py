@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmopt.core.settings import EngineSettings
+
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
@@ -116,7 +118,9 @@ def _torch_embed(src: Path, texts: list[str]) -> np.ndarray:
 
 
 def _load(built, recipe: str, **settings):
-    return built.engine.load(built.artifacts[recipe], built.info, get_recipe(recipe), settings)
+    return built.engine.load(
+        built.artifacts[recipe], built.info, get_recipe(recipe), EngineSettings(**settings)
+    )
 
 
 def test_source_folder_unchanged(built):
@@ -176,7 +180,7 @@ def test_truncation_and_threads(built):
         built.artifacts["fp32"],
         _info(built.src, max_context=6),
         get_recipe("fp32"),
-        {"max_length": 8},
+        EngineSettings(max_length=8),
     )
     assert capped.max_length == 6
     long_text = " ".join(["word"] * 300)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmopt.core.recipes import get_recipe
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine
 from llmopt.engines.int8 import Int8WeightOnlyLinear
 from llmopt.model.info import inspect_model
@@ -29,7 +30,7 @@ def _build(src: Path, tmp_path: Path, recipe: str):
     out = tmp_path / f"artifact-{recipe}"
     out.mkdir()
     facts = engine.build(src, info, get_recipe(recipe), out)
-    runner = engine.load(out, info, get_recipe(recipe), {"threads": 1})
+    runner = engine.load(out, info, get_recipe(recipe), EngineSettings(threads=1))
     return info, facts, runner
 
 

@@ -86,7 +86,7 @@ def test_engine_settings_variations_become_candidates(tiny_llama_dir, monkeypatc
     ids = [c.id for c in cands]
     assert "hf-fp32" in ids and "hf-fp32-compile" in ids
     comp = next(c for c in cands if c.id == "hf-fp32-compile")
-    assert comp.settings["compile"] is True and not comp.reference
+    assert comp.settings.compile is True and not comp.reference
     assert settings_suffix({"compile": False, "block_size": 16}) == "-nocompile-block_size16"
 
 
@@ -294,7 +294,7 @@ def test_native_engine_offers_a_compiled_variant_on_cpu_only(tiny_llama_dir):
     ids = {c.id for c in cands}
     assert ids == {"hf-fp32", "torch-fp32-compile"}
     comp = next(c for c in cands if c.id == "torch-fp32-compile")
-    assert comp.settings["compile"] is True and "opt_in" not in comp.settings
+    assert comp.settings.compile is True and "opt_in" not in comp.settings.to_dict()
     assert "compile" in comp.description
     cands, _ = candidate_space(info, CPU)
     assert not any(i.endswith("-compile") and not i.startswith("torch-") for i in ids)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmopt.core.settings import EngineSettings
 from llmopt.quant import (
     CalibrationConfig,
     CalibrationDataError,
@@ -306,7 +307,7 @@ def test_auto_exclude_refuses_when_half_the_layers_in_float_do_not_meet_the_budg
     # A random model's perplexity moves either way under quantization (2 x 64 tokens), so no
     # real budget is reliably out of reach on it. Every measurement after the float reference
     # is made 5% worse per token instead: no number of float layers can meet a 0% budget.
-    real, calls = api._nll, []
+    real, calls = api.held_out_nll, []
 
     def worse_after_reference(model, windows, device):
         calls.append(1)
@@ -314,7 +315,7 @@ def test_auto_exclude_refuses_when_half_the_layers_in_float_do_not_meet_the_budg
             0.05 * (windows.shape[1] - 1) if len(calls) > 1 else 0
         )
 
-    monkeypatch.setattr(api, "_nll", worse_after_reference)
+    monkeypatch.setattr(api, "held_out_nll", worse_after_reference)
     out = tmp_path / "impossible"
     with pytest.raises(QuantBudgetError, match="could not meet the quality budget") as e:
         quantize(
@@ -353,7 +354,7 @@ def test_asymmetric_folder_runs_on_the_native_engine_like_the_fake_quantized_mod
     assert len(groups) == (2 if override else 1)
     info = inspect_model(tiny_llama_dir)
     # Loads with quant="int4" (the recipe's kernel): layers the folder quantized are kept as stored.
-    runner = get_engine("torch").load(out, info, recipe, {})
+    runner = get_engine("torch").load(out, info, recipe, EngineSettings())
     layer = runner.gen.model.model.layers[0]
     q_proj = layer.self_attn.q_proj
     assert isinstance(q_proj, Int4Linear)  # the int4 kernel, not a dequantized fallback

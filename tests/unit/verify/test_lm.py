@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmopt.core.recipes import get_recipe
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine
 from llmopt.model.info import inspect_model
 from llmopt.verify.attribution import layer_sqnr
@@ -24,7 +25,7 @@ TEXT = (
 
 def _runner(folder: Path, recipe: str = "fp32"):
     info = inspect_model(str(folder))
-    return get_engine("hf").load(folder, info, get_recipe(recipe), {"threads": 1})
+    return get_engine("hf").load(folder, info, get_recipe(recipe), EngineSettings(threads=1))
 
 
 def _windows(runner, n: int = 8, t: int = 64) -> torch.Tensor:

@@ -4,7 +4,7 @@ A decode step takes one packed (rows, 2 + width) int64 tensor: each row a sequen
 its position and its block table. Rows are padded to one of `batch_sizes` (1, 2, 4, 8... by
 default) and tables to a length bucket (`table_width`), so a compiled decode (CUDA graphs on a
 GPU: `mode="reduce-overhead"`) has one graph per (batch, width) pair. Each new pair costs a
-compile (about a minute for an 8B model on an H200): a compiled step never cuts tables below
+compile (a minute or more for a large model): a compiled step never cuts tables below
 `min_bucket_tokens`, and `warmup` compiles the pairs up front so no request waits for one.
 
 A compiled prefill (`compile_prefill`) runs first-chunk prefills through `torch.compile` with

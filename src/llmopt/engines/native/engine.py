@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmopt.assets.models import resolve_model
 from llmopt.core.recipes import get_recipe
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine, register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.generation import GeneratorSpec, OutOfBlocks
@@ -89,11 +90,11 @@ class NativeEngine(Engine):
     def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:
         """Engine settings worth measuring as separate candidates (the first is the default).
 
-        On the CPU the decode step runs eagerly by default. Compiled it was 1.7x transformers on
-        SmolLM2, but each compiled shape costs about a minute there: in a 15-minute search on 2
-        cores the three compiled candidates used the time the budget needed for full
-        verification (docs/benchmarks.md), so they are searched only when named
-        (`--candidates torch-fp32-compile`). On CUDA the default already compiles (CUDA graphs).
+        On the CPU the decode step runs eagerly by default. Compiled it is faster, but each
+        compiled shape is a C++ build of about a minute there, which in a short search takes the
+        time full verification needs (docs/benchmarks.md), so compiled candidates are searched
+        only when named (`--candidates torch-fp32-compile`). On CUDA the default already
+        compiles (CUDA graphs).
         """
         if device == "cpu" and (recipe.name in DENSE or recipe.name in QUANTIZED):
             why = "compiled decode on the CPU costs ~1 min per shape (opt-in)"
@@ -127,18 +128,18 @@ class NativeEngine(Engine):
             facts = {}
         return {**facts, "engine": "torch (native)", "kernel": _kernel_for(recipe) or "dense"}
 
-    def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: dict[str, Any]):
+    def load(self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: EngineSettings):
         import torch
 
-        if settings.get("threads"):
-            torch.set_num_threads(int(settings["threads"]))
+        if settings.threads:
+            torch.set_num_threads(int(settings.threads))
         gen = load_generator(
             artifact,
             recipe=recipe,
-            device=settings.get("device", "cpu"),
-            max_batch=int(settings.get("max_batch", 8)),
-            max_seq_len=settings.get("max_seq_len"),
-            compile=settings.get("compile"),
+            device=settings.device,
+            max_batch=int(settings.max_batch or 8),
+            max_seq_len=settings.max_seq_len,
+            compile=settings.compile,
         )
         return NativeCausalLMRunner(gen)
 

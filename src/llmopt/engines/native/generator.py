@@ -18,8 +18,8 @@ to `max_prefill_tokens` per forward; SDPA causal attention), then runs one decod
 sequence that was already running, as a single batch padded to a bucket size (`batch_sizes`: 1,
 2, 4, 8, ... by default), with the block tables cut to a bucket of the longest sequence. With
 `compile=True` the decode step is `torch.compile`d (`mode="reduce-overhead"`: CUDA graphs on
-GPU), one graph per (batch, length) bucket. Each new bucket costs a compile (about a minute for an
-8B model on an H200), so a compiled generator never cuts the tables below `min_bucket_tokens` (the
+GPU), one graph per (batch, length) bucket. Each new bucket costs a compile (a minute or more for
+a large model), so a compiled generator never cuts the tables below `min_bucket_tokens` (the
 gather of a few hundred tokens costs microseconds, a compile a minute), and `warmup()` compiles
 the buckets up front: a server calls it before it accepts requests, so no request waits for a
 compile. With `compile_prefill=True` the first-chunk prefill forward is compiled too (dynamic

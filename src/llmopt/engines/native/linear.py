@@ -104,8 +104,8 @@ class Int8Linear(_QuantLinear):
         kdt = torch.bfloat16 if q.device.type == "cpu" else dtype
         self.register_buffer("scale", scale.flatten().to(kdt).contiguous())
         self.register_buffer("scale_f", scale.flatten().to(dtype).contiguous())
-        # PyTorch's CUDA `_weight_int8pack_mm` exists but reads ~120 GB/s on an H200 (measured,
-        # benchmarks/linear_kernels.py), slower than bf16: CUDA uses the Triton GEMV below.
+        # PyTorch's CUDA `_weight_int8pack_mm` exists but reads weights slower than a bf16 matmul
+        # (benchmarks/linear_kernels.py): CUDA uses the Triton GEMV below.
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
 

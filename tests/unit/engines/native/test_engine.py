@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine
 from llmopt.engines.generation import OutOfBlocks, SamplingParams
 from llmopt.engines.native import load_generator
@@ -199,10 +200,10 @@ def test_loads_the_int8_checkpoint_the_hf_engine_writes(tiny_llama_dir, tmp_path
     assert facts["kernel"] == "int8"
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
-    runner = get_engine("torch").load(out, info, get_recipe("w8a16"), {})
+    runner = get_engine("torch").load(out, info, get_recipe("w8a16"), EngineSettings())
     layer = runner.gen.model.model.layers[0].self_attn
     assert type(layer.q_proj).__name__ == "Int8Linear"  # stored int8 values used as they are
-    hf_runner = get_engine("hf").load(out, info, get_recipe("w8a16"), {})
+    hf_runner = get_engine("hf").load(out, info, get_recipe("w8a16"), EngineSettings())
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     torch.testing.assert_close(runner.logits(ids), hf_runner.logits(ids), atol=1e-3, rtol=1e-3)
     # prefill + decode through the runner protocol equals full-sequence logits
@@ -278,7 +279,7 @@ def test_loads_compressed_tensors_int4_from_llmopt_quantize(tiny_llama_dir, tmp_
     out = tmp_path / "w4"
     build_checkpoint(tiny_llama_dir, rec, tmp_path / "ckpt")  # as the build stage does first
     get_engine("torch").build(tmp_path / "ckpt", info, rec, out)
-    runner = get_engine("torch").load(out, info, rec, {})
+    runner = get_engine("torch").load(out, info, rec, EngineSettings())
     assert type(runner.gen.model.model.layers[0].self_attn.q_proj).__name__ == "Int4Linear"
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     with torch.no_grad():  # transformers + compressed-tensors decompress the same folder
