@@ -35,7 +35,7 @@ class ServeSettings:
             device (`serve/swap.py`); 0: preemption by recompute only.
         engine_process: run the engine (generator, scheduler, step loop) in its own process,
             as vLLM's engine core, so the API process's Python (detokenizing, streaming) never
-            holds the GIL the engine needs (`serve/engine_proc.py`). Off: an engine thread.
+            holds the GIL the engine needs (`serve/engine/process.py`). Off: an engine thread.
             None: on for CUDA, off on the CPU (`NATIVE_GPU_DEFAULTS`).
         compile_prefill: torch.compile the native engine's prefill forward as well as its
             decode step (dynamic shapes, compiled during warm-up; `Generator`). None: on for

@@ -29,7 +29,7 @@ whole prompt's KV blocks, and is preempted like any other (its prompt is prefill
 the start). Without chunking, a step prefills the admitted prompts whole (a lone prompt longer
 than the budget too).
 
-It is single-threaded by design: only the engine thread (`engine_loop.py`) calls it.
+It is single-threaded by design: only the engine thread (`serve/engine/loop.py`) calls it.
 
 >>> sched = Scheduler(gen, max_num_seqs=8, max_num_batched_tokens=2048)   # doctest: +SKIP
 >>> sched.submit(Sequence(1, [1, 2, 3], SamplingParams(max_tokens=4)))    # doctest: +SKIP
