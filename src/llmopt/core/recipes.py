@@ -88,6 +88,8 @@ class Recipe:
             compressed-tensors' `symmetric: false`, what AutoAWQ and GPTQ default to). False is
             for 4-bit weight-only int recipes (`-asym` presets); layers that an override puts at
             8 bits stay symmetric.
+        gguf_type: one of llama.cpp's own block types ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M",
+            "Q4_0"), written by llama.cpp's quantizer; only engines that run GGUF take it.
     """
 
     name: str
@@ -106,9 +108,14 @@ class Recipe:
     overrides: tuple[LayerOverride, ...] = ()
     weight_observer: Literal["absmax", "mse"] = "absmax"
     weight_symmetric: bool = True
+    gguf_type: str | None = None
 
     def __post_init__(self) -> None:
         n = self.name
+        if self.gguf_type is not None and (
+            self.weight_bits or self.activations != "none" or self.kv_cache_dtype
+        ):
+            raise ValueError(f"recipe {n!r}: a GGUF type is the whole quantization; drop the rest")
         if self.dtype not in DTYPES:
             raise ValueError(f"recipe {n!r}: dtype {self.dtype!r} is not one of {DTYPES}")
         if self.weight_bits not in (None, 4, 8):
@@ -330,3 +337,15 @@ register_recipe(
         description="FP8 E4M3 KV cache with calibrated per-layer k/v scales; weights unchanged",
     )
 )
+
+# llama.cpp's own quantization types, the ones users pick by hand (K-quants mix block sizes and
+# keep the most sensitive tensors in more bits). Run by the `llamacpp` engine only.
+GGUF_TYPES = {
+    "Q8_0": "8-bit blocks of 32 (llama.cpp Q8_0)",
+    "Q6_K": "6-bit k-quant super-blocks (llama.cpp Q6_K)",
+    "Q5_K_M": "5-bit k-quants, sensitive tensors in 6 bits (llama.cpp Q5_K_M)",
+    "Q4_K_M": "4-bit k-quants, sensitive tensors in 6 bits (llama.cpp Q4_K_M)",
+    "Q4_0": "4-bit blocks of 32 (llama.cpp Q4_0)",
+}
+for _type, _desc in GGUF_TYPES.items():
+    register_recipe(Recipe(f"gguf-{_type.lower()}", "float32", gguf_type=_type, description=_desc))

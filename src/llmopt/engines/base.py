@@ -66,6 +66,7 @@ class Engine(ABC):
     name: ClassVar[str]
     tasks: ClassVar[tuple[str, ...]]  # "causal-lm", "embedding"
     extra: ClassVar[str | None] = None  # the `pip install llmopt[extra]` that provides it
+    gguf: ClassVar[bool] = False  # runs llama.cpp's GGUF types (the gguf-* recipes)
     batching: ClassVar[bool] = False  # has `load_generator` (continuous batching, `llmopt serve`)
 
     def missing(self) -> str | None:

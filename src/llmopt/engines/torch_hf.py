@@ -26,6 +26,7 @@ from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.pooling import embed_in_batches, pool
+from llmopt.model.files import copy_tokenizer_files
 
 if TYPE_CHECKING:
     import numpy as np
@@ -40,8 +41,6 @@ log = logging.getLogger(__name__)
 
 RECIPES = ("fp32", "bf16", "fp16", "w8a16")
 # Files of a sentence-transformers folder that describe pooling/normalization; copied verbatim.
-ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
-ST_DIRS = ("1_Pooling", "2_Normalize")
 
 
 @register_engine
@@ -64,7 +63,7 @@ class HFEngine(Engine):
         t0 = time.perf_counter()
         facts: dict[str, Any] = {"recipe": recipe.name, "dtype": recipe.dtype}
         if recipe.weight_bits is None and (linked := link_dense_weights(source, out, recipe.dtype)):
-            _copy_tokenizer_files(source, out)
+            copy_tokenizer_files(source, out)
             return facts | {"weights": linked, "seconds": time.perf_counter() - t0}
         model = _auto_class(info.task).from_pretrained(source, dtype=torch.float32)
         if recipe.weight_bits == 8:
@@ -76,7 +75,7 @@ class HFEngine(Engine):
             facts["ignored"] = list(recipe.ignore)
         else:
             model.to(_torch_dtype(recipe.dtype)).save_pretrained(out, safe_serialization=True)
-        _copy_tokenizer_files(source, out)
+        copy_tokenizer_files(source, out)
         facts["seconds"] = time.perf_counter() - t0
         return facts
 
@@ -283,16 +282,3 @@ def link_dense_weights(source: Path, out: Path, dtype: str) -> str | None:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
     return f"{how} from the source ({len(files)} safetensors file(s), already {dtype})"
-
-
-def _copy_tokenizer_files(source: Path, out: Path) -> None:
-    for f in source.iterdir():
-        is_tok = f.name.startswith(
-            ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")
-        )
-        wanted = is_tok or f.name in ST_FILES or f.name == "chat_template.jinja"
-        if f.is_file() and wanted and not (out / f.name).exists():
-            shutil.copy2(f, out / f.name)
-    for d in ST_DIRS:
-        if (source / d).is_dir() and not (out / d).exists():
-            shutil.copytree(source / d, out / d)

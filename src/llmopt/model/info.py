@@ -28,6 +28,7 @@ from llmopt.core.errors import (
 from llmopt.core.schema import SCHEMA_VERSION, Serializable, Task
 from llmopt.core.units import DTYPE_BYTES, SAFETENSORS_DTYPES, dtype_bytes
 from llmopt.model.config import config_shape, estimate_parameters, get_key, is_config_only
+from llmopt.model.files import ST_FILES
 
 __all__ = [
     "ModelInfo",
@@ -68,7 +69,6 @@ _EMBEDDER_IF_ST = {
     "MPNetForMaskedLM",
 }
 _ENCODERS = {"bert", "roberta", "xlm-roberta", "mpnet"}  # model_type; others are decoders
-_ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 # Persistent buffers some checkpoints store; they are not parameters.
@@ -325,7 +325,7 @@ def _read_config(folder: Path) -> tuple[dict[str, Any], bytes]:
 
 def _task(folder: Path, config: dict[str, Any]) -> str:
     arch = (config.get("architectures") or [""])[0]
-    has_st = any((folder / f).is_file() for f in _ST_FILES)
+    has_st = any((folder / f).is_file() for f in ST_FILES)
     if arch in SUPPORTED_ARCHITECTURES or (has_st and arch in _EMBEDDER_IF_ST):
         # sentence-transformers files make any supported model an embedder (decoder embedders
         # such as e5-mistral ship a CausalLM architecture).

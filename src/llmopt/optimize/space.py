@@ -56,6 +56,19 @@ def task_rule(task: str, recipe: Recipe) -> str | None:
     return None
 
 
+def format_rule(engine: Engine, recipe: Recipe) -> str | None:
+    """Why `engine` cannot run `recipe`'s weight format: GGUF types are llama.cpp's own.
+
+    >>> from llmopt.engines import get_engine
+    >>> from llmopt.core.recipes import get_recipe
+    >>> format_rule(get_engine("hf"), get_recipe("gguf-q8_0"))
+    "GGUF Q8_0 is llama.cpp's own format: the llamacpp engine runs it"
+    """
+    if recipe.gguf_type and not engine.gguf:
+        return f"GGUF {recipe.gguf_type} is llama.cpp's own format: the llamacpp engine runs it"
+    return None
+
+
 CPU_GROUP_SIZE = 128  # on CPU, the group size searched per algorithm (kernel speed barely varies)
 
 
@@ -174,6 +187,7 @@ def candidate_space(
                     if info.task not in engine.tasks
                     else None
                 )
+                or format_rule(engine, recipe)
                 or engine.missing()
                 or engine.incompatible(info, recipe, target.device)
             )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,8 +20,9 @@ from llmopt.core.atomic import atomic_dir, write_json
 from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import DTYPES, Recipe, get_recipe
 from llmopt.hardware.runtime import flush_denormals, peak_rss_bytes
+from llmopt.model.files import copy_tokenizer_files
 from llmopt.quant.calibration import CalibrationConfig, calibration_windows
-from llmopt.quant.checks import preflight
+from llmopt.quant.checks import preflight, refuse_gguf
 from llmopt.quant.export_ct import format_for, write_folder
 from llmopt.quant.sequential import (
     decoder_layers,
@@ -40,7 +40,6 @@ __all__ = ["quantize", "build_checkpoint", "fake_quantized_model", "resolve_dtyp
 log = logging.getLogger(__name__)
 
 FACTS_FILE = "llmopt_quant.json"
-_TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")
 
 
 class EvalConfig:
@@ -142,6 +141,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     t0 = time.perf_counter()
     recipe = get_recipe(recipe)
     source, out = Path(source), Path(out)
+    refuse_gguf(recipe)
     if not recipe.quantized:
         raise ValueError(
             f"recipe {recipe.name!r} does not quantize anything; pick one of w8a16, w4a16, "
@@ -244,7 +244,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     # 5. Write atomically.
     with atomic_dir(out) as tmp:
         write_folder(model, recipe, kept, ignore, res.kv_scales, prefix, tmp)
-        _copy_tokenizer_files(source, tmp)
+        copy_tokenizer_files(source, tmp)
         facts["seconds"] = time.perf_counter() - t0
         facts["peak_rss_bytes"] = peak_rss_bytes()
         write_json(tmp / FACTS_FILE, facts)
@@ -387,10 +387,3 @@ def _auto_exclude(model, res, windows, ref_nll, q_nll, budget, device):
         steps.append((done, held_out_nll(model, windows, device)))
         k *= 2
     return [q.name for q in ranked[:done]], steps
-
-
-def _copy_tokenizer_files(source: Path, out: Path) -> None:
-    for f in source.iterdir():
-        wanted = f.name.startswith(_TOKENIZER_PREFIXES) or f.name == "chat_template.jinja"
-        if f.is_file() and wanted and not (out / f.name).exists():
-            shutil.copy2(f, out / f.name)

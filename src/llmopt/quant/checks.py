@@ -83,6 +83,16 @@ def plan_specs(model: nn.Module, recipe: Recipe) -> Preflight:
     return pf
 
 
+def refuse_gguf(recipe: Recipe) -> None:
+    """A GGUF recipe is llama.cpp's to quantize (the llamacpp engine's build), not this pipeline's."""
+    if recipe.gguf_type:
+        raise QuantConfigError(
+            f"recipe {recipe.name!r} is llama.cpp's own {recipe.gguf_type}: llama.cpp quantizes it",
+            hint=f"`llmopt optimize --candidates llamacpp-{recipe.name}` builds and measures it; "
+            "`llmopt quantize --export gguf-q8_0` writes a GGUF from here",
+        )
+
+
 def preflight(
     model_meta: nn.Module,
     recipe: Recipe,
@@ -93,6 +103,7 @@ def preflight(
     keep_originals: bool,
 ) -> Preflight:
     """Raise a typed error with the fix for every mismatch; return the plan otherwise."""
+    refuse_gguf(recipe)
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise QuantConfigError(

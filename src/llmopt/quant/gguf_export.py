@@ -1,4 +1,4 @@
-"""GGUF export (Q8_0, Q4_0) of Llama-family HF folders, for llama.cpp.
+"""GGUF export (F32, F16, BF16, Q8_0, Q4_0) of Llama-family HF folders, for llama.cpp.
 
 Written with the `gguf` package that llama.cpp itself ships (`GGUFWriter`, `gguf.quants`): the
 tensor names, the Q/K row permutation and the metadata keys follow llama.cpp's
@@ -7,7 +7,9 @@ tensor names, the Q/K row permutation and the metadata keys follow llama.cpp's
 
 Quantization is llama.cpp's own block format from the float weights (round to nearest, blocks of
 32): Q8_0 for every matrix, or Q4_0 for the decoder matrices with the embedding/output kept in
-Q8_0 (llama.cpp keeps those in 6 bits or more too; gguf-py cannot write Q6_K).
+Q8_0 (llama.cpp keeps those in 6 bits or more too; gguf-py cannot write Q6_K). The float types
+write the weights as they are (norms in F32): the input llama.cpp's own quantizer takes for its
+K-quants (`llmopt.engines.llamacpp`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from llmopt.core.errors import UnsupportedModelError
 
 __all__ = ["export_gguf", "GGUF_TYPES"]
 
-GGUF_TYPES = ("Q8_0", "Q4_0")
+GGUF_TYPES = ("Q8_0", "Q4_0", "F32", "F16", "BF16")
+_FILE_TYPES = {
+    "Q8_0": "MOSTLY_Q8_0",
+    "Q4_0": "MOSTLY_Q4_0",
+    "F32": "ALL_F32",
+    "F16": "MOSTLY_F16",
+    "BF16": "MOSTLY_BF16",
+}
 _LLAMA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
 _LAYER_MAP = {
     "input_layernorm": "attn_norm",
@@ -46,6 +55,23 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """RoPE's base: `rope_theta`, or inside `rope_parameters` (transformers 5 writes it there).
+    Scaled RoPE variants are refused: the exporter writes no scaling metadata.
+
+    >>> _rope_theta({"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}})
+    100000.0
+    """
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind != "default":
+        raise UnsupportedModelError(
+            f"GGUF export writes plain RoPE, not {kind!r} scaling",
+            hint="use llama.cpp's convert_hf_to_gguf.py for this model",
+        )
+    return float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
 
 
 def _gguf_name(name: str) -> str | None:
@@ -106,7 +132,15 @@ def _add_tokenizer(writer, source: Path, n_vocab: int) -> None:
     writer.add_tokenizer_pre(_pre_tokenizer(tok))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(source, load_merges=True, n_vocab=n_vocab).add_to_gguf(writer, quiet=True)
+    special = gguf.SpecialVocab(source, load_merges=True, n_vocab=n_vocab)
+    if not special.merges:
+        # A BPE without merges is valid, but llama.cpp refuses a vocabulary without the merges
+        # key, and GGUF cannot hold an empty array.
+        raise UnsupportedModelError(
+            f"{source}'s BPE tokenizer has no merges: llama.cpp cannot load such a vocabulary",
+            hint="GGUF export needs a byte-level BPE tokenizer with merges",
+        )
+    special.add_to_gguf(writer, quiet=True)
 
 
 def export_gguf(source: Path, out: Path, qtype: str = "Q8_0") -> dict[str, Any]:
@@ -115,7 +149,7 @@ def export_gguf(source: Path, out: Path, qtype: str = "Q8_0") -> dict[str, Any]:
     Args:
         source: a Llama-family HF folder (float weights).
         out: target file or folder; written atomically.
-        qtype: "Q8_0" or "Q4_0".
+        qtype: "Q8_0" or "Q4_0", or a float type ("F32", "F16", "BF16").
 
     Returns:
         Facts: path, type, tensors per GGML type, bytes, seconds.
@@ -162,13 +196,11 @@ def export_gguf(source: Path, out: Path, qtype: str = "Q8_0") -> dict[str, Any]:
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(_rope_theta(cfg))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-5)))
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(
-        gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0
-    )
+    writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[qtype]))
     _add_tokenizer(writer, source, cfg["vocab_size"])
 
     counts: dict[str, int] = {}
@@ -191,7 +223,7 @@ def export_gguf(source: Path, out: Path, qtype: str = "Q8_0") -> dict[str, Any]:
                     writer.add_tensor(gname, data)
                 else:
                     big = gname in ("token_embd.weight", "output.weight")
-                    t = gguf.GGMLQuantizationType.Q8_0 if big else main
+                    t = gguf.GGMLQuantizationType.Q8_0 if big and qtype == "Q4_0" else main
                     writer.add_tensor(gname, gguf.quants.quantize(w, t), raw_dtype=t)
                 counts[t.name] = counts.get(t.name, 0) + 1
                 names_written.add(gname)
