@@ -13,7 +13,7 @@ import typer
 
 from llmopt.cli.render import console
 from llmopt.serve.defaults import resolve_settings
-from llmopt.serve.external import external_command, launch_external
+from llmopt.serve.external import chosen_external_engine, external_command, launch_external
 from llmopt.serve.settings import ServeSettings
 
 __all__ = ["register", "serve"]
@@ -203,6 +203,10 @@ def serve(
         "num_blocks": num_blocks,
         "max_seq_len": max_seq_len,
     }
+    chosen = None if engine else chosen_external_engine(model)
+    if chosen:  # the run chose an engine with its own server: serve what was measured
+        sys.stderr.write(f"note: the run chose the {chosen} engine; serving it with its server\n")
+        engine = chosen
     if engine:  # the engine's own server takes the plan's flags itself (llmopt.serve.external)
         given = {k: v for k, v in requested.items() if v is not None}
         settings = ServeSettings(

@@ -45,7 +45,14 @@ if TYPE_CHECKING:
     from llmopt.core.recipes import Recipe
     from llmopt.model.info import ModelInfo
 
-__all__ = ["LlamaCppEngine", "LlamaCppRunner", "FLOAT_TYPES", "GGUF_FILE"]
+__all__ = [
+    "LlamaCppEngine",
+    "LlamaCppRunner",
+    "FLOAT_TYPES",
+    "GGUF_FILE",
+    "quantize_gguf",
+    "use_extra_bufts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,12 @@ _CHECK_TEXT = (
 
 def _amx_cpu() -> bool:
     return any(f.startswith("amx") for f in isa_features())
+
+
+def use_extra_bufts(settings: EngineSettings) -> bool:
+    """Whether ggml's extra buffer types (AMX, repacked layouts) are on for these settings: as
+    the settings say, else on except on AMX CPUs (see the module docstring)."""
+    return bool(settings.options.get("extra_bufts", not _amx_cpu()))
 
 
 @register_engine
@@ -201,7 +214,7 @@ class LlamaCppRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(artifact)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
-        mp.use_extra_bufts = bool(opts.get("extra_bufts", not _amx_cpu()))
+        mp.use_extra_bufts = use_extra_bufts(settings)
         mp.n_gpu_layers = 999 if settings.device == "cuda" else 0
         path = artifact / GGUF_FILE
         self._model = lc.llama_model_load_from_file(str(path).encode(), mp)

@@ -20,6 +20,8 @@ from llmopt.report.view import (
 )
 
 __all__ = [
+    "ENGINE_HEADERS",
+    "engine_rows",
     "BENCH_HEADERS",
     "ROOFLINE_HEADERS",
     "VERIFY_HEADERS",
@@ -139,6 +141,75 @@ def candidate_cells(view: RunView, cv: CandidateView) -> list[str]:
         artifact,
         view.status(cv).text,
     ]
+
+
+ENGINE_HEADERS = [
+    "engine",
+    "its best candidate",
+    "quality drop",
+    "gate",
+    "speed median",
+    "speedup",
+    "peak RSS",
+    "artifact",
+    "verdict",
+]
+
+
+def engine_rows(view: RunView) -> list[list[str]]:
+    """One row per engine: its fastest candidate that passed the gates (else its best
+    measured one), and why the engine was chosen, kept or dropped. Columns as `ENGINE_HEADERS`.
+
+    Args:
+        view: the loaded run.
+    """
+    chosen = view.chosen
+    rows = []
+    for engine in dict.fromkeys(cv.engine for cv in view.candidates):
+        own = [cv for cv in view.candidates if cv.engine == engine]
+        passed = [cv for cv in own if cv.verify is not None and cv.verify.passed]
+        measured = [cv for cv in (passed or own) if view.speed(cv) is not None]
+        best = max(measured, key=lambda cv: view.speed(cv) or 0.0) if measured else None
+        if best is None:
+            status = {view.status(cv).text for cv in own}
+            rows.append(
+                [
+                    engine,
+                    "none measured",
+                    "n/a",
+                    "n/a",
+                    "n/a",
+                    "n/a",
+                    "n/a",
+                    "n/a",
+                    "; ".join(sorted(status)),
+                ]
+            )
+            continue
+        cells = dict(zip(candidate_headers(view), candidate_cells(view, best), strict=True))
+        if chosen is not None and best.id == chosen.id:
+            verdict = "chosen"
+        elif not passed:
+            verdict = "dropped: no candidate of this engine passed the quality gates"
+        elif chosen is not None:
+            ratio = (view.speed(best) or 0.0) / (view.speed(chosen) or 1.0)
+            verdict = f"kept: {ratio:.2f}x the chosen candidate's speed"
+        else:
+            verdict = view.status(best).text
+        rows.append(
+            [
+                engine,
+                best.id,
+                cells["quality drop"],
+                cells["gate"],
+                cells[next(h for h in cells if h.endswith("median (p90)"))],
+                cells["speedup"],
+                cells["peak RSS (vs ref)"],
+                cells["artifact"],
+                verdict,
+            ]
+        )
+    return rows
 
 
 def verify_rows(cv: CandidateView) -> list[list[str]]:

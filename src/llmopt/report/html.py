@@ -11,12 +11,14 @@ from html import escape
 from llmopt.report.checklist import checklist
 from llmopt.report.facts import (
     BENCH_HEADERS,
+    ENGINE_HEADERS,
     ROOFLINE_HEADERS,
     VERIFY_HEADERS,
     bench_facts,
     bench_rows,
     candidate_cells,
     candidate_headers,
+    engine_rows,
     env_rows,
     model_rows,
     plan_rows,
@@ -111,6 +113,7 @@ def render_html(view: RunView) -> str:
         _charts(view),
         "<h2>Candidates</h2>",
         _candidates(view),
+        _engines(view),
         _search(view),
         "<h2>Checklist</h2>",
         _checklist(view),
@@ -217,6 +220,13 @@ def _candidates(view: RunView) -> str:
     rows = [candidate_cells(view, cv) for cv in view.candidates]
     kinds = [view.status(cv).kind for cv in view.candidates]
     return _table(candidate_headers(view), rows, kinds, "cands")
+
+
+def _engines(view: RunView) -> str:
+    if len({cv.engine for cv in view.candidates}) < 2:
+        return ""
+    note = "<p class='muted'>Each engine's fastest candidate within the quality gates.</p>"
+    return "<h2>Engines</h2>" + note + _table(ENGINE_HEADERS, engine_rows(view))
 
 
 def _checklist(view: RunView) -> str:

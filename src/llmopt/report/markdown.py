@@ -11,12 +11,14 @@ from typing import Any
 from llmopt.report.checklist import CHECK_MARK, checklist
 from llmopt.report.facts import (
     BENCH_HEADERS,
+    ENGINE_HEADERS,
     ROOFLINE_HEADERS,
     VERIFY_HEADERS,
     bench_facts,
     bench_rows,
     candidate_cells,
     candidate_headers,
+    engine_rows,
     env_rows,
     model_rows,
     plan_rows,
@@ -56,6 +58,9 @@ def render_markdown(view: RunView) -> str:
         out += _table(candidate_headers(view), [candidate_cells(view, c) for c in view.candidates])
     else:
         out += ["No candidates yet (plan.json and candidates/ are empty or missing).", ""]
+    if len({cv.engine for cv in view.candidates}) > 1:
+        out += ["## Engines", "", "Each engine's fastest candidate within the quality gates.", ""]
+        out += _table(ENGINE_HEADERS, engine_rows(view))
     out += _search(view)
     out += ["## Checklist", ""]
     for check in checklist(view):

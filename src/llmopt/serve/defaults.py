@@ -44,6 +44,7 @@ from llmopt.hardware.target import Target
 from llmopt.planning.serving import plan_serving
 from llmopt.planning.workload import Workload
 from llmopt.serve.settings import ServeSettings
+from llmopt.serve.source import describe_source
 
 __all__ = ["PLANNED", "DEFAULTS", "Resolution", "resolve_settings", "plan_values"]
 
@@ -118,7 +119,6 @@ def plan_values(
             res.set(name, int(requested[name]), "flag", FLAGS[name])  # type: ignore[arg-type]
     if len(res.values) == len(PLANNED):
         return res
-    from llmopt.serve.server import describe_source  # heavy: starlette
 
     best, info, recipe = describe_source(model, recipe)
     if info.task != "causal-lm":

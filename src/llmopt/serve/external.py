@@ -16,13 +16,17 @@ from typing import Any
 from llmopt.assets.models import builtin_gguf
 from llmopt.core.atomic import read_json
 from llmopt.core.errors import EngineUnavailableError
+from llmopt.core.settings import EngineSettings
 from llmopt.doctor import run_doctor
+from llmopt.engines.llamacpp import GGUF_FILE, use_extra_bufts
 from llmopt.hardware.target import Target
 from llmopt.model.info import ModelInfo, inspect_model
 from llmopt.planning.serving import plan_serving
+from llmopt.rundir.best import Best
 from llmopt.serve.settings import ServeSettings
+from llmopt.serve.source import find_best
 
-__all__ = ["ENGINES", "external_command", "launch_external"]
+__all__ = ["ENGINES", "external_command", "launch_external", "chosen_external_engine"]
 
 ENGINES = {"vllm": "vllm", "llamacpp": "llama.cpp"}  # CLI name -> launch.py's name
 
@@ -36,6 +40,19 @@ def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return argv
 
 
+def chosen_external_engine(model: str) -> str | None:
+    """The external engine a run chose (`llamacpp`), when `model` is a run; else None.
+
+    A run whose best candidate is a llama.cpp GGUF is served by llama.cpp's own server, with
+    the candidate's GGUF and settings: what was measured is what is served.
+    """
+    best = find_best(model)
+    if best is None:
+        return None
+    engine = Best.read(best).candidate.engine
+    return engine if engine in ENGINES else None
+
+
 def external_command(
     engine: str, model: str, settings: ServeSettings, gguf: str | None = None
 ) -> Any:
@@ -45,14 +62,19 @@ def external_command(
         EngineUnavailableError: the engine is not installed (the message says how to install).
         ValueError: unknown engine, or a model the engine cannot take.
     """
-    from llmopt.serve.server import find_best  # heavy: starlette
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)} (or none)")
     _check_installed(engine)
     best = find_best(model)
+    measured = None  # the settings the run measured this engine with, when it chose it
     if best is not None:
         info, folder = ModelInfo.from_dict(read_json(best / "model.json")), best / "artifact"
+        cand = Best.read(best).candidate
+        if cand.engine == engine:
+            measured = cand.settings
+            if engine == "llamacpp" and gguf is None and (folder / GGUF_FILE).is_file():
+                gguf = str(folder / GGUF_FILE)
     else:
         info = inspect_model(model, config_only="auto")
         folder = Path(info.path)
@@ -61,10 +83,11 @@ def external_command(
             f"{info.name} is an embedding model; --engine {engine} serves causal "
             "LMs here: leave --engine out to serve it with llmopt"
         )
+    threads = settings.threads or (measured.threads if measured else None)
     if settings.device == "cuda":
         target = Target.from_doctor(run_doctor("cuda"))
     else:
-        target = Target.cpu_host(settings.threads)
+        target = Target.cpu_host(threads)
     plan = plan_serving(info, target, model_path=str(Path(folder).resolve()), host=settings.host)
     cfg = plan.launch[ENGINES[engine]]
     argv = _set_flag(cfg.argv, "--host", settings.host)
@@ -87,7 +110,7 @@ def external_command(
             )
         argv[argv.index("-m") + 1] = path
         if shutil.which("llama-server") is None:  # _check_installed: llama-cpp-python is there
-            argv = _llama_cpp_python_argv(argv)
+            argv = _llama_cpp_python_argv(argv, use_extra_bufts(measured or EngineSettings()))
             cfg.notes.append(
                 "llama-server not on PATH: serving with llama-cpp-python's server, "
                 "which runs one request at a time (no parallel slots)"
@@ -126,14 +149,15 @@ _LLAMA_CPP_PYTHON = {
 }
 
 
-def _llama_cpp_python_argv(argv: list[str]) -> list[str]:
+def _llama_cpp_python_argv(argv: list[str], extra_bufts: bool) -> list[str]:
     import sys
 
     flags = dict(zip(argv[1::2], argv[2::2], strict=False))
     slots = int(flags.get("-np", "1"))
     if "-c" in flags:  # llama-server shares -c among -np slots; this server has one slot
         flags["-c"] = str(int(flags["-c"]) // max(1, slots))
-    out = [sys.executable, "-m", "llmopt.engines.llamacpp_server", "--no-extra-bufts"]
+    out = [sys.executable, "-m", "llmopt.engines.llamacpp_server"]
+    out += [] if extra_bufts else ["--no-extra-bufts"]
     for k, v in flags.items():
         if k in _LLAMA_CPP_PYTHON:
             out += [_LLAMA_CPP_PYTHON[k], v]

@@ -23,13 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine, load_runner
 from llmopt.engines.generation import GeneratorSpec
-from llmopt.model.info import inspect_model
-from llmopt.rundir.best import Best, NoBestError
-from llmopt.rundir.best import find_best as read_best
+from llmopt.rundir.best import Best
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.embeddings import EmbedBatcher
 from llmopt.serve.engine.client import EngineClient
@@ -38,47 +35,11 @@ from llmopt.serve.engine.process import EngineProcess
 from llmopt.serve.engine.warmup import warm_generator
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
+from llmopt.serve.source import ServeSourceError, describe_source
 
-__all__ = ["ServeSourceError", "load_context", "run_server", "find_best", "describe_source"]
+__all__ = ["load_context", "run_server"]
 
 log = logging.getLogger(__name__)
-
-
-class ServeSourceError(LlmoptError):
-    """What was asked to be served cannot be served (no chosen candidate, conflicting options)."""
-
-
-def find_best(model: str) -> Path | None:
-    """`runs/NAME` or `runs/NAME/best` -> the best/ folder; None for anything else."""
-
-    try:
-        best = read_best(Path(model).expanduser())
-    except NoBestError as e:
-        raise ServeSourceError(
-            e.message, "look at its report.html, or serve the model folder itself"
-        ) from e
-    return best.dir if best is not None else None
-
-
-def describe_source(
-    model: str, recipe: str | None, default: str = "fp32"
-) -> tuple[Path | None, Any, str]:
-    """(the run's best/ folder or None, its ModelInfo, the recipe to serve it with).
-
-    A run's best brings its verified recipe (`recipe` must agree); a folder or built-in takes
-    `recipe`, else `default`.
-    """
-
-    best_dir = find_best(model)
-    if best_dir is None:
-        return None, inspect_model(model), recipe or default
-    best = Best.read(best_dir)
-    if recipe and recipe != best.recipe:
-        raise ServeSourceError(
-            f"{best_dir} was verified with recipe {best.recipe!r}, not {recipe!r}",
-            "drop --recipe, or serve the model folder with that recipe",
-        )
-    return best_dir, best.model, best.recipe
 
 
 def load_context(model: str, settings: ServeSettings, recipe: str | None = None) -> ServerContext:

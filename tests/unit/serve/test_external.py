@@ -3,9 +3,16 @@ clear error (never a crash) when the engine is missing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmopt.core.errors import EngineUnavailableError
+from llmopt.core.schema import Candidate
+from llmopt.core.settings import EngineSettings
+from llmopt.engines.llamacpp import use_extra_bufts
+from llmopt.model.info import inspect_model
+from llmopt.rundir.best import write_best
 from llmopt.serve import external
 from llmopt.serve.settings import ServeSettings
 
@@ -47,8 +54,29 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
     # Without llama-server, llama-cpp-python's server gets the same settings in its spelling.
     monkeypatch.setattr(external.shutil, "which", lambda name: None)
     argv = external.external_command("llamacpp", str(tiny_llama_dir), s, gguf=str(gguf)).argv
-    assert argv[1:4] == ["-m", "llmopt.engines.llamacpp_server", "--no-extra-bufts"]
+    assert argv[1:3] == ["-m", "llmopt.engines.llamacpp_server"]
+    # ggml's extra buffers are off only where they crash (AMX CPUs), as in the llamacpp engine.
+    assert ("--no-extra-bufts" in argv) == (not use_extra_bufts(EngineSettings()))
     assert argv[argv.index("--model") + 1] == str(gguf) and "--n_ctx" in argv
+
+
+def test_a_run_that_chose_llamacpp_is_served_by_llamacpp(tiny_llama_dir, tmp_path, monkeypatch):
+    # A run directory whose best/ is a llama.cpp GGUF candidate measured at 1 thread.
+    run = tmp_path / "run"
+    art = tmp_path / "artifact"
+    art.mkdir()
+    (art / "model.gguf").write_bytes(b"GGUF")
+    cand = Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0", {"threads": 1})
+    (tmp_path / "model.json").write_text(json.dumps(inspect_model(tiny_llama_dir).to_dict()))
+    write_best(run / "best", cand, art, tmp_path / "model.json", {})
+    (run / "run.json").write_text("{}")  # what makes the folder a run directory
+    assert external.chosen_external_engine(str(run)) == "llamacpp"
+    assert external.chosen_external_engine(str(tiny_llama_dir)) is None  # a folder: no choice
+    monkeypatch.setattr(external, "_check_installed", lambda engine: None)
+    monkeypatch.setattr(external.shutil, "which", lambda name: "/usr/bin/" + name)
+    argv = external.external_command("llamacpp", str(run), ServeSettings(port=9124)).argv
+    assert argv[argv.index("-m") + 1] == str(run / "best" / "artifact" / "model.gguf")
+    assert argv[argv.index("-t") + 1] == "1"  # the threads it was measured with
 
 
 def test_embedders_are_refused(tiny_bert_dir, monkeypatch):
