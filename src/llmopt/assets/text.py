@@ -40,6 +40,7 @@ __all__ = [
     "evaluation_text",
     "sentences",
     "evaluation_sentences",
+    "calibration_sentences",
     "wordsim353",
     "simlex999",
     "token_windows",
@@ -404,6 +405,22 @@ def evaluation_sentences(n: int = 2000) -> list[str]:
             f"fewer than the {n} asked for; ask for at most {len(distinct)}"
         )
     # Evenly spaced picks cover every article instead of only the first few.
+    return [distinct[i * len(distinct) // n] for i in range(n)]
+
+
+def calibration_sentences(n: int = 300) -> list[str]:
+    """`n` distinct sentences of the calibration articles (never scored by verification),
+    spread evenly over all of them: what static activation scales are calibrated on.
+
+    >>> len(calibration_sentences(50))  # doctest: +SKIP
+    50
+    """
+    distinct = list(dict.fromkeys(sentences(wikipedia_split().calibration)))
+    if len(distinct) < n:
+        raise ValueError(
+            f"the calibration articles hold only {len(distinct)} distinct sentences, "
+            f"fewer than the {n} asked for; ask for at most {len(distinct)}"
+        )
     return [distinct[i * len(distinct) // n] for i in range(n)]
 
 

@@ -25,7 +25,7 @@ __all__ = ["Recipe", "LayerOverride", "RECIPES", "register_recipe", "get_recipe"
 
 DTYPES = ("float32", "bfloat16", "float16")
 ALGORITHMS = ("rtn", "awq", "gptq", "smoothquant")
-ACTIVATIONS = ("none", "dynamic-int8", "dynamic-fp8", "static-fp8")
+ACTIVATIONS = ("none", "dynamic-int8", "dynamic-fp8", "static-fp8", "static-int8")
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -66,7 +66,8 @@ class Recipe:
             (one scale per `group_size` input columns of a row; needs `group_size`).
         activations: "none" (weight-only: activations stay in `dtype`), "dynamic-int8"
             (int8 per token at run time), "dynamic-fp8" (FP8 E4M3 per token at run time) or
-            "static-fp8" (FP8 E4M3, one scale per layer input from calibration).
+            "static-fp8" (FP8 E4M3, one scale per layer input from calibration) or "static-int8"
+            (int8, scales per activation tensor from calibration: OpenVINO/NNCF's static PTQ).
         ignore: module name suffixes left unquantized (the output head by default: it is the most
             sensitive layer and, tied to the embeddings, often shared).
         weight_type: "int" or "float" (FP8 E4M3, needs weight_bits=8).
@@ -96,7 +97,9 @@ class Recipe:
     dtype: str = "float32"
     weight_bits: int | None = None
     weight_granularity: Literal["channel", "tensor", "group"] = "channel"
-    activations: Literal["none", "dynamic-int8", "dynamic-fp8", "static-fp8"] = "none"
+    activations: Literal["none", "dynamic-int8", "dynamic-fp8", "static-fp8", "static-int8"] = (
+        "none"
+    )
     ignore: tuple[str, ...] = ("lm_head",)
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -131,7 +134,7 @@ class Recipe:
             raise ValueError(f"recipe {n!r}: weight_type must be 'int' or 'float'")
         if self.activations != "none" and self.weight_bits != 8:
             raise ValueError(f"recipe {n!r}: quantized activations need weight_bits=8")
-        if self.activations == "dynamic-int8" and self.weight_type != "int":
+        if self.activations in ("dynamic-int8", "static-int8") and self.weight_type != "int":
             raise ValueError(f"recipe {n!r}: int8 activations need int8 weights")
         if self.activations in ("dynamic-fp8", "static-fp8") and self.weight_type != "float":
             raise ValueError(f"recipe {n!r}: FP8 activations need weight_type='float' (FP8)")
@@ -304,6 +307,16 @@ register_recipe(
         activations="dynamic-int8",
         algorithm="smoothquant",
         description="SmoothQuant, int8 weights per channel, int8 activations per token (dynamic)",
+    )
+)
+register_recipe(
+    Recipe(
+        "w8a8-static",
+        "float32",
+        weight_bits=8,
+        activations="static-int8",
+        description="int8 weights per channel, int8 activations with calibrated static scales "
+        "(post-training quantization as NNCF does it)",
     )
 )
 register_recipe(

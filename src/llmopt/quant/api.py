@@ -22,7 +22,7 @@ from llmopt.core.recipes import DTYPES, Recipe, get_recipe
 from llmopt.hardware.runtime import flush_denormals, peak_rss_bytes
 from llmopt.model.files import copy_tokenizer_files
 from llmopt.quant.calibration import CalibrationConfig, calibration_windows
-from llmopt.quant.checks import preflight, refuse_gguf
+from llmopt.quant.checks import preflight, refuse_engine_recipes
 from llmopt.quant.export_ct import format_for, write_folder
 from llmopt.quant.sequential import (
     decoder_layers,
@@ -141,7 +141,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
     t0 = time.perf_counter()
     recipe = get_recipe(recipe)
     source, out = Path(source), Path(out)
-    refuse_gguf(recipe)
+    refuse_engine_recipes(recipe)
     if not recipe.quantized:
         raise ValueError(
             f"recipe {recipe.name!r} does not quantize anything; pick one of w8a16, w4a16, "

@@ -83,8 +83,15 @@ def plan_specs(model: nn.Module, recipe: Recipe) -> Preflight:
     return pf
 
 
-def refuse_gguf(recipe: Recipe) -> None:
-    """A GGUF recipe is llama.cpp's to quantize (the llamacpp engine's build), not this pipeline's."""
+def refuse_engine_recipes(recipe: Recipe) -> None:
+    """Recipes an engine quantizes itself, not this pipeline: GGUF types (llama.cpp's quantizer,
+    the llamacpp engine) and static int8 activations (NNCF, the openvino engine)."""
+    if recipe.activations == "static-int8":
+        raise QuantConfigError(
+            f"recipe {recipe.name!r} (static int8 activations) is NNCF's post-training "
+            "quantization: the openvino engine builds it",
+            hint=f"`llmopt optimize MODEL --candidates openvino-{recipe.name}` builds and measures it",
+        )
     if recipe.gguf_type:
         raise QuantConfigError(
             f"recipe {recipe.name!r} is llama.cpp's own {recipe.gguf_type}: llama.cpp quantizes it",
@@ -103,7 +110,7 @@ def preflight(
     keep_originals: bool,
 ) -> Preflight:
     """Raise a typed error with the fix for every mismatch; return the plan otherwise."""
-    refuse_gguf(recipe)
+    refuse_engine_recipes(recipe)
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise QuantConfigError(
