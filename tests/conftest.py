@@ -160,6 +160,31 @@ def tiny_llama_dir(_tiny_llama_master: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(_tiny_llama_master, tmp_path / "tiny-llama"))
 
 
+def add_bpe_merges(folder: Path) -> Path:
+    """Give the tiny byte-level tokenizer two BPE merges (" t", "he") on free ids inside the
+    vocabulary. llama.cpp refuses a BPE vocabulary without merges, so GGUF tests need them."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    free = iter(range(max(vocab.values()) + 1, TINY_LLAMA_VOCAB))
+    for a, b in (("\u0120", "t"), ("h", "e")):
+        vocab[a + b] = next(free)
+        tok["model"]["merges"].append(f"{a} {b}")
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bpe_merges():
+    """`add_bpe_merges`, for fixtures that build their own copies."""
+    return add_bpe_merges
+
+
+@pytest.fixture
+def tiny_llama_bpe_dir(_tiny_llama_master: Path, tmp_path: Path) -> Path:
+    """`tiny_llama_dir` whose tokenizer has BPE merges (what GGUF export and llama.cpp need)."""
+    return add_bpe_merges(Path(shutil.copytree(_tiny_llama_master, tmp_path / "tiny-llama")))
+
+
 @pytest.fixture
 def tiny_bert_dir(_tiny_bert_master: Path, tmp_path: Path) -> Path:
     """A tiny random BertModel folder (2 layers, hidden 64, vocab 30522) laid out like a

@@ -59,7 +59,7 @@ def test_gguf_q8_0_loads_in_llama_cpp(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmopt.assets.text import evaluation_text
-    from llmopt.quant.gguf_export import export_gguf
+    from llmopt.engines.gguf_export import export_gguf
 
     facts = export_gguf(smollm2, tmp_path, "Q8_0")
     text = evaluation_text()[:600]

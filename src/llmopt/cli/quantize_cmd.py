@@ -129,7 +129,7 @@ def quantize(
         raise ValueError(f"--export must be one of {', '.join(EXPORTS)}, not {export!r}")
     source, _ = resolve_model(model)
     if export is not None:
-        from llmopt.quant.gguf_export import export_gguf  # heavy: torch
+        from llmopt.engines.gguf_export import export_gguf  # heavy: torch
 
         with console.status(f"writing {export}"):
             facts = export_gguf(source, out, export.removeprefix("gguf-").upper())

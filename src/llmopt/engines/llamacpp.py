@@ -1,7 +1,7 @@
 """The `llamacpp` engine: llama.cpp (through llama-cpp-python) as a measured candidate.
 
 Build: llmopt's GGUF exporter writes the candidate's weights as a float GGUF
-(`llmopt.quant.gguf_export`), then llama.cpp's own quantizer (`llama_model_quantize`) turns it
+(`llmopt.engines.gguf_export`), then llama.cpp's own quantizer (`llama_model_quantize`) turns it
 into the block type of the recipe (Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0: the types users pick by
 hand). The artifact is `model.gguf` plus the tokenizer files.
 
@@ -114,7 +114,7 @@ class LlamaCppEngine(Engine):
         return None
 
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
-        from llmopt.quant.gguf_export import export_gguf  # heavy: torch
+        from llmopt.engines.gguf_export import export_gguf  # heavy: torch
 
         t0 = time.perf_counter()
         target = out / GGUF_FILE

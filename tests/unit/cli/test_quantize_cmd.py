@@ -13,7 +13,8 @@ from llmopt.cli.main import app
 TEXT = "A quiet village sits beside the lake, and its people fish there every morning. " * 60
 
 
-def test_quantize_json_and_gguf(tiny_llama_dir, tmp_path):
+def test_quantize_json_and_gguf(tiny_llama_bpe_dir, tmp_path):
+    tiny_llama_dir = tiny_llama_bpe_dir
     cal = tmp_path / "cal.txt"
     cal.write_text(TEXT)
     out = tmp_path / "q"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,19 +24,10 @@ def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, _tiny_llama_master):
-    """The tiny Llama with two BPE merges (llama.cpp needs a merges list; the shared fixture's
-    byte-level tokenizer has none), built as F32 and Q8_0 GGUFs once for the module."""
+def built(tmp_path_factory, _tiny_llama_master, bpe_merges):
+    """The tiny Llama with BPE merges (llama.cpp needs them), built as F32 and Q8_0 GGUFs once."""
     root = tmp_path_factory.mktemp("llamacpp")
-    src = root / "tiny-llama"
-    shutil.copytree(_tiny_llama_master, src)
-    tok = json.loads((src / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    free = iter(range(max(vocab.values()) + 1, 264))  # free ids past the specials, in the vocab
-    for a, b in (("\u0120", "t"), ("h", "e")):
-        vocab[a + b] = next(free)
-        tok["model"]["merges"].append(f"{a} {b}")
-    (src / "tokenizer.json").write_text(json.dumps(tok))
+    src = bpe_merges(Path(shutil.copytree(_tiny_llama_master, root / "tiny-llama")))
     info = inspect_model(src)
     out = {}
     for recipe in ("fp32", "gguf-q8_0"):

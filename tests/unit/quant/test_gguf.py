@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmopt.core.errors import UnsupportedModelError
-from llmopt.quant.gguf_export import _permute, export_gguf
+from llmopt.engines.gguf_export import _permute, export_gguf
 
 
 def _field(reader, key):
@@ -20,7 +20,8 @@ def _field(reader, key):
 
 
 @pytest.mark.parametrize("qtype, rel_err", [("Q8_0", 0.01), ("Q4_0", 0.15)])
-def test_gguf_tensors_metadata_and_values(tiny_llama_dir, tmp_path, qtype, rel_err):
+def test_gguf_tensors_metadata_and_values(tiny_llama_bpe_dir, tmp_path, qtype, rel_err):
+    tiny_llama_dir = tiny_llama_bpe_dir
     import gguf
 
     facts = export_gguf(tiny_llama_dir, tmp_path, qtype)
