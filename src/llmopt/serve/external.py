@@ -109,6 +109,8 @@ def external_command(
                 "folder with llama.cpp's convert_hf_to_gguf.py and pass --gguf FILE"
             )
         argv[argv.index("-m") + 1] = path
+        argv = _set_flag(argv, "--alias", settings.served_name or info.name)  # the API model id
+        cfg.notes = [n for n in cfg.notes if not n.startswith("needs a GGUF file")]  # it has one
         if shutil.which("llama-server") is None:  # _check_installed: llama-cpp-python is there
             argv = _llama_cpp_python_argv(argv, use_extra_bufts(measured or EngineSettings()))
             cfg.notes.append(
@@ -140,6 +142,7 @@ def _check_installed(engine: str) -> None:
 # llama-server flag -> llama-cpp-python server flag (the same settings, the other spelling).
 _LLAMA_CPP_PYTHON = {
     "-m": "--model",
+    "--alias": "--model_alias",
     "--host": "--host",
     "--port": "--port",
     "-c": "--n_ctx",

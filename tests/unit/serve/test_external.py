@@ -58,6 +58,7 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
     # ggml's extra buffers are off only where they crash (AMX CPUs), as in the llamacpp engine.
     assert ("--no-extra-bufts" in argv) == (not use_extra_bufts(EngineSettings()))
     assert argv[argv.index("--model") + 1] == str(gguf) and "--n_ctx" in argv
+    assert argv[argv.index("--model_alias") + 1] == "tiny-llama"
 
 
 def test_a_run_that_chose_llamacpp_is_served_by_llamacpp(tiny_llama_dir, tmp_path, monkeypatch):
@@ -77,6 +78,7 @@ def test_a_run_that_chose_llamacpp_is_served_by_llamacpp(tiny_llama_dir, tmp_pat
     argv = external.external_command("llamacpp", str(run), ServeSettings(port=9124)).argv
     assert argv[argv.index("-m") + 1] == str(run / "best" / "artifact" / "model.gguf")
     assert argv[argv.index("-t") + 1] == "1"  # the threads it was measured with
+    assert argv[argv.index("--alias") + 1] == "tiny-llama"  # the model id clients send
 
 
 def test_embedders_are_refused(tiny_bert_dir, monkeypatch):
