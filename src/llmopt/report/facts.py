@@ -163,7 +163,6 @@ def engine_rows(view: RunView) -> list[list[str]]:
     Args:
         view: the loaded run.
     """
-    chosen = view.chosen
     rows = []
     for engine in dict.fromkeys(cv.engine for cv in view.candidates):
         own = [cv for cv in view.candidates if cv.engine == engine]
@@ -187,15 +186,11 @@ def engine_rows(view: RunView) -> list[list[str]]:
             )
             continue
         cells = dict(zip(candidate_headers(view), candidate_cells(view, best), strict=True))
-        if chosen is not None and best.id == chosen.id:
-            verdict = "chosen"
-        elif not passed:
+        st = view.status(best)
+        if not passed:
             verdict = "dropped: no candidate of this engine passed the quality gates"
-        elif chosen is not None:
-            ratio = (view.speed(best) or 0.0) / (view.speed(chosen) or 1.0)
-            verdict = f"kept: {ratio:.2f}x the chosen candidate's speed"
-        else:
-            verdict = view.status(best).text
+        else:  # the selection's own words: the ratio it states is on the objective it used
+            verdict = st.text
         rows.append(
             [
                 engine,

@@ -539,3 +539,32 @@ def test_roofline_rows_render(tmp_path):
     assert rows == [want]
     cv.bench = BenchResult("c", "embedding", {}, "x", 1, 1, 1, 0.0, 0.0)
     assert roofline_rows(cv) == []
+
+
+def test_engines_table_names_each_engines_best_and_verdict(tmp_path: Path) -> None:
+    from llmopt.report.facts import engine_rows
+
+    root = tmp_path / "engines"
+    ref = Candidate("hf-fp32", "hf", "fp32", {}, True, "the reference")
+    q8 = Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0", {}, False, "llama.cpp Q8_0")
+    q4 = Candidate("llamacpp-gguf-q4_0", "llamacpp", "gguf-q4_0", {}, False, "llama.cpp Q4_0")
+    w4 = Candidate("torch-w4a16", "torch", "w4a16", {}, False, "int4")
+    _run_json(root, "smollm2-135m", "causal-lm")
+    _plan(root, [ref, q8, q4, w4])
+    _cand(root, ref, _lm_verify(ref.id, 12.0, 1.0, True), _lm_bench(ref.id, [10, 10, 10], 9, 9))
+    _cand(root, q8, _lm_verify(q8.id, 12.05, 0.97, True), _lm_bench(q8.id, [50, 51, 52], 5, 2))
+    # Faster but over the budget: the engine's row shows its best candidate that passed.
+    _cand(root, q4, _lm_verify(q4.id, 14.0, 0.8, False), _lm_bench(q4.id, [90, 91, 92], 4, 1))
+    _cand(root, w4, _lm_verify(w4.id, 15.0, 0.7, False), _lm_bench(w4.id, [30, 30, 30], 4, 1))
+    reasons = {ref.id: "kept: 0.20x the chosen", q8.id: "fastest within budget"}
+    reasons |= {q4.id: "perplexity over budget", w4.id: "perplexity over budget"}
+    write_json(
+        root / "selection.json",
+        Selection("throughput", q8.id, 0.01, reasons, [q8.id, ref.id], [ref.id, q8.id]).to_dict(),
+    )
+    rows = {r[0]: r for r in engine_rows(load_run(root))}
+    assert rows["llamacpp"][1] == q8.id and rows["llamacpp"][-1].startswith("chosen")
+    assert rows["hf"][1] == ref.id and "0.20x the chosen" in rows["hf"][-1]
+    assert rows["torch"][1] == w4.id and "no candidate of this engine passed" in rows["torch"][-1]
+    md, _ = write_report(root)
+    assert "## Engines" in md.read_text()
