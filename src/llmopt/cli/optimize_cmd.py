@@ -91,6 +91,20 @@ def optimize(
             "directory, and say whether the choice still holds.",
         ),
     ] = None,
+    pairs: Annotated[
+        Path | None,
+        typer.Option(help="Embedders: your sentence pairs (JSONL: text1, text2, optional label)."),
+    ] = None,
+    threshold: Annotated[
+        float | None,
+        typer.Option(help="Embedders: your similarity threshold; gated and recalibrated."),
+    ] = None,
+    queries: Annotated[
+        Path | None, typer.Option(help="Embedders: your queries (JSONL 'text' or one a line).")
+    ] = None,
+    corpus: Annotated[
+        Path | None, typer.Option(help="Embedders: your corpus for the FAISS index check.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The main job: inspect, plan, search (screen, verify, bench), select, report. Resumes if re-run."""
@@ -127,6 +141,7 @@ def optimize(
             price_per_hour=price_per_hour,
             deploy=not no_deploy,
             budget_started_at=Budget.process_start(),
+            retrieval=_retrieval(pairs, threshold, queries, corpus),
         )
     if as_json:
         emit_json(
@@ -145,6 +160,12 @@ def optimize(
         render_selection(res)
     if res.selection.chosen is None:
         raise typer.Exit(1)
+
+
+def _retrieval(pairs, threshold, queries, corpus) -> dict | None:
+    options = {"pairs": pairs, "threshold": threshold, "queries": queries, "corpus": corpus}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()}
+    return options if any(v is not None for v in options.values()) else None
 
 
 def register(app: typer.Typer) -> None:

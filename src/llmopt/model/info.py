@@ -7,6 +7,7 @@ every way a folder can be unusable into a typed error that says how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ from llmopt.core.schema import SCHEMA_VERSION, Serializable, Task
 from llmopt.core.units import DTYPE_BYTES, SAFETENSORS_DTYPES, dtype_bytes
 from llmopt.model.config import config_shape, estimate_parameters, get_key, is_config_only
 from llmopt.model.files import ST_FILES
+from llmopt.model.pooling import read_embedding_head
 
 __all__ = [
     "ModelInfo",
@@ -123,6 +125,8 @@ class ModelInfo(Serializable):
     pooling: str | None = None  # "mean" | "cls" | "last" for embedders
     normalize: bool = False  # embedders: L2-normalize the pooled vector
     max_seq_length: int | None = None  # sentence-transformers' truncation length, if set
+    query_prompt: str | None = None  # embedders: instruction prepended to queries (model.pooling)
+    document_prompt: str | None = None  # embedders: prefix of corpus texts
     fingerprint: str = ""
 
     @classmethod
@@ -262,35 +266,6 @@ def _pickle_tensors(files: list[Path]) -> list[tuple[str, str, int, int]]:
             dtype = str(t.dtype).removeprefix("torch.")
             out.append((name, dtype, t.numel(), t.numel() * t.element_size()))
     return out
-
-
-def _embedding_head(folder: Path, model_type: str) -> tuple[str, bool, int | None]:
-    """(pooling, normalize, max_seq_length) from sentence-transformers files, else defaults."""
-    pooling = "mean" if model_type in _ENCODERS else "last"
-    normalize, max_len = False, None
-    modules = []
-    if (folder / "modules.json").is_file():
-        modules = json.loads((folder / "modules.json").read_text())
-    for m in modules:
-        kind = m.get("type", "")
-        if kind.endswith("Normalize"):
-            normalize = True
-        elif kind.endswith("Pooling") and (folder / m.get("path", "") / "config.json").is_file():
-            cfg = json.loads((folder / m["path"] / "config.json").read_text())
-            modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
-            mode = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "last"}
-            picked = [mode.get(k.removeprefix("pooling_mode_")) for k in modes]
-            if len(picked) != 1 or picked[0] is None:
-                raise UnsupportedModelError(
-                    f"pooling {modes} in {folder / m['path']} is not supported",
-                    hint="llmopt supports one of mean, cls or last-token pooling",
-                )
-            pooling = picked[0]
-    if (folder / "sentence_bert_config.json").is_file():
-        max_len = json.loads((folder / "sentence_bert_config.json").read_text()).get(
-            "max_seq_length"
-        )
-    return pooling, normalize, max_len
 
 
 def _unsupported(arch: str, config: dict[str, Any]) -> UnsupportedModelError:
@@ -510,8 +485,8 @@ def inspect_model(
         stored_head = any(name.endswith("lm_head.weight") for name, *_ in tensors)
         tied = bool(explicit) if explicit is not None else not stored_head
     else:
-        pooling, normalize, max_len = _embedding_head(folder, str(config.get("model_type", "")))
-        stored.update(pooling=pooling, normalize=normalize, max_seq_length=max_len)
+        head = read_embedding_head(folder, str(config.get("model_type", "")) in _ENCODERS)
+        stored.update(dataclasses.asdict(head))
 
     # Cheap identity: config bytes plus weight names and sizes (no hashing of gigabytes).
     digest = hashlib.sha256(config_bytes)

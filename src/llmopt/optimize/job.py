@@ -33,6 +33,7 @@ from llmopt.optimize.space import make_plan
 from llmopt.report import write_report
 from llmopt.rundir.best import write_best
 from llmopt.rundir.paths import RunDir
+from llmopt.verify.embedding import RetrievalSpec
 from llmopt.verify.gates import GATE_PRESETS
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ def optimize(
     deploy: bool = True,
     budget_started_at: float | None = None,
     gates: str = "default",
+    retrieval: dict[str, Any] | None = None,
 ) -> OptimizeResult:
     """Find the best deployment of `model` on `target` for `objective` within the quality budget.
 
@@ -102,6 +104,9 @@ def optimize(
             address of a Ray cluster; candidates then run as Ray tasks.
         price_per_hour: the target's price, for the cost objective (default: relative units).
         deploy: write the deploy bundle into best/deploy (causal LMs).
+        retrieval: embedders: the user's `threshold`, `pairs`, `queries`, `corpus` (file paths)
+            and `top_k`, as `llmopt verify` takes them; every candidate is gated on them and
+            the chosen one's recalibrated threshold goes into best/launch.json.
         budget_started_at: epoch seconds the time budget counts from (default: now; the CLI
             passes its process's start).
         gates: the verification gates besides the budget (`llmopt.verify.gates` presets:
@@ -122,9 +127,10 @@ def optimize(
     info, tgt = _inspect(model, target, threads)
     stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
     run = RunDir(out)
-    resumed = run.open(
-        run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)), force=force
-    )
+    settings = stage.run_json(profile)
+    if retrieval:  # only when given, so runs without it keep their identity
+        settings["retrieval"] = _retrieval_options(retrieval)
+    resumed = run.open(run_meta(model, Path(info.path), info, tgt, settings), force=force)
     write_json(run.model_json, info.to_dict())
     write_doctor(run, target)
     # plan -> search -> select -> best/
@@ -252,9 +258,43 @@ def _write_best(run: RunDir, cand: Candidate, threads: int, deploy: bool) -> Non
     info = read_json(run.model_json)
     bench = run.candidate(cand.id).read("bench")
     launch = _launch(cand, info, run.best.resolve(), bench)
+    if info.get("task") == "embedding" and (
+        t := _embedding_threshold(run.candidate(cand.id).read("verify"))
+    ):
+        launch["similarity_threshold"] = t
     write_best(run.best, cand, run.candidate(cand.id).artifact, run.model_json, launch)
     if deploy:
         write_json(run.best / "deploy.json", _deploy(run, threads))
+
+
+def _retrieval_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The retrieval options with absolute file paths, checked now (a bad file fails here,
+    not in every candidate's verify stage)."""
+    out = dict(options)
+    for key in ("pairs", "queries", "corpus"):
+        if out.get(key) is not None:
+            out[key] = str(Path(out[key]).resolve())
+    RetrievalSpec.from_options(**out)
+    return out
+
+
+def _embedding_threshold(verify: dict | None) -> dict[str, Any] | None:
+    """The user's threshold and the chosen candidate's recalibrated one, from its verify.json."""
+    metrics = {m["name"]: m for m in (verify or {}).get("metrics", [])}
+    rec = metrics.get("recalibrated_threshold")
+    if rec is None:
+        return None
+    agree = metrics.get("recalibrated_agreement") or {}
+    return {
+        "threshold": rec["candidate"],
+        "reference_threshold": rec["reference"],
+        "ci": [rec.get("ci_low"), rec.get("ci_high")],
+        "agreement": agree.get("candidate"),
+        "agreement_as_is": (metrics.get("decision_agreement") or {}).get("candidate"),
+        "percentile_threshold": (metrics.get("percentile_threshold") or {}).get("candidate"),
+        "why": "compare cosine similarity against this threshold in the application: it keeps "
+        "the reference's decisions at reference_threshold best (llmopt verify --threshold)",
+    }
 
 
 def _launch(

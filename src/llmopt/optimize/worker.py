@@ -40,7 +40,12 @@ from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
 from llmopt.model.info import ModelInfo
 from llmopt.optimize.profiles import StageProfile, StageSettings
 from llmopt.rundir.paths import CandidateDir, RunDir
-from llmopt.verify.embedding import reference_outputs, verify_embedding
+from llmopt.verify.embedding import (
+    RetrievalSpec,
+    reference_outputs,
+    reference_side,
+    verify_embedding,
+)
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import check_weights, raise_on_problems
 from llmopt.verify.lm import ReferenceOutputs, verify_causal_lm
@@ -153,19 +158,32 @@ def _verify_embedding(
     import numpy as np
 
     sentences = evaluation_sentences(s.sizes.sentences)
+    # The user's threshold, pairs, queries and corpus (`optimize --threshold ...`), if any, with
+    # the model's own instruction prompts.
+    info = ModelInfo.from_dict(read_json(run.model_json))
+    options = read_json(run.run_json)["settings"].get("retrieval") or {}
+    spec = RetrievalSpec.from_options(**options).with_prompts(info)
     # Reference outputs are computed once per fidelity and shared by every candidate.
     ref_file = run.reference / (
         "embeddings.npy" if fidelity == "full" else f"embeddings.{fidelity}.npy"
     )
+    side_file = ref_file.with_name(ref_file.stem + ".retrieval.npz")
+    ref_side = None
     if cand.reference:
         emb = reference_outputs(runner, sentences)
         run.reference.mkdir(parents=True, exist_ok=True)
         tmp = ref_file.with_name(f".tmp-{ref_file.name}")
         np.save(tmp, emb, allow_pickle=False)
         tmp.replace(ref_file)
+        tmp = side_file.with_name(f".tmp-{side_file.name}")
+        with open(tmp, "wb") as f:
+            np.savez(f, **reference_side(runner, spec))
+        tmp.replace(side_file)
         ref_emb, ref_spearman, scores = None, None, None
     else:
         ref_emb = np.load(ref_file, allow_pickle=False)
+        with np.load(side_file, allow_pickle=False) as z:
+            ref_side = {k: z[k] for k in z.files}
         ref_verify = run.candidate(_reference_id(run)).read("verify", fidelity)
         scores = {m["name"]: m["candidate"] for m in ref_verify["metrics"]}
         ref_spearman = scores["wordsim353_spearman"]
@@ -180,6 +198,8 @@ def _verify_embedding(
         gates=gates,
         simlex_pairs=simlex999(),
         reference_scores=scores,
+        retrieval=spec,
+        reference_retrieval=ref_side,
     )
 
 
