@@ -99,7 +99,9 @@ def encoder_feeds(
     >>> sorted(feeds), feeds["token_type_ids"].tolist()
     (['input_ids', 'token_type_ids'], [[0, 0]])
     """
-    enc = tokenizer(batch, padding=True, truncation=True, max_length=max_length, return_tensors="np")
+    enc = tokenizer(
+        batch, padding=True, truncation=True, max_length=max_length, return_tensors="np"
+    )
     mask = np.asarray(enc["attention_mask"]).astype(np.int64)  # (B, T)
     feeds = {}
     for name in input_names:

@@ -94,7 +94,11 @@ def _pooling_mode(cfg: dict[str, Any], path: Path) -> str:
     on = [k.removeprefix("pooling_mode_") for k, v in cfg.items() if k.startswith("pooling_mode_")]
     on = [k for k in on if cfg[f"pooling_mode_{k}"]]
     if "pooling_mode" in cfg and not on:  # newer sentence-transformers: one string field
-        on = [{"mean": "mean_tokens", "cls": "cls_token"}.get(cfg["pooling_mode"], cfg["pooling_mode"])]
+        on = [
+            {"mean": "mean_tokens", "cls": "cls_token"}.get(
+                cfg["pooling_mode"], cfg["pooling_mode"]
+            )
+        ]
     picked = [POOLING_MODES.get(k) for k in on]
     if len(picked) != 1 or picked[0] is None:
         raise UnsupportedModelError(

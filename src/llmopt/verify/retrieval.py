@@ -77,9 +77,11 @@ def recalibrate_threshold(
 ) -> tuple[float, float, float]:
     """The candidate threshold that best reproduces `reference_cos >= threshold`.
 
-    Every distinct candidate cosine is tried (a decision only changes there), in O(P log P):
-    sorted once, the agreement at each cut is a prefix count. Ties between equally good cuts go
-    to the one nearest the old threshold.
+    Every cut between two distinct candidate cosines is tried (a decision only changes there),
+    in O(P log P): sorted once, the agreement at each cut is a prefix count. The threshold is
+    placed midway between the two cosines around the cut (the widest margin, so it carries over
+    to pairs it was not fitted on); ties between equally good cuts go to the one nearest the
+    old threshold.
 
     Args:
         reference_cos: (P,) reference cosine of each pair.
@@ -90,7 +92,7 @@ def recalibrate_threshold(
         (candidate threshold, agreement at the old threshold, agreement at the new one).
 
     >>> recalibrate_threshold(np.array([0.2, 0.6, 0.9]), np.array([0.1, 0.45, 0.8]), 0.5)
-    (0.45, 0.6666666666666666, 1.0)
+    (0.275, 0.6666666666666666, 1.0)
     """
     reference_cos = np.asarray(reference_cos, dtype=np.float64)
     candidate_cos = np.asarray(candidate_cos, dtype=np.float64)
@@ -103,7 +105,7 @@ def recalibrate_threshold(
     pos_before = np.concatenate([[0], np.cumsum(d)])  # "yes" pairs below cut j
     neg_before = np.arange(n + 1) - pos_before
     agree = (d.sum() - pos_before + neg_before) / n
-    cuts = np.concatenate([c, [c[-1] + 1e-6]])
+    cuts = np.concatenate([c[:1], (c[:-1] + c[1:]) / 2, [c[-1] + 1e-6]])
     valid = np.concatenate([[True], c[1:] > c[:-1], [True]])  # a cut inside a tie is not real
     score = np.where(valid, agree - 1e-9 * np.abs(cuts - threshold), -np.inf)
     best = int(np.argmax(score))

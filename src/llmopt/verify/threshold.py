@@ -10,7 +10,8 @@ cosines over the same pairs, this module reports:
 - `recalibrated_threshold`: the candidate threshold that best preserves the reference's
   decisions (`recalibrate_threshold`), and `recalibrated_agreement`, its agreement measured out
   of sample (2-fold cross-fitting: fitted on one half of the pairs, scored on the other), which
-  is what the gate sees: an in-sample fit would flatter itself;
+  is what the gate sees: an in-sample fit would flatter itself. When the fitted threshold does
+  no better out of sample than the user's, the user's is kept (and its agreement gated);
 - `percentile_threshold`: the alternative rule (same share of pairs passing) and its agreement;
 - with labelled pairs, the accuracy of the reference at its threshold and of the candidate at
   the recalibrated one.
@@ -85,10 +86,14 @@ def threshold_metrics(
         d = (lo - ref_value, hi - ref_value)
         return d[0], d[1], is_noise(d)
 
-    t_new, before, in_sample = recalibrate_threshold(ref_cos, cand_cos, threshold)
+    t_fit, before, in_sample = recalibrate_threshold(ref_cos, cand_cos, threshold)
     t_pct = percentile_threshold(ref_cos, cand_cos, threshold)
     held_out = crossfit_agreement(ref_cos, cand_cos, threshold, seed)
-    passed = None if min_agreement is None else bool(held_out >= min_agreement)
+    # Recalibrate only when it helps on pairs it was not fitted on; else keep the threshold
+    # (its agreement involves no fitting, so it needs no cross-fitting either).
+    keep = held_out <= before
+    t_new, deployed = (threshold, before) if keep else (t_fit, held_out)
+    passed = None if min_agreement is None else bool(deployed >= min_agreement)
     where = f"{n} pairs" + (f" from {source}" if source else "")
     metrics = [
         Metric(
@@ -115,23 +120,29 @@ def threshold_metrics(
             t_new,
             True,
             n=n,
-            note="candidate threshold that best preserves the reference's decisions",
+            note=(
+                f"kept: the fitted {t_fit:.4f} agrees no better out of sample"
+                if keep
+                else "candidate threshold that best preserves the reference's decisions"
+            ),
             **_ci(
-                ci(lambda i: recalibrate_threshold(ref_cos[i], cand_cos[i], threshold)[0], threshold)
+                ci(
+                    lambda i: recalibrate_threshold(ref_cos[i], cand_cos[i], threshold)[0],
+                    threshold,
+                )
             ),
         ),
         Metric(
             "recalibrated_agreement",
             1.0,
-            held_out,
+            deployed,
             True,
             min_agreement,
             passed,
             n,
-            note=f"out of sample (2-fold cross-fit); in sample {in_sample:.4f}",
-            **_ci(
-                ci(lambda i: crossfit_agreement(ref_cos[i], cand_cos[i], threshold, seed), 1.0)
-            ),
+            note=f"at recalibrated_threshold, out of sample (2-fold cross-fit {held_out:.4f}; "
+            f"in sample {in_sample:.4f})",
+            **_ci(ci(lambda i: crossfit_agreement(ref_cos[i], cand_cos[i], threshold, seed), 1.0)),
         ),
         Metric(
             "percentile_threshold",
@@ -140,7 +151,9 @@ def threshold_metrics(
             True,
             n=n,
             note="alternative rule: the same share of pairs at or above the threshold",
-            **_ci(ci(lambda i: percentile_threshold(ref_cos[i], cand_cos[i], threshold), threshold)),
+            **_ci(
+                ci(lambda i: percentile_threshold(ref_cos[i], cand_cos[i], threshold), threshold)
+            ),
         ),
         Metric(
             "percentile_agreement",
@@ -176,9 +189,11 @@ def threshold_metrics(
                 note=f"labelled pairs: reference at {threshold:g}, candidate at {t_new:.4f}",
                 **_ci(
                     ci(
-                        lambda i: float(((cand_cos[i] >= t_new) == y[i]).mean())
-                        - float(((ref_cos[i] >= threshold) == y[i]).mean())
-                        + ref_acc,
+                        lambda i: (
+                            float(((cand_cos[i] >= t_new) == y[i]).mean())
+                            - float(((ref_cos[i] >= threshold) == y[i]).mean())
+                            + ref_acc
+                        ),
                         ref_acc,
                     )
                 ),
@@ -187,7 +202,8 @@ def threshold_metrics(
     notes = [
         f"similarity over {where}: reference {_summary(ref_cos)}; candidate {_summary(cand_cos)}",
         f"threshold {threshold:g} -> {t_new:.4f} (recalibrated) or {t_pct:.4f} (percentile): "
-        f"agreement {before:.2%} as is, {held_out:.2%} recalibrated (out of sample)",
+        f"agreement {before:.2%} as is, {held_out:.2%} recalibrated (out of sample)"
+        + ("; the threshold is kept" if keep else ""),
     ]
     return metrics, notes
 

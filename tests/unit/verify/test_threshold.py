@@ -13,10 +13,12 @@ from llmopt.verify.threshold import crossfit_agreement, threshold_metrics
 
 
 def _brute(ref, cand, t):
-    """The definition: try every observed candidate cosine (and one above all) as threshold."""
+    """The definition: try every cut between distinct candidate cosines (midway), below all
+    and above all."""
     decide = ref >= t
     best, best_agree = None, -1.0
-    for c in sorted({*cand.tolist(), cand.max() + 1e-6}):
+    u = np.unique(cand)
+    for c in [u[0], *((u[:-1] + u[1:]) / 2), u[-1] + 1e-6]:
         a = float(((cand >= c) == decide).mean())
         if a > best_agree + 1e-12 or (abs(a - best_agree) < 1e-12 and abs(c - t) < abs(best - t)):
             best, best_agree = c, a
@@ -40,7 +42,8 @@ def test_shifted_scores_recalibrate_to_full_agreement():
     ms, notes = threshold_metrics(ref, cand, 0.85, min_agreement=0.95, resamples=200)
     m = {x.name: x for x in ms}
     assert m["decision_agreement"].candidate < 0.97
-    assert m["recalibrated_agreement"].candidate == 1.0 and m["recalibrated_agreement"].passed
+    assert m["recalibrated_agreement"].candidate >= 0.99 and m["recalibrated_agreement"].passed
+    assert "in sample 1.0000" in m["recalibrated_agreement"].note
     assert m["recalibrated_threshold"].candidate == pytest.approx(0.765, abs=0.003)
     assert m["percentile_threshold"].candidate == pytest.approx(0.765, abs=0.003)
     # The CI of the agreement's delta excludes 0 before recalibration: a real loss.
