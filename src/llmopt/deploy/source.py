@@ -6,9 +6,9 @@ Its own module because both the bundle writer (`llmopt.deploy.bundle`) and the R
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
@@ -25,3 +25,4 @@ class DeploySource:
     kind: str  # "run" | "model" | "config"
     recipe: str | None = None
     candidate: str | None = None
+    launch: dict[str, Any] = field(default_factory=dict)  # a run's best/launch.json

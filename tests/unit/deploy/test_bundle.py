@@ -210,12 +210,6 @@ def test_deploy_a_run_directory_serves_the_verified_recipe(tiny_llama_dir, tmp_p
         resolve_source(run)
 
 
-def test_embedding_models_are_refused_with_a_hint(tiny_bert_dir):
-    with pytest.raises(DeployError, match="embedding") as e:
-        resolve_source(tiny_bert_dir)
-    assert "load_best" in str(e.value)
-
-
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     import llmopt.deploy.bundle as b
 
