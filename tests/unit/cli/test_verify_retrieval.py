@@ -12,7 +12,18 @@ from typer.testing import CliRunner
 
 from llmopt.cli.main import app
 
-WORDS = "river stone city music paper garden window light history number".split()
+WORDS = [
+    "river",
+    "stone",
+    "city",
+    "music",
+    "paper",
+    "garden",
+    "window",
+    "light",
+    "history",
+    "number",
+]
 
 
 def _texts(n: int, offset: int = 0) -> list[str]:
