@@ -58,8 +58,8 @@ EMBEDDING_HEADLINE = (
 def headline_for(endpoint: str) -> tuple[tuple[str, str, bool], ...]:
     """The headline rows for a load of `endpoint` (completions, chat or embeddings).
 
-    >>> [k for k, _, _ in headline_for("embeddings")][:2]
-    ['request_throughput', 'input_throughput']
+    >>> [k for k, _, _ in headline_for("embeddings")][:3]
+    ['request_throughput', 'request_goodput', 'input_throughput']
     """
     if endpoint != "embeddings":
         return tuple(h for h in HEADLINE if h[0] != "input_throughput")
