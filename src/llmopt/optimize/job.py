@@ -285,10 +285,11 @@ def _embedding_threshold(verify: dict | None) -> dict[str, Any] | None:
     if rec is None:
         return None
     agree = metrics.get("recalibrated_agreement") or {}
+    lo, hi = rec.get("ci_low"), rec.get("ci_high")  # of the shift from the reference's
     return {
         "threshold": rec["candidate"],
         "reference_threshold": rec["reference"],
-        "ci": [rec.get("ci_low"), rec.get("ci_high")],
+        "ci95": None if lo is None else [rec["reference"] + lo, rec["reference"] + hi],
         "agreement": agree.get("candidate"),
         "agreement_as_is": (metrics.get("decision_agreement") or {}).get("candidate"),
         "percentile_threshold": (metrics.get("percentile_threshold") or {}).get("candidate"),
