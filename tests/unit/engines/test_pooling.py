@@ -63,3 +63,20 @@ def test_encoder_feeds_zero_segments_and_unknown_inputs(tiny_bert_dir):
     assert mask.shape[1] <= 16
     with pytest.raises(KeyError, match="pixel_values"):
         encoder_feeds(tok, TEXTS, 16, ["input_ids", "pixel_values"])
+
+
+def test_onnxruntime_runs_cls_pooling_as_torch_does(tiny_bert_cls_dir, tmp_path):
+    from llmopt.core.recipes import get_recipe
+    from llmopt.engines import get_engine
+
+    engine = get_engine("onnxruntime")
+    if engine.missing():
+        pytest.skip(engine.missing())
+    info = inspect_model(str(tiny_bert_cls_dir))
+    out = tmp_path / "ort"
+    out.mkdir()
+    engine.build(tiny_bert_cls_dir, info, get_recipe("fp32"), out)
+    ort = load_runner("onnxruntime", out, info, "fp32", {"threads": 1}).embed(TEXTS, 3)
+    hf = load_runner("hf", tiny_bert_cls_dir, info, "fp32", {"threads": 1}).embed(TEXTS, 3)
+    np.testing.assert_allclose(ort, hf, atol=1e-4)
+    np.testing.assert_allclose(ort, _by_hand(tiny_bert_cls_dir, TEXTS, 0), atol=1e-4)
