@@ -103,7 +103,7 @@ def optimize(
         ray_address: None (local worker processes), "local" (start a Ray instance here) or the
             address of a Ray cluster; candidates then run as Ray tasks.
         price_per_hour: the target's price, for the cost objective (default: relative units).
-        deploy: write the deploy bundle into best/deploy (causal LMs).
+        deploy: write the deploy bundle into best/deploy.
         retrieval: embedders: the user's `threshold`, `pairs`, `queries`, `corpus` (file paths)
             and `top_k`, as `llmopt verify` takes them; every candidate is gated on them and
             the chosen one's recalibrated threshold goes into best/launch.json.
@@ -254,7 +254,7 @@ def _search_record(
 
 def _write_best(run: RunDir, cand: Candidate, threads: int, deploy: bool) -> None:
     """best/ = the chosen artifact (hard links where possible: no second copy on disk), its
-    launch configuration, and the deploy bundle (llmopt.deploy) for causal LMs."""
+    launch configuration, and the deploy bundle (llmopt.deploy)."""
     info = read_json(run.model_json)
     bench = run.candidate(cand.id).read("bench")
     launch = _launch(cand, info, run.best.resolve(), bench)
@@ -349,6 +349,6 @@ def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
             "checks": [c.to_dict() for c in res.checks],
             "files": res.files,
         }
-    except Exception as e:  # e.g. embedders: bundles serve causal LMs today
+    except Exception as e:  # a bundle that cannot be written must not fail the run
         hint = getattr(e, "hint", None)
         return {"written": False, "reason": f"{type(e).__name__}: {e}", "hint": hint}
