@@ -112,6 +112,14 @@ def threshold_metrics(
     keep = held_out <= before
     t_new, deployed = (threshold, before) if keep else (t_fit, held_out)
     passed = None if min_agreement is None else bool(deployed >= min_agreement)
+
+    def deployed_agreement(i: np.ndarray) -> float:
+        # Copies of a pair in a resample stay in one fold (groups=i): never scored by a fit that
+        # saw them. A kept threshold involves no fit: its plain agreement.
+        if keep:
+            return agreement(ref_cos[i], cand_cos[i], threshold, threshold)
+        return crossfit_agreement(ref_cos[i], cand_cos[i], threshold, seed, i)
+
     where = f"{n} pairs" + (f" from {source}" if source else "")
     metrics = [
         Metric(
@@ -160,7 +168,7 @@ def threshold_metrics(
             n,
             note=f"at recalibrated_threshold, out of sample (2-fold cross-fit {held_out:.4f}; "
             f"in sample {in_sample:.4f})",
-            **_ci(ci(lambda i: crossfit_agreement(ref_cos[i], cand_cos[i], threshold, seed), 1.0)),
+            **_ci(ci(deployed_agreement, 1.0)),
         ),
         Metric(
             "percentile_threshold",
