@@ -22,7 +22,7 @@ from llmopt.core.schema import Candidate, Selection
 from llmopt.deploy import resolve_source, write_bundle
 from llmopt.hardware.target import Target, detect_target
 from llmopt.model.info import inspect_model
-from llmopt.optimize.budget import Budget, parse_duration
+from llmopt.optimize.budget import Budget, default_budget, parse_duration
 from llmopt.optimize.executor import make_executor
 from llmopt.optimize.loop import MODES, run_search
 from llmopt.optimize.objective import get_objective
@@ -45,7 +45,8 @@ __all__ = ["optimize", "OptimizeResult"]
 
 log = logging.getLogger(__name__)
 
-# progress(event, candidate_id, stage, detail): event is "start", "done", "skip" or "fail".
+# progress(event, candidate_id, stage, detail): "start", "done", "skip", "fail", "cut" for a
+# candidate's stage; "note" (a message) and "budget" (its seconds) for the run.
 Progress = Callable[[str, str, str, str], None]
 
 
@@ -96,7 +97,9 @@ def optimize(
         force: discard a different run found in `out` instead of refusing.
         progress: optional callback for stage events.
         objective: latency | throughput | memory | cost (llmopt.optimize.objective).
-        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None: unlimited.
+        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None or "none":
+            unlimited (the default here); "auto" (the CLI's default): `budget.default_budget`
+            for the model's size.
         search: "halving" (screen all, fully verify the survivors) or "exhaustive".
         ray_address: None (local worker processes), "local" (start a Ray instance here) or the
             address of a Ray cluster; candidates then run as Ray tasks.
@@ -116,10 +119,16 @@ def optimize(
 
     _check(max_quality_drop, gates, profile, search)
     obj = get_objective(objective)
-    budget = Budget.since(parse_duration(time_budget), budget_started_at)
+    budget_s = None if time_budget == "auto" else parse_duration(time_budget)
     ctx = {"price_per_hour": price_per_hour}
     # inspect: the model and the machine; the run directory opens (or resumes) on them
     info, tgt = _inspect(model, target, threads)
+    if time_budget == "auto":
+        budget_s, why = default_budget(info.num_parameters)
+        progress and progress("note", "", "", f"time budget: {why}")
+    budget = Budget.since(budget_s, budget_started_at)
+    if progress and budget_s:
+        progress("budget", "", "", f"{budget_s:.0f}")
     stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
     run = RunDir(out)
     resumed = run.open(
