@@ -31,7 +31,7 @@ from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import Objective
 from llmopt.optimize.paired import MAX_ROUNDS, PAIR_ROUNDS, paired_ratios, round_order
-from llmopt.optimize.predict import predicted_miss, screen_order
+from llmopt.optimize.predict import ValueModel, predicted_miss, screen_order
 from llmopt.rundir.paths import RunDir
 
 __all__ = ["SearchState", "run_search", "MODES"]
@@ -182,8 +182,15 @@ def run_search(
     reserve = keep * _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
     # Cheap candidates first, then RTN at the calibrated ones' bits: their screens decide what
     # is worth the expensive ones' time (`llmopt.optimize.predict`).
-    queue = [others[i] for i in screen_order([c.recipe for c in others])]
+    values = ValueModel()
+
+    def ordered(cands: list[Candidate]) -> list[Candidate]:
+        idx = screen_order([c.recipe for c in cands], [c.engine for c in cands], values)
+        return [cands[i] for i in idx]
+
+    queue = ordered(others)
     recipe_of = {c.id: c.recipe for c in others}
+    engine_of = {c.id: c.engine for c in others}
     screened: dict[str, tuple[str, float]] = {}  # id -> (recipe, screen quality drop)
     while queue:
         wave = []
@@ -214,6 +221,9 @@ def run_search(
                 observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
             if (v := run.candidate(r["cid"]).read("verify", "screen")) is not None:
                 screened[r["cid"]] = (recipe_of[r["cid"]], float(v["quality_drop"]))
+                sc = _score(run, r["cid"], ref.id, "screen", obj, ctx)
+                values.observe(engine_of[r["cid"]], recipe_of[r["cid"]], sc)
+        queue = ordered(queue)  # what this wave measured re-ranks the rest
     built = [c for c in others if run.candidate(c.id).done("build")]
 
     entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]

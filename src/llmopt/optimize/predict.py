@@ -13,9 +13,18 @@ tokens, so a borderline candidate is decided at full fidelity).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from llmopt.core.recipes import Recipe, get_recipe
 
-__all__ = ["CALIBRATION_KEEPS", "SCREEN_TOLERANCE", "screen_order", "predicted_miss"]
+__all__ = [
+    "CALIBRATION_KEEPS",
+    "SCREEN_TOLERANCE",
+    "screen_order",
+    "predicted_miss",
+    "ValueModel",
+    "weight_bits",
+]
 
 CALIBRATION_KEEPS = 0.4  # the smallest share of RTN's loss a calibrated build has kept
 SCREEN_TOLERANCE = 1.5  # the screen cuts above 1.5x the budget (llmopt.optimize.halving)
@@ -40,16 +49,90 @@ def _is_rtn_weights(recipe: Recipe) -> bool:
     )
 
 
-def screen_order(recipes: list[str]) -> list[int]:
+# Bits per weight that decode reads (what a memory-bound step scales with). llama.cpp's types:
+# Q8_0 is 8.5 (a 16-bit scale per 32), Q6_K 6.56, Q5_K_M ~5.7, Q4_K_M ~4.9, Q4_0 4.5.
+GGUF_BITS = {"Q8_0": 8.5, "Q6_K": 6.56, "Q5_K_M": 5.7, "Q4_K_M": 4.9, "Q4_0": 4.5}
+_DTYPE_BITS = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
+# The chance a recipe of this many weight bits passes a 1% perplexity budget before anything is
+# measured: 8 bits and more pass on every model measured (docs/quantization.md), 6-bit K-quants
+# were at the edge on SmolLM2 (+1.02%), 4-bit ones 20-45% off.
+_PASS_PRIOR = ((8.0, 1.0), (6.0, 0.5), (5.0, 0.3), (0.0, 0.1))
+# How fast an engine decodes against eager transformers at the same bits, before this run has
+# measured it: llama.cpp's CPU kernels are the fastest measured (docs/benchmarks.md), the native
+# engine a little ahead of eager transformers. Replaced by this run's own screens as they finish.
+ENGINE_PRIOR = {"llamacpp": 2.0, "torch": 1.1, "hf": 1.0}
+
+
+def weight_bits(recipe: Recipe) -> float:
+    """Bits per weight decode reads for `recipe` (its dtype when weights stay in float).
+
+    >>> weight_bits(get_recipe("w8a16")), weight_bits(get_recipe("gguf-q4_k_m"))
+    (8.0, 4.9)
+    """
+    if recipe.gguf_type:
+        return GGUF_BITS.get(recipe.gguf_type, 8.0)
+    if recipe.weight_bits:
+        return float(recipe.weight_bits)
+    return _DTYPE_BITS.get(recipe.dtype, 32.0)
+
+
+@dataclass
+class ValueModel:
+    """The predicted value of screening a candidate: its expected speed-up over the reference
+    (32 bits / its bits, times its engine's speed at equal bits) times its chance to pass the
+    quality budget. Each finished screen replaces the engine's prior with what it measured
+    (`observe`), so after llama.cpp's first screen its other types are ranked by llama.cpp's
+    measured speed on this machine, not by the prior.
+
+    >>> m = ValueModel()
+    >>> round(m.value("llamacpp", "gguf-q8_0"), 2), round(m.value("hf", "w8a16"), 2)
+    (7.53, 4.0)
+    >>> m.observe("llamacpp", "gguf-q8_0", 1.2)  # measured 1.2x the reference at the screen
+    >>> round(m.value("llamacpp", "gguf-q6_k"), 2)
+    0.78
+    """
+
+    speed: dict[str, list[float]] = field(default_factory=dict)  # engine -> measured factors
+
+    def engine_factor(self, engine: str) -> float:
+        got = self.speed.get(engine)
+        if got:
+            return sorted(got)[len(got) // 2]
+        return ENGINE_PRIOR.get(engine, 1.0)
+
+    def value(self, engine: str, recipe_name: str) -> float:
+        r = get_recipe(recipe_name)
+        bits = weight_bits(r)
+        p = next(p for floor, p in _PASS_PRIOR if bits >= floor)
+        return self.engine_factor(engine) * (32.0 / bits) * p
+
+    def observe(self, engine: str, recipe_name: str, score: float | None) -> None:
+        """A finished screen: `score` is the candidate's objective relative to the reference."""
+        if score is None or score <= 0:
+            return
+        bits = weight_bits(get_recipe(recipe_name))
+        self.speed.setdefault(engine, []).append(score / (32.0 / bits))
+
+
+def screen_order(
+    recipes: list[str], engines: list[str] | None = None, model: ValueModel | None = None
+) -> list[int]:
     """Indices of `recipes` in the order to screen them: cheap builds first, then RTN at the
     bits the calibrated ones use (their screens decide whether the calibrations can pass), then
-    the calibrated ones; the plan's order within each class.
+    the calibrated ones; within each class the highest predicted value first (`ValueModel`,
+    when `engines` are given), else the plan's order.
 
     >>> screen_order(["w4a16-awq-g128", "w8a16", "w4a16-rtn-g128", "bf16"])
     [1, 3, 2, 0]
+    >>> screen_order(["fp32", "gguf-q8_0", "bf16"], ["torch", "llamacpp", "hf"])
+    [1, 2, 0]
     """
     classes = [_cost_class(get_recipe(r)) for r in recipes]
-    return sorted(range(len(recipes)), key=lambda i: classes[i])
+    if engines is None:
+        return sorted(range(len(recipes)), key=lambda i: classes[i])
+    m = model or ValueModel()
+    values = [m.value(e, r) for e, r in zip(engines, recipes, strict=True)]
+    return sorted(range(len(recipes)), key=lambda i: (classes[i], -values[i]))
 
 
 def predicted_miss(
