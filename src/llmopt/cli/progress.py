@@ -2,7 +2,9 @@
 
 The job reports through one callback, `progress(event, candidate_id, stage, detail)` (events
 "start", "done", "skip", "fail", "cut" from the executor and the search; "note", a message, and
-"budget", its seconds, from the job with no candidate). Where the output is a terminal, a rich live view shows one row per candidate (its
+"budget", its seconds, and "rundir", the run directory, from the job with no candidate). A long
+stage (a calibration, a GGUF conversion, a compilation) shows its own progress: the last line of
+the candidate's log, in the table's "now" column, or every `heartbeat_s` as a line of its own. Where the output is a terminal, a rich live view shows one row per candidate (its
 stage, state, elapsed time, quality and speed so far) under a line with the budget left; where it
 is not (a log file, CI, a notebook), each event is one timestamped line, flushed at once, so a
 log shows where the run is while it runs.
@@ -23,9 +25,11 @@ log shows where the run is while it runs.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console, Group
@@ -73,6 +77,7 @@ class OptimizeProgress:
         started_at: epoch seconds the budget counts from (default: now).
         stream: where the lines go (default: standard output).
         clock: time source (tests).
+        heartbeat_s: off a terminal, a running stage is reported again this often (0: never).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class OptimizeProgress:
         started_at: float | None = None,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.time,
+        heartbeat_s: float = 30.0,
     ):
         self.enabled = enabled
         self.stream = stream or sys.stdout
@@ -93,6 +99,12 @@ class OptimizeProgress:
         self.rows: dict[str, _Row] = {}
         self.notes: list[str] = []
         self._live: Live | None = None
+        self.run_dir: Path | None = None
+        self.heartbeat_s = heartbeat_s
+        self._beats: dict[str, float] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     # -- context manager ------------------------------------------------------------------
     def __enter__(self) -> OptimizeProgress:
@@ -102,17 +114,65 @@ class OptimizeProgress:
             self._live.__enter__()
         elif self.enabled:
             self._line("note", "", "", "inspecting and planning (a built-in is prepared once)")
+        if self.enabled and (self.live or self.heartbeat_s > 0):
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
         if self._live is not None:
             self._live.update(self._render())
             self._live.__exit__(*exc)
             self._live = None
 
+    def _tick(self) -> None:
+        """Once a second: redraw the live view (elapsed times, log lines), or off a terminal
+        report each stage that has run `heartbeat_s` since it was last reported."""
+        while not self._stop.wait(1.0):
+            with self._lock:
+                if self._live is not None:
+                    self._live.update(self._render())
+                    continue
+                now = self.clock()
+                for cid, row in self.rows.items():
+                    if row.state != "running" or row.started is None:
+                        continue
+                    if now - self._beats.get(cid, row.started) >= self.heartbeat_s:
+                        self._beats[cid] = now
+                        tail = self.last_log_line(cid)
+                        took = _clock_str(now - row.started)
+                        self._line(
+                            "still", cid, row.stage, f"{took}" + (f"  {tail}" if tail else "")
+                        )
+
+    def last_log_line(self, cid: str) -> str:
+        """The last line of the candidate's log.txt (what a long stage last said), or ""."""
+        if self.run_dir is None:
+            return ""
+        f = self.run_dir / "candidates" / cid / "log.txt"
+        try:
+            with open(f, "rb") as fh:
+                fh.seek(max(0, f.stat().st_size - 4096))
+                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            return ""
+        last = lines[-1].strip() if lines else ""
+        # "2026-12-02 05:01:02,123 llmopt... INFO calibrate 12/30" -> the message alone
+        return last.split(" INFO ", 1)[-1][:100]
+
     # -- the callback -----------------------------------------------------------------------
     def __call__(self, event: str, cid: str, stage: str, detail: str) -> None:
+        with self._lock:
+            self._event(event, cid, stage, detail)
+
+    def _event(self, event: str, cid: str, stage: str, detail: str) -> None:
         now = self.clock()
+        if event == "rundir":
+            self.run_dir = Path(detail)
+            return
         if event == "budget":
             self.budget_s = float(detail)
             return
@@ -174,11 +234,12 @@ class OptimizeProgress:
             head += f"  ·  budget {_clock_str(self.budget_s)}, {_clock_str(left)} left"
             head += f"  ·  ends by {time.strftime('%H:%M:%S', time.localtime(self.t0 + self.budget_s))} at the latest"
         t = Table(expand=False, box=None, pad_edge=False)
-        for col in ("candidate", "stage", "state", "elapsed", "quality", "speed"):
+        for col in ("candidate", "stage", "state", "elapsed", "quality", "speed", "now"):
             t.add_column(col)
         for cid, row in self.rows.items():
             running = row.seconds + (now - row.started if row.started is not None else 0.0)
             state = Text(row.state, style=_STATE_STYLE.get(row.state, ""))
             stage = _VERBS.get(row.stage, row.stage) if row.state == "running" else row.stage
-            t.add_row(cid, stage, state, f"{running:.0f} s", row.quality, row.speed)
+            now_says = self.last_log_line(cid) if row.state == "running" else ""
+            t.add_row(cid, stage, state, f"{running:.0f} s", row.quality, row.speed, now_says)
         return Group(Text(head, style="bold"), t)

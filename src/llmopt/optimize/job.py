@@ -135,6 +135,8 @@ def optimize(
         run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)), force=force
     )
     write_json(run.model_json, info.to_dict())
+    if progress:
+        progress("rundir", "", "", str(run.root))
     write_doctor(run, target)
     # plan -> search -> select -> best/
     plan = _plan(run, info, tgt, candidates)

@@ -72,6 +72,12 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _log_progress(phase: str, done: int, total: int) -> None:
+    """A long step's progress, as a line of the candidate's log (the parent's progress view
+    shows a running stage's last log line)."""
+    log.info("%s %d/%d", phase, done, total)
+
+
 def build(run: RunDir, cid: str) -> dict[str, Any]:
     """The candidate's artifact. A calibrated recipe is quantized here first (`llmopt.quant`);
     the engine then takes in that checkpoint (engines only load checkpoints, never quantize)."""
@@ -90,7 +96,9 @@ def build(run: RunDir, cid: str) -> dict[str, Any]:
             # the next build of this artifact.
             prefix = f"{TMP_PREFIX}{cdir.artifact.name}.quant-"
             with tempfile.TemporaryDirectory(dir=cdir.root, prefix=prefix) as q:
-                facts = build_checkpoint(source, recipe, Path(q) / "checkpoint")
+                facts = build_checkpoint(
+                    source, recipe, Path(q) / "checkpoint", progress=_log_progress
+                )
                 facts.update(engine.build(Path(q) / "checkpoint", info, recipe, tmp))
         else:
             facts = engine.build(source, info, recipe, tmp)

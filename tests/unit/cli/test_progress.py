@@ -79,3 +79,20 @@ def test_live_table_updates_in_a_terminal():
     assert "\x1b[" in text and "candidate" in text and "budget 5:00" in text
     assert "running" in text and "benchmarking" in text
     assert "decode_tokens_per_s 45.1" in text
+
+
+def test_a_long_stage_reports_what_its_log_last_said(tmp_path):
+    """Off a terminal, a stage running longer than the heartbeat is reported again with the last
+    line of its log (a calibration's layer count, say), so a log shows it is alive."""
+    log = tmp_path / "candidates" / "hf-w4a16-awq-g64" / "log.txt"
+    log.parent.mkdir(parents=True)
+    log.write_text("2026-12-02 05:01:02,123 llmopt.optimize.worker INFO calibrate 12/30\n")
+    buf = io.StringIO()
+    with OptimizeProgress(stream=buf, heartbeat_s=0.5) as p:
+        p("rundir", "", "", str(tmp_path))
+        p("start", "hf-w4a16-awq-g64", "build", "full")
+        time.sleep(2.5)
+        p("done", "hf-w4a16-awq-g64", "build", "")
+    still = [line for line in buf.getvalue().splitlines() if " still " in line]
+    assert still and all("build   hf-w4a16-awq-g64" in line for line in still)
+    assert still[0].endswith("calibrate 12/30")
