@@ -56,6 +56,7 @@ class _Row:
     state: str = "waiting"
     started: float | None = None
     seconds: float = 0.0  # time spent in finished stages
+    last_s: float = 0.0  # the last finished stage's time
     quality: str = ""
     speed: str = ""
     detail: str = ""
@@ -184,7 +185,8 @@ class OptimizeProgress:
                 row.stage, row.state, row.started, row.detail = stage, "running", now, detail
             else:
                 if row.started is not None:
-                    row.seconds += now - row.started
+                    row.last_s = now - row.started
+                    row.seconds += row.last_s
                     row.started = None
                 row.stage = stage or row.stage
                 row.state = {"done": "done", "skip": "reused"}.get(event, event)
@@ -213,7 +215,7 @@ class OptimizeProgress:
             text = f"{head} ({detail})" if detail else head
         else:
             row = self.rows.get(cid)
-            took = f" {row.seconds:.1f} s" if row and event == "done" and row.seconds else ""
+            took = f" {row.last_s:.1f} s" if row and event == "done" and row.last_s else ""
             text = f"{head}{took}  {detail}" if detail else f"{head}{took}"
         if event == "note":
             text = f"{wall} +{_clock_str(now - self.t0)}  {detail}"

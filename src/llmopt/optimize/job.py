@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
+from llmopt.core.settings import EngineSettings
 from llmopt.deploy import resolve_source, write_bundle
 from llmopt.hardware.target import Target, detect_target
 from llmopt.model.info import inspect_model
@@ -30,6 +31,7 @@ from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
 from llmopt.optimize.runmeta import run_meta, write_doctor
 from llmopt.optimize.select import SelectionInput, select
 from llmopt.optimize.space import make_plan
+from llmopt.optimize.tune import tune
 from llmopt.report import write_report
 from llmopt.rundir.best import write_best
 from llmopt.rundir.paths import RunDir
@@ -146,6 +148,14 @@ def optimize(
     selection = _select(run, plan, max_quality_drop, obj, ctx, state)
     if selection.chosen:
         chosen = next(c for c in plan.candidates if c.id == selection.chosen)
+        # rung 4: the chosen one's runtime settings, side by side with its defaults
+        tuned = tune(run, chosen, info, budget, obj, ctx, progress, state.events)
+        if tuned is not None:
+            selection.tuned = tuned.to_dict()
+            selection.reasons[chosen.id] += f"; {tuned.note}"
+            if tuned.variant:
+                chosen = replace(chosen, settings=EngineSettings.from_dict(tuned.settings))
+            write_json(run.selection_json, selection.to_dict())
         _write_best(run, chosen, tgt.threads, deploy)
     # search.json and the report
     result = OptimizeResult(

@@ -95,16 +95,22 @@ def _round_ok(benches: list[BenchResult]) -> tuple[bool, float]:
 
 
 def paired_ratios(
-    run: RunDir, ids: list[str], ref_id: str, obj: Objective, ctx: dict[str, Any] | None = None
+    run: RunDir,
+    ids: list[str],
+    ref_id: str,
+    obj: Objective,
+    ctx: dict[str, Any] | None = None,
+    prefix: str = "pair",
 ) -> dict[str, PairedRatio]:
     """The side-by-side ratios of `ids` against `ref_id` from the rounds the run directory holds
-    (`bench.pair<N>.json`); {} when no round was measured."""
+    (`bench.<prefix><N>.json`: "pair" for the finalists against the reference, "tune" for the
+    chosen one's settings against its defaults); {} when no round was measured."""
     rounds: list[tuple[int, dict[str, BenchResult]]] = []
     for r in range(1, MAX_ROUNDS + 1):
         got = {
             i: BenchResult.from_dict(d)
             for i in [ref_id, *ids]
-            if (d := run.candidate(i).read("bench", f"pair{r}")) is not None
+            if (d := run.candidate(i).read("bench", f"{prefix}{r}")) is not None
         }
         if ref_id in got and len(got) > 1:
             rounds.append((r, got))
@@ -130,7 +136,8 @@ def paired_ratios(
             pr.lo, pr.hi = min(pr.ratios), max(pr.ratios)
             pr.trusted = True
             pr.note = (
-                f"side by side with the reference: {pr.ratio:.2f}x "
+                f"side by side with {'the reference' if prefix == 'pair' else ref_id}: "
+                f"{pr.ratio:.2f}x "
                 f"({len(pr.ratios)} round{'s' if len(pr.ratios) > 1 else ''}, "
                 f"{pr.lo:.2f}-{pr.hi:.2f}x)"
             )
@@ -138,7 +145,8 @@ def paired_ratios(
                 pr.note += f"; {len(pr.dropped)} round(s) left out: the machine's load changed"
         elif pr.rounds:
             pr.note = (
-                "side by side with the reference: not comparable, the machine's load changed "
+                f"side by side with {'the reference' if prefix == 'pair' else ref_id}: "
+                "not comparable, the machine's load changed "
                 f"during every round (probe up to {max(spreads):.2f}x slower within a round)"
             )
         out[cid] = pr

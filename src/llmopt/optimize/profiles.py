@@ -23,12 +23,12 @@ RUNGS = {"screen": 1, "full": 2, "pair": 3}
 
 
 def base_fidelity(fidelity: str) -> str:
-    """The sizes a fidelity uses: a side-by-side round ("pair1", "pair2", ...) uses "pair's".
+    """The sizes a fidelity uses: a side-by-side round ("pair1", "tune2", ...) uses "pair"'s.
 
-    >>> base_fidelity("pair2"), base_fidelity("screen")
-    ('pair', 'screen')
+    >>> base_fidelity("pair2"), base_fidelity("tune1"), base_fidelity("screen")
+    ('pair', 'pair', 'screen')
     """
-    return "pair" if fidelity.startswith("pair") else fidelity
+    return "pair" if fidelity.startswith(("pair", "tune")) else fidelity
 
 
 @dataclass(frozen=True)

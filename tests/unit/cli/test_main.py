@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -121,6 +122,16 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
             b = json.loads((out / "candidates" / cid / f"bench.pair{r}.json").read_text())
             assert b["fidelity"]["rung"] == 3 and b["env"]["probe"]["before"]["probe_ms"] > 0
     assert sel["side_by_side"].keys() == search["side_by_side"].keys()
+    # Rung 4: the chosen one's thread count measured side by side with its default; best/
+    # deploys whichever settings the rounds chose, and the reason says which.
+    if sel["chosen"] and (os.cpu_count() or 1) > 1:
+        tuned = sel["tuned"]
+        assert tuned["base"] == sel["chosen"] and f"{sel['chosen']}+threads1" in tuned["tried"]
+        assert "settings:" in sel["reasons"][sel["chosen"]]
+        best = json.loads((out / "best" / "candidate.json").read_text())
+        assert best["settings"] == tuned["settings"]
+        report = (out / "report.md").read_text()
+        assert "+threads1" not in report.split("## Candidates")[-1].split("\n## ")[0]
     for cid in ids:
         for stage in ("build", "verify", "bench"):
             assert (out / "candidates" / cid / f"{stage}.json").is_file(), f"{cid}/{stage}"
