@@ -210,6 +210,13 @@ def select(inp: SelectionInput) -> Selection:
             + (f"; {pr.note}" if pr and pr.note else "")
             + _vs_eager(chosen, candidates, bench, inp.screen_bench)
         )
+        untrusted = [i for i, p in inp.paired.items() if i != chosen and not p.trusted]
+        if untrusted and (pr is None or not pr.trusted):
+            reasons[chosen] += (
+                f"; not confirmed side by side against {', '.join(untrusted)}: the machine's "
+                "load changed during every round, so this ranking rests on numbers measured "
+                "minutes apart"
+            )
         best_noise = _noise(bench[chosen], obj.name)
         for i in ranking[1:]:
             ratio = score[i] / score[chosen] if score[chosen] else 0.0
