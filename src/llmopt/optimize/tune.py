@@ -33,7 +33,7 @@ from llmopt.optimize.paired import PAIR_ROUNDS, paired_ratios, round_order
 from llmopt.optimize.space import settings_suffix
 from llmopt.rundir.paths import RunDir
 
-__all__ = ["TuneResult", "tune", "variations", "MARGIN", "VARIANT_SEP"]
+__all__ = ["TuneResult", "tune", "decide", "variations", "MARGIN", "VARIANT_SEP"]
 
 MARGIN = 0.03  # a variation must beat the default settings by this much in every round
 VARIANT_SEP = "+"  # candidates/<id>+<setting>: a tuning variation, not a planned candidate
@@ -135,8 +135,13 @@ def tune(
                 [Task(cid, [("bench", f"tune{r}")], f"tune{r}", None, budget.deadline)],
             )
     res = paired_ratios(run, [v.id for v in variants], base.id, obj, ctx, prefix="tune")
-    if not res:
-        return None
+    return decide(base, variants, res) if res else None
+
+
+def decide(base: Candidate, variants: list[Candidate], res: dict[str, Any]) -> TuneResult:
+    """The settings to deploy from the rounds' ratios (`paired_ratios` of the variants against
+    `base`): the variation that beat the defaults by more than `MARGIN` in every comparable
+    round, the fastest of those; else the defaults."""
     out = TuneResult(
         base.id, base.settings.to_dict(), tried={k: p.to_dict() for k, p in res.items()}
     )
@@ -148,23 +153,16 @@ def tune(
     if winners:
         ratio, v = max(winners, key=lambda w: w[0])
         out.settings, out.variant = v.settings.to_dict(), v.id
-        change = settings_suffix(
-            {
-                k: val
-                for k, val in v.settings.to_dict().items()
-                if base.settings.to_dict().get(k) != val
-            }
-        )
+        setting = v.id.split(VARIANT_SEP, 1)[1]
         out.note = (
-            f"settings: {change.lstrip('-')} measured {ratio:.2f}x the default settings side by "
-            f"side on this machine during the run ({res[v.id].note.split(': ', 1)[-1]})"
+            f"settings: {setting} measured {ratio:.2f}x the default settings side by side on "
+            f"this machine during the run ({res[v.id].note.split(': ', 1)[-1]})"
         )
     else:
-        best = ", ".join(
-            f"{k.split(VARIANT_SEP, 1)[1]} {p.ratio:.2f}x"
-            if p.ratio
-            else f"{k.split(VARIANT_SEP, 1)[1]} not comparable"
+        tried = ", ".join(
+            f"{k.split(VARIANT_SEP, 1)[1]} "
+            + (f"{p.ratio:.2f}x" if p.ratio is not None else "not comparable")
             for k, p in res.items()
         )
-        out.note = f"settings: the defaults kept (side by side: {best})"
+        out.note = f"settings: the defaults kept (side by side: {tried})"
     return out

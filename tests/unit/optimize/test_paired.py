@@ -123,3 +123,29 @@ def test_selection_ranks_finalists_on_side_by_side_ratios(tmp_path):
     assert set(sel.side_by_side) == {"a", "b"}
     # Without the rounds, the numbers taken minutes apart would have chosen "a".
     assert select(SelectionInput(cands, verify, full, 0.01, "throughput")).chosen == "a"
+
+
+def test_settings_adopted_only_when_they_win_every_round(tmp_path):
+    from llmopt.optimize.tune import decide
+
+    base = Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0", {"device": "cpu", "threads": 2})
+    one = Candidate(base.id + "+threads1", "llamacpp", "gguf-q8_0", {"device": "cpu", "threads": 1})
+    run = RunDir(tmp_path)
+
+    def rounds(prefix_values):
+        for r, vals in enumerate(prefix_values, 1):
+            for cid, v in vals.items():
+                write_json(
+                    run.candidate(cid).stage_file("bench", f"tune{r}"), _bench(cid, v).to_dict()
+                )
+        return paired_ratios(run, [one.id], base.id, THROUGHPUT, prefix="tune")
+
+    # One thread won both rounds by 20%+ (a busy machine): adopted, and said why.
+    res = rounds([{base.id: 50.0, one.id: 65.0}, {base.id: 52.0, one.id: 63.0}])
+    t = decide(base, [one], res)
+    assert t.variant == one.id and t.settings["threads"] == 1
+    assert t.note.startswith("settings: threads1 measured 1.2") and "2 rounds" in t.note
+    # Won one round, lost the other: the defaults stay.
+    res = rounds([{base.id: 50.0, one.id: 65.0}, {base.id: 60.0, one.id: 55.0}])
+    t = decide(base, [one], res)
+    assert t.variant is None and t.settings["threads"] == 2 and "defaults kept" in t.note
