@@ -183,6 +183,7 @@ class OptimizeProgress:
             row = self.rows.setdefault(cid, _Row())
             if event == "start":
                 row.stage, row.state, row.started, row.detail = stage, "running", now, detail
+                self._beats.pop(cid, None)  # the next heartbeat counts from this stage's start
             else:
                 if row.started is not None:
                     row.last_s = now - row.started
