@@ -24,6 +24,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def copy_rate(dev: str) -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy (median)."""
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3
+    return 2 * src.numel() * 2 / t
+
+
+def runners(A, attn, caches, q, tables, pos, bs):
+    """The kernel and the gather path over `caches` in rotation (each call the next set)."""
+    i, j = [0], [0]  # each starts at set 0: its first output is checked against set 0
+
+    def kernel():
+        kc, vc = caches[i[0] % len(caches)]
+        i[0] += 1
+        return A.paged_decode(q, kc, vc, tables, pos, bs)
+
+    def gather():
+        attn.k_cache, attn.v_cache = caches[j[0] % len(caches)]
+        j[0] += 1
+        return attn._paged(q[:, None], pos[:, None], tables, bs)
+
+    return kernel, gather
+
+
 def main() -> None:
     import triton.testing
 
@@ -42,11 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = "cuda"
     assert A.decode_attention_available(), "the kernel failed its check on this GPU"
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
-    dst = torch.empty_like(src)
-    copy_s = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3
-    copy_bw = 2 * src.numel() * 2 / copy_s
-    del src, dst
+    copy_bw = copy_rate(dev)
     print(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9}))
     h, kv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     cfg = NativeConfig.from_hf(
@@ -80,22 +103,9 @@ def main() -> None:
             tables = (torch.randperm(b * nb, device=dev) + 1).view(b, nb)
             pos = torch.full((b,), ctx - 1, device=dev)
             q = torch.randn(b, h, d, device=dev, dtype=torch.bfloat16)
-            i = [0]
-
-            def kernel():
-                kc, vc = caches[i[0] % sets]
-                i[0] += 1
-                return A.paged_decode(q, kc, vc, tables, pos, bs)
-
-            def gather():
-                attn.k_cache, attn.v_cache = caches[i[0] % sets]
-                i[0] += 1
-                return attn._paged(q[:, None], pos[:, None], tables, bs)
-
+            kernel, gather = runners(A, attn, caches, q, tables, pos, bs)
             ref = A.reference(q, *caches[0], tables, pos + 1, bs)
-            i[0] = 0
             err = float((kernel().float() - ref).norm() / ref.norm())
-            i[0] = 0
             gerr = float((gather().float().reshape(b, h, d) - ref).norm() / ref.norm())
             t_k = triton.testing.do_bench(kernel, return_mode="median") / 1e3
             t_g = triton.testing.do_bench(gather, return_mode="median") / 1e3

@@ -2,6 +2,7 @@
 # The issue-3/6/7 measurements on a lent H200, step by step, in one command per device call:
 #
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
+#   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
 #
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
@@ -73,9 +74,21 @@ for step in "$@"; do
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
       rm -rf "$W/run-8b" ;;  # ~50 GB of artifacts: the next step needs the disk (64 GiB)
-    decode)  # issue 8 leftovers: the autotuned Triton GEMV (int8, FP8) at batch 1
-      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int8 fp8} --batches 1 \
-        2>&1 | tee "$OUT/decode.log" ;;
+    decode)  # quantized formats at batch 1 (int4: the Triton fused-dequant GEMV, issue 24)
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int4 int8 fp8} --batches 1 \
+        --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+    native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed)
+      python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
+        tests/unit/engines/native/test_linear_int4.py 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
+    decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
+        --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \
+        > "$OUT/decode-ab.log" 2>&1; grep -v "^ " "$OUT/decode-ab.log" | tail -8 ;;
+    attention)  # issue 24: decode attention alone, kernel vs gather, against the copy rate
+      python3 benchmarks/decode_attention.py --json "$OUT/attention.json" 2>&1 | tail -12 ;;
+    kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate
+      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --json "$OUT/kernels.json" \
+        2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

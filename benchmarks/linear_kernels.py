@@ -80,7 +80,11 @@ def kernels(n: int, k: int, m: int, device: str):
         layers = [make() for _ in range(copies)]
         return lambda: [f(x) for f in layers][-1], copies
 
-    fn, c = rotate(n * k * 2, lambda: lambda x, w=w.clone(): F.linear(x, w))
+    def dense():
+        wc = w.clone()
+        return lambda x: F.linear(x, wc)
+
+    fn, c = rotate(n * k * 2, dense)
     yield "bf16", n * k * 2, fn, xf @ w.float().t(), c
     q, s = L.quantize_int8(w.float())
     fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
