@@ -48,7 +48,8 @@ def _tile(
     kv_off = rows[:, None] * stride_kr + kvh * D + d[None, :]
     kvmask = tmask[:, None] & dmask[None, :]
     k = tl.load(k_ptr + kv_off, mask=kvmask, other=0.0).to(q.dtype)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_H, BLOCK_N), fp32
+    # fp32 explicitly: Inductor passes the Python-float scale as fp64
+    qk = (tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
     qk = tl.where(tmask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, axis=1))
     # a tile wholly past the end (interpreter path) leaves m at -inf: keep alpha finite
@@ -211,14 +212,15 @@ def decode_combine(
 # tile reduced once at the end, as the int8 GEMV); a tl.dot GEMM for more rows.
 
 _GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in (
-        (8, 256, 4, 3),
-        (16, 256, 4, 3),
-        (16, 512, 8, 3),
-        (32, 256, 8, 3),
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bn, bk, w, st in (
+        (16, 512, 4, 3),
+        (32, 512, 8, 3),
+        (8, 1024, 4, 3),
+        (16, 1024, 8, 3),
+        (32, 256, 4, 4),
+        (64, 256, 8, 3),
         (8, 512, 4, 4),
-        (32, 128, 4, 4),
     )
 ]
 
@@ -273,16 +275,34 @@ def int4_gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # Each packed word is loaded once (coalesced rows of BLOCK_K / 8 words) and never reshaped:
+    # nibble i of every word meets x[8j + i] in turn. The 8 weights of a word share one group,
+    # so the scale multiplies their summed products once.
     pid_n, m = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K):
-        w = _int4_dequant(w_ptr, s_ptr, z_ptr, rn, k0, N, K, G, HAS_ZERO, BLOCK_N, BLOCK_K)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0)
-        acc += w * x.to(tl.float32)[None, :]
+        rk8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        kmask = rk8 < K // 8
+        wmask = nmask[:, None] & kmask[None, :]
+        p = tl.load(w_ptr + rn[:, None] * (K // 8) + rk8[None, :], mask=wmask, other=0)
+        goff = rn[:, None] * (K // G) + (rk8 // (G // 8))[None, :]
+        s = tl.load(s_ptr + goff, mask=wmask, other=0.0).to(tl.float32)
+        inner = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        xs = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        for i in tl.static_range(8):
+            x = tl.load(x_ptr + m * K + rk8 * 8 + i, mask=kmask, other=0.0).to(tl.float32)
+            u = ((p >> (4 * i)) & 0xF).to(tl.float32) - 8.0
+            inner += u * x[None, :]
+            if HAS_ZERO:
+                xs += x
+        acc += inner * s
+        if HAS_ZERO:
+            z = tl.load(z_ptr + goff, mask=wmask, other=0.0).to(tl.float32)
+            acc += z * xs[None, :]
     y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 _GEMM_CONFIGS = [
