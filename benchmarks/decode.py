@@ -298,6 +298,11 @@ def main() -> None:
         default=["triton"],
         help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather only)",
     )
+    ap.add_argument(
+        "--int4-triton",
+        action="store_true",
+        help="int4 through the opt-in Triton fused-dequant kernels instead of tinygemm (CUDA)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
@@ -309,6 +314,7 @@ def main() -> None:
     from llmopt.engines.native import attention as A
     from llmopt.engines.native import linear as L
 
+    L.INT4_TRITON = args.int4_triton
     cuda = torch.device(args.device).type == "cuda"
     dtype = (
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)

@@ -92,10 +92,11 @@ def kernels(n: int, k: int, m: int, device: str):
     if k % 128 == 0:
         q4, s4 = L.quantize_int4(w.float(), 128)
         deq = (q4.float().reshape(n, -1, 128) * s4[..., None]).reshape(n, k)
+        L.INT4_TRITON = device == "cuda"  # the opt-in Triton kernels; tinygemm below
         fn, c = rotate(n * k // 2, lambda: L.Int4Linear(q4, s4, 128, None, dt))
-        kern = (
-            "int4-g128-triton" if L.Int4Linear(q4, s4, 128, None, dt).triton_kernel else "int4-g128"
-        )
+        triton_ = L.Int4Linear(q4, s4, 128, None, dt).triton_kernel
+        kern = "int4-g128-triton" if triton_ else "int4-g128"
+        L.INT4_TRITON = False
         yield kern, n * k // 2, fn, xf @ deq.t(), c
         if device == "cuda":  # PyTorch's tinygemm, as before the Triton kernels
             u = q4.to(torch.int32) + 8
@@ -116,8 +117,8 @@ def kernels(n: int, k: int, m: int, device: str):
 
 def copy_rate(device: str) -> float:
     """Bytes read + written per second of a 2 GiB device-to-device copy (median)."""
-    # Timed eagerly, as decode.py does: a copy captured in a CUDA graph becomes a memcpy node
-    # that the DMA engines run, at about two thirds of the SMs' rate.
+    # Timed eagerly, as decode.py times it, so that both scripts' ceilings are one measurement
+    # (a copy replayed from a CUDA graph measured lower; why was not investigated).
     src = torch.empty(1 << 30, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     times = []

@@ -6,8 +6,9 @@ activation dtype. The kernels are the ones PyTorch ships (no torchao on our host
 | layer       | CPU                                   | CUDA                                         |
 |-------------|---------------------------------------|----------------------------------------------|
 | Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton GEMV (rows <= 4), else dequant + mm   |
-| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | Triton, dequant fused: GEMV (rows <= 4),     |
-|             |                                       | tl.dot GEMM above; tinygemm if Triton fails  |
+| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | `_weight_int4pack_mm` (tinygemm, bf16); with |
+|             |                                       | `INT4_TRITON` Triton, dequant fused (GEMV at |
+|             |                                       | rows <= 4, tl.dot GEMM above)                |
 | Fp8Linear   | refused (no fast FP8 matmul on CPU)   | `_scaled_mm` (row-wise scales, cc >= 8.9);   |
 |             |                                       | Triton GEMV, weight-only, for rows <= 4      |
 
@@ -42,6 +43,7 @@ __all__ = [
     "fp8_supported",
     "SMALL_M",
     "int4_mm",
+    "INT4_TRITON",
     "pack_int4",
     "unpack_int4",
 ]
@@ -158,7 +160,10 @@ class Int4Linear(_QuantLinear):
         # On CUDA the Triton kernels (`int4_mm`: fused dequant, weights read at 4 bits) when they
         # pass their check on this GPU, in their own layout; tinygemm's layout otherwise.
         self.triton_kernel = (
-            q.device.type == "cuda" and int4_triton_supported(k, group) and _triton_int4_available()
+            INT4_TRITON
+            and q.device.type == "cuda"
+            and int4_triton_supported(k, group)
+            and _triton_int4_available()
         )
         if self.triton_kernel:
             self.register_buffer("weight", pack_int4(u))
@@ -220,6 +225,9 @@ class Fp8Linear(_QuantLinear):
 
 
 TRITON_M = 4  # rows up to which the Triton int8 GEMV runs (decode batches)
+# The Triton int4 kernels (`int4_mm`) are opt-in: on the H200 they read int4 weights slower than
+# tinygemm at 1-4 rows (docs/benchmarks.md, issue 24), so CUDA keeps tinygemm by default.
+INT4_TRITON = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 

@@ -74,7 +74,8 @@ def test_int4_kernels_in_triton_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 4, 5, 64, 300])
 @pytest.mark.parametrize("asym", [False, True])
-def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym):
+def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, monkeypatch):
+    monkeypatch.setattr(L, "INT4_TRITON", True)  # opt-in (tinygemm is the CUDA default)
     n, k, group = 1024, 4096, 128
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g) * 0.02
