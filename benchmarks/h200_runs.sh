@@ -7,7 +7,9 @@
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
-# text, for verification; .devdata/site/gensim holds the data file it is parsed from). Results go to $OUT (default /tmp/h200-out).
+# text, for verification; .devdata/site/gensim holds the data file it is parsed from). The issue-24
+# steps (native-tests, decode-ab, attention, kernels, decode) need none of these: the image's torch,
+# triton and pytest suffice. Results go to $OUT (default /tmp/h200-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
