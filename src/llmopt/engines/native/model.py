@@ -237,6 +237,7 @@ class Transformer(nn.Module):
         shape = (num_blocks * block_size, self.cfg.n_kv_heads, self.cfg.head_dim)
         kernel = (
             torch.device(device).type == "cuda"
+            and self.cfg.head_dim >= 16  # tl.dot's smallest K
             and attention.ENABLED
             and attention.decode_attention_available()
         )
