@@ -15,7 +15,9 @@ Two attention paths:
 - `prefill` (every sequence starts at position 0): SDPA with `is_causal` on the fresh keys/values
   (flash attention on GPU); the keys/values are also written to the cache.
 - `paged` (decode, or a chunk after earlier tokens): gather each sequence's blocks, mask key
-  positions past the query's, grouped-query attention without repeating K/V. A chunk of T > 1
+  positions past the query's, grouped-query attention without repeating K/V. On CUDA a decode
+  step (one query per sequence) instead runs the flash-decoding Triton kernel of `attention.py`,
+  which reads the blocks in place (`Attention.decode_kernel`, set by `setup_cache`). A chunk of T > 1
   queries may start at any position (right-padded rows too); a long one runs its queries in
   slices so the fp32 scores stay under `Attention.max_score_elems`.
 """
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.engines.native import attention
 from llmopt.engines.native.config import NativeConfig
 
 __all__ = ["Transformer", "rope_inv_freq"]
@@ -96,6 +99,11 @@ class Attention(nn.Module):
         # CUDA graphs see fixed addresses that are updated in place.
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        # Decode (T == 1) through attention.paged_decode: a plain attribute, decided eagerly in
+        # Transformer.setup_cache (CUDA, the kernel checked on this GPU, attention.ENABLED), so
+        # the compiled step sees a constant. `decode_sms`: the GPU's multiprocessor count.
+        self.decode_kernel = False
+        self.decode_sms = 0
 
     # The paged path's fp32 scores (B, heads, T, S) at most this many elements at once (512 MiB):
     # a prefill chunk of T > 1 tokens over a long context runs its queries in slices.
@@ -117,7 +125,17 @@ class Attention(nn.Module):
         # Write this step's keys/values into their cache rows.
         self.k_cache.index_copy_(0, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
         self.v_cache.index_copy_(0, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
-        if prefill:
+        if not prefill and T == 1 and self.decode_kernel:
+            out = attention.paged_decode(
+                q[:, 0],
+                self.k_cache,
+                self.v_cache,
+                block_tables,
+                pos[:, 0],
+                block_size,
+                sms=self.decode_sms,
+            )
+        elif prefill:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
@@ -217,9 +235,17 @@ class Transformer(nn.Module):
         """Allocate the KV block pool: num_blocks * block_size token rows per layer."""
         self.block_size = block_size
         shape = (num_blocks * block_size, self.cfg.n_kv_heads, self.cfg.head_dim)
+        kernel = (
+            torch.device(device).type == "cuda"
+            and self.cfg.head_dim >= 16  # tl.dot's smallest K
+            and attention.ENABLED
+            and attention.decode_attention_available()
+        )
+        sms = attention.sm_count(torch.device(device)) if kernel else 0
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.decode_kernel, layer.self_attn.decode_sms = kernel, sms
 
     def forward(
         self,
