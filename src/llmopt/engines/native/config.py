@@ -17,7 +17,7 @@ from typing import Any
 
 from llmopt.core.errors import UnsupportedModelError
 
-__all__ = ["NativeConfig", "UnsupportedModel", "FAMILIES"]
+__all__ = ["NativeConfig", "UnsupportedModel", "FAMILIES", "native_refusal"]
 
 # model_type -> what differs from plain Llama.
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -114,3 +114,27 @@ class NativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def native_refusal(folder) -> str | None:
+    """Why the native engine cannot run the decoder in `folder` (from its `config.json`), or None.
+
+    >>> import json, tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    >>> native_refusal(d).startswith("the native torch engine runs")
+    True
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None  # nothing to judge by: the loader reports the missing config itself
+    try:
+        NativeConfig.from_hf(json.loads(path.read_text()))
+    except UnsupportedModel as e:
+        return e.message
+    except (KeyError, TypeError, ValueError) as e:
+        return f"its config.json lacks what the native engine reads ({e})"
+    return None
