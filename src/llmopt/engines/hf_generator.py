@@ -20,8 +20,8 @@ speed:
   transformers cache, which grows token by token.
 - **Swap** moves a sequence's cache tensors to host memory and back.
 
->>> from llmopt.engines.hf_generator import HFGenerator  # doctest: +SKIP
->>> gen = HFGenerator.load("path/to/gpt2-folder", max_batch=4)  # doctest: +SKIP
+>>> from llmopt.engines.torch_hf import load_hf_generator  # doctest: +SKIP
+>>> gen = load_hf_generator("path/to/gpt2-folder", max_batch=4)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool
 from llmopt.engines.native.generator import EngineTime
 
-__all__ = ["HFGenerator", "load_hf_generator"]
+__all__ = ["HFGenerator"]
 
 # Context of a generator when neither the spec nor the model's config says (a config without
 # `max_position_embeddings`: many recurrent or ALiBi models).
@@ -139,36 +138,6 @@ class HFGenerator:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self.time = EngineTime()
-
-    @classmethod
-    def load(
-        cls,
-        folder: str | Path,
-        recipe: Any = "fp32",
-        device: str = "cpu",
-        *,
-        max_batch: int = 8,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_seq_len: int | None = None,
-    ) -> HFGenerator:
-        """Load `folder` (an HF folder or an `hf` engine artifact) with `recipe`."""
-        from transformers import AutoTokenizer
-
-        from llmopt.core.recipes import get_recipe  # lazy: keeps this module's imports small
-        from llmopt.engines.torch_hf import load_causal_lm  # lazy: torch_hf registers the engine
-
-        rec = get_recipe(recipe)
-        model = load_causal_lm(Path(folder), rec, device)
-        tok = AutoTokenizer.from_pretrained(folder)
-        return cls(
-            model,
-            tok,
-            max_batch=max_batch,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_seq_len=max_seq_len,
-        )
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -369,16 +338,3 @@ class HFGenerator:
         self.remove(key)
         ids = [e.token_id for e in out]
         return ids, {"ttft_s": t1 - t0, "decode_s": t2 - t1, "decode_tokens": len(ids) - 1}
-
-
-def load_hf_generator(spec: Any) -> HFGenerator:
-    """`HFGenerator` for a `GeneratorSpec` (what `HFEngine.load_generator` returns)."""
-    return HFGenerator.load(
-        spec.model,
-        spec.recipe,
-        spec.device,
-        max_batch=spec.max_batch,
-        block_size=spec.block_size,
-        num_blocks=spec.num_blocks,
-        max_seq_len=spec.max_seq_len,
-    )

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.core.recipes import get_recipe
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
@@ -33,10 +34,17 @@ if TYPE_CHECKING:
     import torch
 
     from llmopt.core.recipes import Recipe
-    from llmopt.engines.generation import BatchGenerator, GeneratorSpec
+    from llmopt.engines.generation import GeneratorSpec
+    from llmopt.engines.hf_generator import HFGenerator
     from llmopt.model.info import ModelInfo
 
-__all__ = ["HFEngine", "HFCausalLMRunner", "HFEmbeddingRunner", "load_causal_lm"]
+__all__ = [
+    "HFEngine",
+    "HFCausalLMRunner",
+    "HFEmbeddingRunner",
+    "load_causal_lm",
+    "load_hf_generator",
+]
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +104,17 @@ class HFEngine(Engine):
             return HFEmbeddingRunner(model, tokenizer, info, device, settings)
         return HFCausalLMRunner(model, tokenizer, device)
 
-    def load_generator(self, spec: GeneratorSpec) -> BatchGenerator:
+    def load_generator(self, spec: GeneratorSpec) -> HFGenerator:
         """An `HFGenerator` (one forward per sequence per step; see engines/hf_generator.py)."""
-        from llmopt.engines.hf_generator import load_hf_generator  # heavy: torch
-
-        return load_hf_generator(spec)
+        return load_hf_generator(
+            spec.model,
+            spec.recipe,
+            spec.device,
+            max_batch=spec.max_batch,
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            max_seq_len=spec.max_seq_len,
+        )
 
 
 class HFCausalLMRunner:
@@ -283,6 +297,34 @@ def load_causal_lm(folder: Path, recipe: Recipe, device: str = "cpu"):
     if device == "cpu" and next(model.parameters()).dtype == torch.float16:
         model = model.float()
     return model.to(device).eval()
+
+
+def load_hf_generator(
+    model: str | Path,
+    recipe: Recipe | str = "fp32",
+    device: str = "cpu",
+    *,
+    max_batch: int = 8,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_seq_len: int | None = None,
+) -> HFGenerator:
+    """The `hf` engine's batch generator for a folder, built-in name or `hf` artifact."""
+    from transformers import AutoTokenizer
+
+    from llmopt.assets.models import resolve_model  # lazy: only serving resolves names here
+    from llmopt.engines.hf_generator import HFGenerator  # heavy: torch
+
+    folder, _ = resolve_model(model)
+    net = load_causal_lm(Path(folder), get_recipe(recipe), device)
+    return HFGenerator(
+        net,
+        AutoTokenizer.from_pretrained(folder),
+        max_batch=max_batch,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_seq_len=max_seq_len,
+    )
 
 
 def link_dense_weights(source: Path, out: Path, dtype: str) -> str | None:

@@ -14,6 +14,7 @@ from llmopt.engines import get_engine
 from llmopt.engines.generation import BatchGenerator, GeneratorSpec, OutOfBlocks, SamplingParams
 from llmopt.engines.hf_generator import HFGenerator
 from llmopt.engines.native.config import native_refusal
+from llmopt.engines.torch_hf import load_hf_generator
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_greedy_tokens_match_transformers(family, tiny_gpt2_dir, tiny_llama_dir)
 
 
 def test_swap_out_and_in_continues_exactly(tiny_gpt2_dir):
-    gen = HFGenerator.load(tiny_gpt2_dir, max_batch=2)
+    gen = load_hf_generator(tiny_gpt2_dir, max_batch=2)
     want = _reference(tiny_gpt2_dir, PROMPTS["a"], 10)
     gen.add("a", PROMPTS["a"], SamplingParams(max_tokens=10, ignore_eos=True))
     got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
@@ -90,7 +91,7 @@ def test_swap_out_and_in_continues_exactly(tiny_gpt2_dir):
 
 
 def test_block_account_limits_admission_and_growth(tiny_gpt2_dir):
-    gen = HFGenerator.load(tiny_gpt2_dir, max_batch=4, block_size=4, num_blocks=6)  # 5 usable
+    gen = load_hf_generator(tiny_gpt2_dir, max_batch=4, block_size=4, num_blocks=6)  # 5 usable
     gen.add("a", list(range(40, 56)), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 blocks
     with pytest.raises(OutOfBlocks):
         gen.add("b", list(range(40, 50)), SamplingParams(max_tokens=2))  # 3 more: 1 free
@@ -108,7 +109,7 @@ def test_block_account_limits_admission_and_growth(tiny_gpt2_dir):
 def test_prompt_logprobs_match_a_full_forward(tiny_gpt2_dir):
     from transformers import AutoModelForCausalLM
 
-    gen = HFGenerator.load(tiny_gpt2_dir)
+    gen = load_hf_generator(tiny_gpt2_dir)
     prompt = PROMPTS["a"]
     gen.add("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
     events = []
