@@ -124,3 +124,28 @@ def test_prompt_logprobs_match_a_full_forward(tiny_gpt2_dir):
         lp, top = ev.prompt_logprobs[p]
         assert lp == pytest.approx(float(logp[p - 1, prompt[p]]), abs=1e-4)
         assert [t for t, _ in top] == logp[p - 1].topk(2).indices.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_tokens_match_and_swap_goes_through_host_memory(tiny_gpt2_dir):
+    from transformers import AutoModelForCausalLM
+
+    gen = load_hf_generator(tiny_gpt2_dir, "fp32", "cuda", max_batch=4)
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir, dtype=torch.float32).cuda()
+    x = torch.tensor([PROMPTS["a"]], device="cuda")
+    want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)
+    want = want[0, x.shape[1] :].tolist()
+    assert _run(gen, PROMPTS, 10)["a"] == want
+    gen.add("a", PROMPTS["a"], SamplingParams(max_tokens=10, ignore_eos=True))
+    got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
+    swapped = gen.swap_out("a")
+    layer = swapped.seq.cache.layers[0]
+    assert layer.keys.device.type == "cpu"  # really moved off the GPU
+    gen.swap_in("a", swapped)
+    assert layer.keys.device.type == "cuda"
+    while not gen.finished("a"):
+        got += [ev.token_id for ev in gen.step()]
+    assert got == want
+    bf16 = load_hf_generator(tiny_gpt2_dir, "bf16", "cuda")
+    assert len(_run(bf16, {"a": PROMPTS["a"]}, 10)["a"]) == 10

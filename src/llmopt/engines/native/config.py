@@ -29,6 +29,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+# The way out of every refusal, and the flag `llmopt serve` takes (tested to work).
+HF_HINT = "use the hf engine (`--engine hf`), which runs every transformers architecture"
+
+
 class UnsupportedModel(UnsupportedModelError):
     """The native engine cannot run this model; the `hf` engine can."""
 
@@ -61,7 +65,7 @@ class NativeConfig:
         if mt not in FAMILIES:
             raise UnsupportedModel(
                 f"the native torch engine runs {', '.join(FAMILIES)} decoders, not {mt!r}",
-                hint="use the hf engine (`--engine hf`), which runs every transformers architecture",
+                hint=HF_HINT,
             )
         fam = FAMILIES[mt]
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
@@ -69,11 +73,11 @@ class NativeConfig:
         if act != want and not (fam.get("gemma") and act in ("gelu", "gelu_pytorch_tanh")):
             raise UnsupportedModel(
                 f"{mt} with activation {act!r}: the native engine implements {want}",
-                hint="use the hf engine",
+                hint=HF_HINT,
             )
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModel(
-                "partial rotary embeddings are not implemented natively", hint="use the hf engine"
+                "partial rotary embeddings are not implemented natively", hint=HF_HINT
             )
         rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
         rope.update(cfg.get("rope_scaling") or {})  # transformers 4.x
@@ -82,7 +86,7 @@ class NativeConfig:
         if rope_type not in ("default", "llama3", "linear"):
             raise UnsupportedModel(
                 f"RoPE scaling {rope_type!r} is not implemented natively (default, linear, llama3 are)",
-                hint="use the hf engine",
+                hint=HF_HINT,
             )
         rope["rope_type"] = rope_type
         n_heads = int(cfg["num_attention_heads"])
