@@ -26,6 +26,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma": {"gemma": True},
+    "phi3": {},  # Llama with fused qkv / gate_up tensors (split on load, `weights.py`)
 }
 
 
@@ -75,12 +76,13 @@ class NativeConfig:
                 f"{mt} with activation {act!r}: the native engine implements {want}",
                 hint=HF_HINT,
             )
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+        rope.update(cfg.get("rope_scaling") or {})  # transformers 4.x
+        # transformers 5 moves the factor into rope_parameters (Phi-4-mini: 0.75).
+        if float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
             raise UnsupportedModel(
                 "partial rotary embeddings are not implemented natively", hint=HF_HINT
             )
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
-        rope.update(cfg.get("rope_scaling") or {})  # transformers 4.x
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in ("default", "llama3", "linear"):

@@ -164,6 +164,7 @@ def load_model(
     for h in handles:
         for k in h.keys():  # noqa: SIM118 (safe_open handles are not mappings)
             tensors[k] = h
+    _split_fused(tensors, cfg)
     linears = set(_linear_names(model))
     for name in linears:
         if f"{name}.weight" not in tensors and not _is_quantized(name, tensors):
@@ -188,6 +189,35 @@ def load_model(
     if quant:
         quantize_model_(model, quant, ignore, group)
     return model
+
+
+class _Rows:
+    """Rows `start:end` of a stored tensor, read like a safetensors handle (`get_tensor`)."""
+
+    def __init__(self, handle: Any, key: str, start: int, end: int):
+        self.handle, self.key, self.start, self.end = handle, key, start, end
+
+    def get_tensor(self, _name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.key)[self.start : self.end]
+
+
+def _split_fused(tensors: dict[str, Any], cfg: NativeConfig) -> None:
+    """Checkpoints that store q/k/v and gate/up fused (Phi-3: `qkv_proj`, `gate_up_proj`) as the
+    separate tensors the model is built from (`fuse_projections_` joins them again after)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    parts = {
+        "self_attn.qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "mlp.gate_up_proj": (("gate_proj", cfg.intermediate), ("up_proj", cfg.intermediate)),
+    }
+    for key in [k for k in tensors if k.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
+        base, fused = key.removesuffix(".weight").rsplit(".", 2)[0], key.split(".")[-3:-1]
+        start = 0
+        for name, rows in parts[".".join(fused)]:
+            tensors[f"{base}.{fused[0]}.{name}.weight"] = _Rows(
+                tensors[key], key, start, start + rows
+            )
+            start += rows
+        del tensors[key]
 
 
 def _is_quantized(name: str, tensors) -> bool:

@@ -48,6 +48,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    # fused qkv_proj / gate_up_proj in the checkpoint, split on load
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"sliding_window": None, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
 }
 
 
