@@ -27,6 +27,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True},
     "gemma": {"gemma": True},
     "phi3": {},  # Llama with fused qkv / gate_up tensors (split on load, `weights.py`)
+    "granite": {},  # Llama with embedding / attention / residual / logits multipliers
 }
 
 
@@ -58,6 +59,14 @@ class NativeConfig:
     gemma: bool = False  # (1 + w) RMSNorm, embeddings scaled by sqrt(dim), tanh-GELU MLP
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Granite's multipliers (1.0 / None elsewhere): embeddings x embedding_multiplier, attention
+    # scores x attention_scale (else 1/sqrt(head_dim)), each residual branch x
+    # residual_multiplier, logits / logits_scaling. The last two are folded into the weights
+    # on load (`weights.fold_multipliers_`), so only the first two cost anything at run time.
+    embedding_multiplier: float = 1.0
+    attention_scale: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> NativeConfig:
@@ -116,6 +125,12 @@ class NativeConfig:
             if cfg.get("use_sliding_window", True)
             else None,
             eos_token_ids=eos_ids,
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            attention_scale=None
+            if cfg.get("attention_multiplier") is None
+            else float(cfg["attention_multiplier"]),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: NativeConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = cfg.attention_scale  # None: 1/sqrt(head_dim)
         b = cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=b)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
@@ -124,6 +125,7 @@ class Attention(nn.Module):
                 v.transpose(1, 2),
                 is_causal=True,
                 enable_gqa=self.n_heads != self.n_kv,
+                scale=self.scale,
             ).transpose(1, 2)
         else:
             out = self._paged(q, pos, block_tables, block_size)
@@ -157,7 +159,8 @@ class Attention(nn.Module):
         # Grouped-query attention as plain batched matmuls over (B, n_kv): the g query heads of a
         # KV head become g * T rows, so K/V are neither repeated nor broadcast-expanded.
         qg = q.view(B, T, self.n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, hd)
-        scores = (qg @ kc.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, n_kv, g*T, S)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(hd)
+        scores = (qg @ kc.transpose(-1, -2)).float() * scale  # (B, n_kv, g*T, S)
         keys = torch.arange(S, device=q.device)
         visible = keys.view(1, 1, 1, 1, S) <= pos.view(B, 1, 1, T, 1)  # (B, 1, 1, T, S)
         scores = scores.view(B, self.n_kv, g, T, S).masked_fill(~visible, float("-inf"))
@@ -244,6 +247,8 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             x = x * torch.tensor(math.sqrt(self.cfg.dim), dtype=x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
         for layer in self.model.layers:
             x = layer(x, cos, sin, rows, pos, block_tables, bs, prefill)
         x = self.model.norm(x)

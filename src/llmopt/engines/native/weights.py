@@ -79,6 +79,29 @@ def fuse_projections_(model: Transformer) -> None:
         _fuse(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
 
 
+def fold_multipliers_(model: Transformer) -> None:
+    """Fold Granite's residual multiplier into each block's output projections (o_proj,
+    down_proj) and 1 / logits_scaling into the final norm's weight, in place (dense weights only:
+    a quantized checkpoint's codes are not rescaled here)."""
+    from llmopt.engines.native.config import HF_HINT, UnsupportedModel
+
+    cfg = model.cfg
+    r, s = cfg.residual_multiplier, cfg.logits_scaling
+    outs = [m for b in model.model.layers for m in (b.self_attn.o_proj, b.mlp.down_proj)]
+    if (r != 1.0 or s != 1.0) and not all(type(m) is nn.Linear for m in outs):
+        raise UnsupportedModel(
+            "a quantized checkpoint with residual/logits multipliers (Granite) is not "
+            "implemented natively",
+            hint=HF_HINT,
+        )
+    with torch.no_grad():
+        if r != 1.0:
+            for m in outs:
+                m.weight.mul_(r)
+        if s != 1.0:
+            model.model.norm.weight.div_(s)
+
+
 def _finish(model: Transformer, device) -> Transformer:
     cfg = model.cfg
     if cfg.tie_embeddings or model.lm_head.weight.is_meta:
@@ -185,6 +208,7 @@ def load_model(
         if p.is_meta and name in tensors:
             _set_param(model, name, tensors[name].get_tensor(name).to(device=device, dtype=dtype))
     model = _finish(model, device)
+    fold_multipliers_(model)
     fuse_projections_(model)
     if quant:
         quantize_model_(model, quant, ignore, group)

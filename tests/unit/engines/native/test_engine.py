@@ -54,6 +54,20 @@ FAMILIES = {
         "Phi3ForCausalLM",
         {"sliding_window": None, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # embedding / attention / residual multipliers and logits scaling
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.05,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
 
 
