@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from llmopt.engines.native import linear as L
-from llmopt.engines.native.config import NativeConfig
+from llmopt.engines.native.config import HF_HINT, NativeConfig, UnsupportedModel
 from llmopt.engines.native.model import Transformer, rope_inv_freq
 
 __all__ = ["load_model", "random_model", "quantize_model_", "fuse_projections_", "QUANT_MODES"]
@@ -83,8 +83,6 @@ def fold_multipliers_(model: Transformer) -> None:
     """Fold Granite's residual multiplier into each block's output projections (o_proj,
     down_proj) and 1 / logits_scaling into the final norm's weight, in place (dense weights only:
     a quantized checkpoint's codes are not rescaled here)."""
-    from llmopt.engines.native.config import HF_HINT, UnsupportedModel
-
     cfg = model.cfg
     r, s = cfg.residual_multiplier, cfg.logits_scaling
     outs = [m for b in model.model.layers for m in (b.self_attn.o_proj, b.mlp.down_proj)]
