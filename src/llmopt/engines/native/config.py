@@ -28,6 +28,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma": {"gemma": True},
     "phi3": {},  # Llama with fused qkv / gate_up tensors (split on load, `weights.py`)
     "granite": {},  # Llama with embedding / attention / residual / logits multipliers
+    # norms after attention and MLP (none before), q/k norms over the whole projection
+    "olmo2": {"post_norms": True, "qk_norm_full": True},
 }
 
 
@@ -57,6 +59,10 @@ class NativeConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     gemma: bool = False  # (1 + w) RMSNorm, embeddings scaled by sqrt(dim), tanh-GELU MLP
+    # OLMo 2: each block normalizes its attention and MLP outputs (post_attention_layernorm,
+    # post_feedforward_layernorm) instead of their inputs; q/k norms span all heads at once.
+    post_norms: bool = False
+    qk_norm_full: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Granite's multipliers (1.0 / None elsewhere): embeddings x embedding_multiplier, attention
@@ -121,6 +127,8 @@ class NativeConfig:
             qkv_bias=bool(cfg.get("attention_bias", fam.get("qkv_bias", False))),
             qk_norm=bool(fam.get("qk_norm", False)),
             gemma=bool(fam.get("gemma", False)),
+            post_norms=bool(fam.get("post_norms", False)),
+            qk_norm_full=bool(fam.get("qk_norm_full", False)),
             sliding_window=cfg.get("sliding_window")
             if cfg.get("use_sliding_window", True)
             else None,

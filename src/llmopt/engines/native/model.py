@@ -93,6 +93,10 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.full_qk_norm = cfg.qk_norm_full  # OLMo 2: one norm over all heads of q (of k)
+        if cfg.qk_norm_full:
+            self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
         # (rows, n_kv, hd) each, set by Transformer.setup_cache. Buffers, so torch.compile and
         # CUDA graphs see fixed addresses that are updated in place.
         self.register_buffer("k_cache", None, persistent=False)
@@ -109,10 +113,12 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, self.hd)
         k = k.reshape(B, T, self.n_kv, self.hd)
         v = v.reshape(B, T, self.n_kv, self.hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write this step's keys/values into their cache rows.
@@ -192,10 +198,18 @@ class Block(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:  # OLMo 2: the outputs of attention and MLP are normalized
+            self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
 
     def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
+        if self.post_norms:
+            a = self.self_attn(x, cos, sin, rows, pos, block_tables, block_size, prefill)
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, rows, pos, block_tables, block_size, prefill)
         return x + self.mlp(self.post_attention_layernorm(x))

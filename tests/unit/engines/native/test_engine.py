@@ -54,6 +54,8 @@ FAMILIES = {
         "Phi3ForCausalLM",
         {"sliding_window": None, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # post-attention / post-feedforward norms only, q/k norms over all heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 2}),
     # embedding / attention / residual multipliers and logits scaling
     "granite": (
         "GraniteConfig",
