@@ -105,6 +105,8 @@ def _finish(model: Transformer, device) -> Transformer:
     if cfg.tie_embeddings or model.lm_head.weight.is_meta:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    if cfg.local_layers and cfg.local_rope_theta is not None:
+        model.inv_freq_local = rope_inv_freq(cfg, cfg.local_rope_theta).to(device)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"weights missing from the checkpoint: {left[:5]}")

@@ -56,6 +56,36 @@ FAMILIES = {
     ),
     # post-attention / post-feedforward norms only, q/k norms over all heads
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 2}),
+    # interleaved local (window 8) / global layers, pre/post norms, soft-capped scores and logits
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
+    # 5 local : 1 global layers with their own RoPE bases, q/k norms
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 6,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
     # embedding / attention / residual multipliers and logits scaling
     "granite": (
         "GraniteConfig",
@@ -77,7 +107,7 @@ def _hf_model(family: str, out: Path):
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, cfg_name)(**BASE, **extra)
+    config = getattr(transformers, cfg_name)(**{**BASE, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # random biases/norms, so a mix-up of them cannot go unnoticed
