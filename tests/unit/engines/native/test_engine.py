@@ -749,3 +749,23 @@ def test_choices_sharing_a_prompt_score_it_once(tiny_llama_dir, monkeypatch):
     got = {ev.seq_id: ev.prompt_logprobs for ev in gen.step()}
     assert len(calls) == 2  # one for the three identical prompts, one for the other
     assert got["a"] == got["b"] == got["c"] == alone and got["other"] != alone
+
+
+def test_gemma3_local_window_and_rope_base_are_exercised(tmp_path):
+    # The family check above passes only if the window and the local RoPE base are honoured:
+    # without them, the same 24-token prompt gives clearly different logits.
+    hf = _hf_model("gemma3", tmp_path)
+    native = load_model(tmp_path, "cpu", torch.float32)
+    assert native.cfg.local_layers == (0, 1, 2, 3, 4) and native.cfg.local_window == 8
+    assert native.cfg.local_rope_theta == 10000.0 and native.cfg.rope_theta == 1e6
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    pos, tables = torch.arange(24).expand(1, 24), torch.tensor([[1, 2]])
+    Generator(native, max_batch=1, max_seq_len=96)  # allocates the KV cache
+    with torch.inference_mode():
+        ref = hf(ids).logits
+        good = native(ids, pos, tables, prefill=True, last_only=False)
+        for layer in native.model.layers:
+            layer.self_attn.window = None
+        no_window = native(ids, pos, tables, prefill=True, last_only=False)
+    torch.testing.assert_close(good, ref, atol=2e-4, rtol=1e-4)
+    assert (no_window - ref).abs().max() > 0.05
