@@ -112,3 +112,49 @@ def test_native_engine_refusal_names_the_flag_that_works(tiny_gpt2_dir):
     # and the other refused spelling says which engines exist
     r = subprocess.run([*cmd, "nope", *ARGS], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "torch, hf" in r.stderr + r.stdout
+
+
+NATIVE = {  # the families added to the native engine, as tiny random models
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"residual_multiplier": 0.2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NATIVE))
+def test_new_native_families_are_served_natively(family, tiny_llama_dir, tmp_path):
+    import torch
+    import transformers
+
+    cfg_name, model_name, extra = NATIVE[family]
+    config = getattr(transformers, cfg_name)(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=258,
+        bos_token_id=257,
+        eos_token_id=258,
+        **extra,
+    )
+    out = tmp_path / family
+    torch.manual_seed(0)
+    getattr(transformers, model_name)(config).eval().save_pretrained(out)
+    for f in tiny_llama_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            shutil.copy2(f, out / f.name)
+    log = tmp_path / "serve.log"
+    server = Server(str(out), ARGS, log)
+    try:
+        r = server.client().chat.completions.create(
+            model=family, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert r.usage.completion_tokens >= 1
+    finally:
+        server.kill()
+    assert "serving with the hf engine" not in log.read_text()
