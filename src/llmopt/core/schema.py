@@ -235,3 +235,7 @@ class Selection(Serializable):
     objective_values: dict[str, float] = field(default_factory=dict)  # full fidelity, by id
     higher_is_better: bool = True
     cut: dict[str, str] = field(default_factory=dict)  # id -> why the search never finished it
+    # id -> the finalist's ratio to the reference measured side by side (llmopt.optimize.paired)
+    side_by_side: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the chosen one's runtime settings measured side by side (llmopt.optimize.tune)
+    tuned: dict[str, Any] = field(default_factory=dict)

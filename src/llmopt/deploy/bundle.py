@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.assets.models import BUILTIN_MODELS
 from llmopt.core.atomic import atomic_dir, write_json, write_text
 from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import RECIPES
@@ -96,13 +97,17 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     """A run directory (its best/ artifact) or a model folder, as something to deploy.
 
     Args:
-        path: `runs/NAME` written by `llmopt optimize`, its `best/` folder, or an HF folder.
+        path: `runs/NAME` written by `llmopt optimize`, its `best/` folder, an HF folder, or a
+            built-in model's name.
         params: parameter count override for config-only folders.
 
     Raises:
         DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
     """
 
+    if isinstance(path, str) and path in BUILTIN_MODELS and not Path(path).exists():
+        # A built-in name, as every other command takes it (prepared on first use).
+        path = Path(inspect_model(path).path)
     p = Path(path).resolve()
     try:
         best = find_best(p)

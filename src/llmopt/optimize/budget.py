@@ -19,23 +19,56 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "parse_duration", "format_duration", "typical", "SCREEN_FLOOR"]
+__all__ = [
+    "Budget",
+    "parse_duration",
+    "default_budget",
+    "DEFAULT_BUDGETS",
+    "format_duration",
+    "typical",
+    "SCREEN_FLOOR",
+]
 
-# Candidates screened whatever the estimates say, cheapest first, while time is left.
+# Candidates screened whatever the estimates say, in screening order, while time is left.
 SCREEN_FLOOR = 2
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
+# The budget a run gets when none is given: (parameters below, seconds). A small model's quick
+# start must answer in minutes (the built-in SmolLM2 on a 2-core CPU: docs/benchmarks.md); a
+# larger one needs longer for its reference alone, whose evaluation is never cut.
+DEFAULT_BUDGETS = ((1_000_000_000, 300.0), (None, 1800.0))
+
+
+def default_budget(num_parameters: int | None) -> tuple[float, str]:
+    """The default time budget for a model of `num_parameters`, and a sentence saying so.
+
+    >>> default_budget(134_515_008)[0], default_budget(8_000_000_000)[0]
+    (300.0, 1800.0)
+    """
+    n = num_parameters or 0
+    for below, seconds in DEFAULT_BUDGETS:
+        if below is None or n < below:
+            size = f"under {below / 1e9:.0f}B parameters" if below else "of 1B parameters or more"
+            return seconds, (
+                f"{seconds / 60:.0f} min, the default for a model {size} "
+                "(--time-budget 15m for a longer search, --time-budget none for no limit)"
+            )
+    raise AssertionError("DEFAULT_BUDGETS ends with an open bound")
+
 
 def parse_duration(text: str | float | int | None) -> float | None:
-    """Seconds in "90s", "15m", "1h30m", "2.5h" or a bare number of seconds; None stays None.
+    """Seconds in "90s", "15m", "1h30m", "2.5h" or a bare number of seconds; None and "none"
+    (no limit) give None.
 
-    >>> parse_duration("15m"), parse_duration("1h30m"), parse_duration("45")
-    (900.0, 5400.0, 45.0)
+    >>> parse_duration("15m"), parse_duration("1h30m"), parse_duration("45"), parse_duration("none")
+    (900.0, 5400.0, 45.0, None)
     """
     if text is None or isinstance(text, int | float):
         return None if text is None else float(text)
     s = text.strip().lower()
+    if s in ("none", "off", "unlimited"):
+        return None
     if re.fullmatch(r"\d+(\.\d+)?", s):
         return float(s)
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smh])", s)

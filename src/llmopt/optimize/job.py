@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
+from llmopt.core.settings import EngineSettings
 from llmopt.deploy import resolve_source, write_bundle
 from llmopt.hardware.target import Target, detect_target
 from llmopt.model.info import inspect_model
-from llmopt.optimize.budget import Budget, parse_duration
+from llmopt.optimize.budget import Budget, default_budget, parse_duration
 from llmopt.optimize.executor import make_executor
 from llmopt.optimize.loop import MODES, run_search
 from llmopt.optimize.objective import get_objective
@@ -30,6 +31,7 @@ from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
 from llmopt.optimize.runmeta import run_meta, write_doctor
 from llmopt.optimize.select import SelectionInput, select
 from llmopt.optimize.space import make_plan
+from llmopt.optimize.tune import tune
 from llmopt.report import write_report
 from llmopt.rundir.best import write_best
 from llmopt.rundir.paths import RunDir
@@ -45,7 +47,8 @@ __all__ = ["optimize", "OptimizeResult"]
 
 log = logging.getLogger(__name__)
 
-# progress(event, candidate_id, stage, detail): event is "start", "done", "skip" or "fail".
+# progress(event, candidate_id, stage, detail): "start", "done", "skip", "fail", "cut" for a
+# candidate's stage; "note" (a message) and "budget" (its seconds) for the run.
 Progress = Callable[[str, str, str, str], None]
 
 
@@ -96,7 +99,9 @@ def optimize(
         force: discard a different run found in `out` instead of refusing.
         progress: optional callback for stage events.
         objective: latency | throughput | memory | cost (llmopt.optimize.objective).
-        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None: unlimited.
+        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None or "none":
+            unlimited (the default here); "auto" (the CLI's default): `budget.default_budget`
+            for the model's size.
         search: "halving" (screen all, fully verify the survivors) or "exhaustive".
         ray_address: None (local worker processes), "local" (start a Ray instance here) or the
             address of a Ray cluster; candidates then run as Ray tasks.
@@ -116,16 +121,24 @@ def optimize(
 
     _check(max_quality_drop, gates, profile, search)
     obj = get_objective(objective)
-    budget = Budget.since(parse_duration(time_budget), budget_started_at)
+    budget_s = None if time_budget == "auto" else parse_duration(time_budget)
     ctx = {"price_per_hour": price_per_hour}
     # inspect: the model and the machine; the run directory opens (or resumes) on them
     info, tgt = _inspect(model, target, threads)
+    if time_budget == "auto":
+        budget_s, why = default_budget(info.num_parameters)
+        progress and progress("note", "", "", f"time budget: {why}")
+    budget = Budget.since(budget_s, budget_started_at)
+    if progress and budget_s:
+        progress("budget", "", "", f"{budget_s:.0f}")
     stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
     run = RunDir(out)
     resumed = run.open(
         run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)), force=force
     )
     write_json(run.model_json, info.to_dict())
+    if progress:
+        progress("rundir", "", "", str(run.root))
     write_doctor(run, target)
     # plan -> search -> select -> best/
     plan = _plan(run, info, tgt, candidates)
@@ -135,6 +148,14 @@ def optimize(
     selection = _select(run, plan, max_quality_drop, obj, ctx, state)
     if selection.chosen:
         chosen = next(c for c in plan.candidates if c.id == selection.chosen)
+        # rung 4: the chosen one's runtime settings, side by side with its defaults
+        tuned = tune(run, chosen, info, budget, obj, ctx, progress, state.events)
+        if tuned is not None:
+            selection.tuned = tuned.to_dict()
+            selection.reasons[chosen.id] += f"; {tuned.note}"
+            if tuned.variant:
+                chosen = replace(chosen, settings=EngineSettings.from_dict(tuned.settings))
+            write_json(run.selection_json, selection.to_dict())
         _write_best(run, chosen, tgt.threads, deploy)
     # search.json and the report
     result = OptimizeResult(

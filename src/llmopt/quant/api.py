@@ -113,19 +113,22 @@ def quantize(
         )
 
 
-def build_checkpoint(source: Path, recipe: Recipe | str, out: Path) -> dict[str, Any]:
+def build_checkpoint(
+    source: Path, recipe: Recipe | str, out: Path, progress: Any = None
+) -> dict[str, Any]:
     """A calibrated candidate's checkpoint (`Recipe.calibrated`), as the build stage writes it
     before handing it to the engine: `quantize` with each layer calibrated where it is fast.
 
     Calibration runs on the GPU when there is one: its layer forwards and Hessians would
     otherwise run on the host's cores, many times slower (docs/quantization.md has the times).
     Only the layer being calibrated moves to the GPU, and the recipe's dtype (not the
-    checkpoint's) keeps the candidate the same wherever it was built.
+    checkpoint's) keeps the candidate the same wherever it was built. `progress(phase, done,
+    total)` is told of each calibrated layer, as `quantize`'s.
     """
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return quantize(Path(source), recipe, Path(out), device=device)
+    return quantize(Path(source), recipe, Path(out), device=device, progress=progress)
 
 
 def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) -> Recipe:
