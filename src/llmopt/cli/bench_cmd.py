@@ -294,16 +294,43 @@ def lm(
     if as_json:
         _emit(res)
         return
+    sys.stdout.write(lm_header(res) + "\n")
     for name, st in res["metrics"].items():
         sys.stdout.write(
             f"{name}: {st['median']:.1f} {st['unit']} [{st['min']:.1f}-{st['max']:.1f}]\n"
         )
+    c = res["ceilings"]
+    flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in c["matmul_flops_per_s"].items())
+    again = (
+        " (measured twice: a phase ran above the first)" if res.get("ceilings_remeasured") else ""
+    )
+    sys.stdout.write(
+        f"ceilings{again}: copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s; matmul {flops}\n"
+    )
     for r in res["roofline"]:
         sys.stdout.write(
             f"{r['metric']}: {r['achieved_bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}% "
             f"of copy), {r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * r['flops_share']:.0f}%): "
             f"{r['verdict']}; {r['implication']}\n"
         )
+
+
+def lm_header(res: dict) -> str:
+    """What `bench lm` measured, before its numbers: model, engine, recipe, lengths, threads.
+
+    >>> print(lm_header({"model": "m", "engine": "hf", "recipe": "fp32", "settings": {
+    ...     "prompt_tokens": 100, "new_tokens": 32, "prompt_lengths": [32], "batch_sizes": [1, 4],
+    ...     "repeats": 3, "threads": 2}}))
+    model m, engine hf, recipe fp32; prompt 100 tokens (+ prefill 32), 32 new tokens, decode batch 1,4; 3 repeats, 2 threads
+    """
+    s = res["settings"]
+    extra = ", ".join(str(p) for p in s.get("prompt_lengths") or [])
+    return (
+        f"model {res['model']}, engine {res['engine']}, recipe {res['recipe']}; "
+        f"prompt {s['prompt_tokens']} tokens{f' (+ prefill {extra})' if extra else ''}, "
+        f"{s['new_tokens']} new tokens, decode batch {','.join(map(str, s['batch_sizes']))}; "
+        f"{s['repeats']} repeats, {s['threads']} threads"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -50,8 +50,15 @@ def render_inspect(info: ModelInfo) -> None:
     ]
     if info.task == "embedding":
         rows.append(("pooling", f"{info.pooling}{', normalized' if info.normalize else ''}"))
+    else:
+        rows.append(("attention", info.attention_pattern))
     for dt, b in info.kv_bytes_per_token.items():
-        rows.append((f"KV cache / token ({dt})", human_bytes(b)))
+        note = ""
+        if info.sliding_layers and info.sliding_window:
+            note = (
+                f" (every layer at full length; sliding ones stop at {info.sliding_window} tokens)"
+            )
+        rows.append((f"KV cache / token ({dt})", human_bytes(b) + note))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)

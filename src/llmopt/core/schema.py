@@ -118,6 +118,9 @@ class VerifyResult(Serializable):
     notes: list[str] = field(default_factory=list)
     # The work behind the numbers: {"level": "screen"|"full"|"reverify", "rung": 1|2, sizes...}.
     fidelity: dict[str, Any] = field(default_factory=dict)
+    # How the text was fed to the model (causal LMs: whether each window starts with the
+    # tokenizer's BOS), so a score is read with the input convention it was measured under.
+    inputs: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VerifyResult:

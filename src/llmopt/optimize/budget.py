@@ -2,16 +2,35 @@
 
 The budget counts this invocation's wall time (a resumed run gets its budget afresh and reuses
 everything already measured). A task is started only when its estimate fits in what is left after
-`reserve_s` (selection, best/ and the report).
+`reserve_s` (selection, best/ and the report), with one exception: a search always screens its
+`SCREEN_FLOOR` cheapest candidates while any time is left (`Budget.floor_allows`), because a
+search that compares nothing has answered nothing, and an estimate can be wrong (a reference
+timed on a busy machine); the stage deadline still stops a screen that would overrun.
+
+Estimates are medians of what was observed (`typical`), so one contended measurement does not
+set them, and a cut says which budget would have allowed the rest (`Budget.exhausted`).
 """
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "parse_duration", "default_budget", "DEFAULT_BUDGETS"]
+__all__ = [
+    "Budget",
+    "parse_duration",
+    "default_budget",
+    "DEFAULT_BUDGETS",
+    "format_duration",
+    "typical",
+    "SCREEN_FLOOR",
+]
+
+# Candidates screened whatever the estimates say, in screening order, while time is left.
+SCREEN_FLOOR = 2
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -61,6 +80,27 @@ def parse_duration(text: str | float | int | None) -> float | None:
     return total
 
 
+def format_duration(seconds: float) -> str:
+    """A budget as `--time-budget` takes it, rounded up to whole minutes.
+
+    >>> format_duration(1150), format_duration(3600), format_duration(5430)
+    ('20m', '1h', '1h31m')
+    """
+    m = max(1, math.ceil(seconds / 60))
+    h, m = divmod(m, 60)
+    return f"{h}h{m}m" if h and m else f"{h}h" if h else f"{m}m"
+
+
+def typical(samples: list[float], default: float) -> float:
+    """The estimate of the next task of a kind: the median of the observed ones (`default` when
+    none), so one measurement taken under contention does not set it.
+
+    >>> typical([40.0, 42.0, 560.0], 100.0), typical([], 100.0)
+    (42.0, 100.0)
+    """
+    return float(statistics.median(samples)) if samples else float(default)
+
+
 @dataclass
 class Budget:
     """Seconds allowed for this invocation (None = unlimited), and what is left of them."""
@@ -83,6 +123,29 @@ class Budget:
         if self.seconds is None:
             return True
         return self.elapsed + estimate_s / max(1, parallel) <= self.seconds - self.reserve_s
+
+    def floor_allows(self, started: int, floor: int = SCREEN_FLOOR) -> bool:
+        """Whether a screen must start anyway: fewer than `floor` started and time is left
+        before the reserve (the stage deadline stops it if it overruns)."""
+        if started >= floor:
+            return False
+        return self.seconds is None or self.elapsed < self.seconds - self.reserve_s
+
+    def exhausted(self, what: str, estimate_s: float, rest_s: float, parallel: int = 1) -> str:
+        """Why a task was not started, and the `--time-budget` that would have allowed it and
+        everything after it (`rest_s`: their estimated seconds, this one's included).
+
+        >>> b = Budget(900.0, started=time.monotonic() - 562)
+        >>> b.exhausted("the build and screen", 1150, 2300).split("; ")[1]
+        '--time-budget 49m would allow the rest (~2300 s of tasks)'
+        """
+        left = max(0.0, self.left or 0.0)
+        need = self.elapsed + rest_s / max(1, parallel) + self.reserve_s
+        return (
+            f"time budget exhausted: {what} needs ~{estimate_s:.0f} s, {left:.0f} s left of "
+            f"{self.seconds or 0:.0f} s; --time-budget {format_duration(need)} would allow the "
+            f"rest (~{rest_s:.0f} s of tasks)"
+        )
 
     @property
     def deadline(self) -> float | None:

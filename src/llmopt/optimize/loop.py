@@ -26,7 +26,7 @@ from typing import Any
 from llmopt.core.atomic import read_json
 from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import BenchResult, Candidate, VerifyResult
-from llmopt.optimize.budget import Budget
+from llmopt.optimize.budget import Budget, typical
 from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import Objective
@@ -174,9 +174,10 @@ def run_search(
     # verify of two models on an eighth of the tokens, no generation (~a quarter of its full verify).
     first_est = ref_build_s + ref_screen_s + (0.25 * ref_verify_s if task != "embedding" else 0.0)
     # What candidate screens actually took, by cost class (calibrated builds take minutes where
-    # the others take seconds); the longest one so far is the estimate (a mean under-estimates
-    # the next expensive build, and a screen cut off by the deadline is time lost).
+    # the others take seconds); their median is the estimate (`typical`: one screen timed under
+    # contention does not set it). The cheapest SCREEN_FLOOR are screened whatever it says.
     observed: dict[bool, list[float]] = {False: [], True: []}
+    started = 0
     # Screening stops while there is still time to fully verify the survivors (halving keeps 2).
     keep = min(2, len(others))
     reserve = keep * _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
@@ -197,23 +198,28 @@ def run_search(
         while queue and len(wave) < executor.parallel:
             c = queue.pop(0)
             cls = _calibrated(c.recipe)
-            seen = observed[cls] or observed[not cls]
-            est = max(seen) if seen else first_est
+            est = typical(observed[cls] or observed[not cls], first_est)
             cd = run.candidate(c.id)
             finished = all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN])
             if not finished and (why := predicted_miss(c.recipe, screened, max_quality_drop)):
                 st.cut_one(c.id, why)
                 continue
-            if finished or budget.fits(est + reserve, executor.parallel):
+            if (
+                finished
+                or budget.fits(est + reserve, executor.parallel)
+                or budget.floor_allows(started)
+            ):
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
+                started += 1
             else:
                 st.cut_one(
                     c.id,
-                    _exhausted(
+                    budget.exhausted(
                         f"the build and screen (keeping time for {keep} full verification"
                         f"{'s' if keep > 1 else ''})",
                         est + reserve,
-                        budget,
+                        est * (len(queue) + 1) + reserve,
+                        executor.parallel,
                     ),
                 )
         for r in run_tasks(wave):
@@ -310,7 +316,10 @@ def _full_rung(
                 continue
             est = _full_estimate(run, c.id, ref_full_s, ref_screen_s)
             if not done and not budget.fits(est, executor.parallel):
-                st.cut_one(c.id, _exhausted("full verification", est, budget))
+                rest = est * (len(queue) + 1)
+                st.cut_one(
+                    c.id, budget.exhausted("full verification", est, rest, executor.parallel)
+                )
                 continue
             wave.append(
                 Task(c.id, ([("build", "full")] if not early_stop else []) + FULL, "full", ref.id)
@@ -407,14 +416,6 @@ def _full_estimate(run: RunDir, cid: str, ref_full_s: float, ref_screen_s: float
 def run_ref_id(run: RunDir) -> str:
 
     return next(c["id"] for c in read_json(run.plan_json)["candidates"] if c.get("reference"))
-
-
-def _exhausted(what: str, est: float, budget: Budget) -> str:
-    left = budget.left or 0.0
-    return (
-        f"time budget exhausted: {what} needs ~{est:.0f} s, {max(0.0, left):.0f} s left "
-        f"of {budget.seconds:.0f} s"
-    )
 
 
 def _quality_name(v: VerifyResult) -> str:
