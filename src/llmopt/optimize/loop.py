@@ -372,7 +372,10 @@ def _paired_rung(
             )
             break
         for cid in round_order(ids, r):
-            run_tasks([Task(cid, [("bench", f"pair{r}")], f"pair{r}")])
+            for rec in run_tasks([Task(cid, [("bench", f"pair{r}")], f"pair{r}")]):
+                if not rec["ok"]:
+                    why = rec.get("error") or rec.get("out_of_time")
+                    st.events.append(f"side by side: {cid} round {r} failed: {why}")
     res = paired_ratios(run, finalists, ref_id, obj, ctx)
     st.paired = {i: p.to_dict() for i, p in res.items()}
     for i, p in res.items():

@@ -116,8 +116,11 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     # The finalists were benchmarked side by side with the reference, in mirrored rounds.
     search = json.loads((out / "search.json").read_text())
     passed = [i for i in sel["ranking"] if i != "hf-fp32"]
-    assert set(search["side_by_side"]) == set(passed[:2])
-    for cid in [*passed[:2], "hf-fp32"] if passed else []:
+    if not search["side_by_side"]:  # never silently: the search says why no round compared
+        assert any(e.startswith("side by side") for e in search["events"]), search["events"]
+    else:
+        assert set(search["side_by_side"]) == set(passed[:2]), search["events"]
+    for cid in [*passed[:2], "hf-fp32"] if search["side_by_side"] else []:
         for r in (1, 2):
             b = json.loads((out / "candidates" / cid / f"bench.pair{r}.json").read_text())
             assert b["fidelity"]["rung"] == 3 and b["env"]["probe"]["before"]["probe_ms"] > 0
