@@ -51,7 +51,13 @@ from typing import Any
 
 import torch
 
-from llmopt.engines.generation import OutOfBlocks, PromptLogprob, SamplingParams, TokenEvent
+from llmopt.engines.generation import (
+    OutOfBlocks,
+    PromptLogprob,
+    SamplingParams,
+    TokenEvent,
+    check_seed,
+)
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool
 from llmopt.engines.native.compiled import CompiledSteps, wait
@@ -261,8 +267,14 @@ class Generator:
             )
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
-        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
+        vocab = int(self.model.cfg.vocab_size)
+        if not all(0 <= int(t) < vocab for t in prompt_ids):
+            bad = [t for t in prompt_ids if not 0 <= int(t) < vocab][:5]
+            raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad}")
+        # Everything that can fail runs before the blocks are taken (add is all or nothing).
+        check_seed(params.seed)
         rng = sampling.make_rng(params, self.device)
+        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
         self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
 
     def remove(self, seq_id: Hashable) -> list[int]:
@@ -466,7 +478,7 @@ class Generator:
         self.time.decode_s += time.perf_counter() - t0
         self.time.decode_steps += 1
         params = [self.seqs[k].params for k in keys]
-        if any(p.logprobs or p.temperature > 0 for p in params):
+        if any(p.logprobs or sampling.sampled(p) for p in params):
             return self._emit_rows(keys, logits[:b].clone())
         # All greedy without alternatives: argmax and its logprob came out of the same graph.
         toks, lps = best[:b].tolist(), best_lp[:b].tolist()
@@ -480,6 +492,10 @@ class Generator:
 
     def _append(self, key: Hashable, token: int, logprob: float, top) -> TokenEvent:
         s = self.seqs[key]
+        if token < 0 or math.isnan(logprob):  # NaN/inf logits in this row: it alone fails
+            s.finish = "error"
+            why = "numerical fault: NaN or inf in the logits of this sequence"
+            return TokenEvent(key, -1, float("nan"), [], "error", error=why)
         s.ids.append(token)
         p = s.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):

@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from llmopt.engines.generation import SEED_MIN
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.generation import Delta, Generation, merge
 from llmopt.serve.api.protocol import APIError, ChatRequest, CompletionRequest, new_id, now
@@ -59,13 +60,14 @@ def _start(
     logprobs: int,
     prompt_logprobs: int | None = None,
 ) -> list[Generation]:
-    ctx.admit(len(prompts) * req.n, request.url.path)
+    ctx.admit(len(prompts) * req.n, request.url.path, "n" if req.n > 1 else "prompt")
     stops = req.stop_list()
     deadline = time.monotonic() + ctx.settings.request_timeout_s
     gens = []
     for ids in prompts:
         for j in range(req.n):
-            seed = None if req.seed is None else req.seed + j
+            # Choice j draws from seed + j, wrapped into the range a random generator takes.
+            seed = None if req.seed is None else (req.seed + j - SEED_MIN) % 2**64 + SEED_MIN
             params = ctx.sampling_params(req, max_tokens, logprobs, seed, prompt_logprobs)
             gens.append(
                 Generation(ctx, ids, params, stops, req.priority, deadline, _registry(request))
@@ -216,8 +218,7 @@ def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) ->
 
 def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> ChatLogprobs:
     def entry(t: int, v: float) -> dict[str, Any]:
-        s = ctx.token_text(t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+        return {"token": ctx.token_text(t), "logprob": v, "bytes": ctx.token_bytes(t)}
 
     content = []
     for d in deltas:
