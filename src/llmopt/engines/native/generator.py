@@ -165,6 +165,23 @@ def plan_prefill(
     return forwards
 
 
+def _check_params(p: SamplingParams, vocab: int) -> None:
+    """ValueError for sampling parameters that would fail (or poison) a step of the batch."""
+    if p.max_tokens < 1:
+        raise ValueError(f"max_tokens {p.max_tokens} must be >= 1")
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise ValueError(f"temperature {p.temperature} must be a finite number >= 0")
+    if not 0 < p.top_p <= 1:  # False for NaN too
+        raise ValueError(f"top_p {p.top_p} must lie in (0, 1]")
+    if p.top_k < 0:
+        raise ValueError(f"top_k {p.top_k} must be >= 0 (0: off)")
+    if not 0 <= p.logprobs <= vocab:
+        raise ValueError(f"logprobs {p.logprobs} must lie in 0..{vocab} (the vocabulary)")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= vocab:
+        raise ValueError(f"prompt_logprobs {p.prompt_logprobs} must lie in 0..{vocab}")
+    check_seed(p.seed)
+
+
 class Generator:
     """Runs many sequences of different lengths through one native model (a `BatchGenerator`).
 
@@ -272,16 +289,21 @@ class Generator:
             bad = [t for t in prompt_ids if not 0 <= int(t) < vocab][:5]
             raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad}")
         # Everything that can fail runs before the blocks are taken (add is all or nothing).
-        check_seed(params.seed)
+        _check_params(params, vocab)
         rng = sampling.make_rng(params, self.device)
         self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
         self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
 
     def remove(self, seq_id: Hashable) -> list[int]:
-        """Forget a sequence and free its blocks; returns its prompt + generated token ids."""
-        s = self.seqs.pop(seq_id)
-        self.pool.release(seq_id)
-        return s.ids
+        """Forget a sequence and free its blocks; returns its prompt + generated token ids.
+        Blocks held under `seq_id` are freed even when no sequence was recorded for it (what a
+        failed admission may leave); KeyError when it holds nothing at all."""
+        s = self.seqs.pop(seq_id, None)
+        if seq_id in self.pool.tables:
+            self.pool.release(seq_id)
+        elif s is None:
+            raise KeyError(seq_id)
+        return s.ids if s is not None else []
 
     # --- swapping (preemption that keeps the KV cache) ---------------------------------------
     def kv_bytes_per_token(self) -> int:
