@@ -84,7 +84,9 @@ def test_bad_text_keeps_the_connection_usable(tmp_path):
                     "/v1/completions", content=raw, headers={"content-type": "application/json"}
                 )
                 assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-                ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+                ok = c.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+                )
                 assert ok.status_code == 200, ok.text
     finally:
         s.kill()

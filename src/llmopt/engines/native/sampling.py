@@ -100,7 +100,11 @@ def sample_rows(
     """
     B, V = logits.shape
     dev, inf = logits.device, float("-inf")
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    bad = (
+        torch.isnan(logits).any(-1)
+        | torch.isposinf(logits).any(-1)
+        | torch.isneginf(logits).all(-1)
+    )
     logits = torch.where(bad[:, None], torch.zeros((), dtype=logits.dtype, device=dev), logits)
     tokens = torch.argmax(logits, -1)  # greedy rows keep these
     rows = [i for i, p in enumerate(params) if sampled(p)]
@@ -144,9 +148,7 @@ def sample_rows(
             k = params[want[j]].logprobs
             top[want[j]] = list(zip(r_ids[:k], r_vals[:k], strict=True))
     picks = zip(tokens.tolist(), chosen.tolist(), bad.tolist(), strict=True)
-    return [
-        (-1, float("nan"), []) if b else (t, lp, top[i]) for i, (t, lp, b) in enumerate(picks)
-    ]
+    return [(-1, float("nan"), []) if b else (t, lp, top[i]) for i, (t, lp, b) in enumerate(picks)]
 
 
 def prompt_logprobs(

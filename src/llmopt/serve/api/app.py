@@ -189,7 +189,7 @@ def _surrogate_field(body: bytes) -> str | None:
     stack: list[tuple[list[str], Any]] = [([], doc)]
     while stack:
         path, x = stack.pop()
-        if isinstance(x, str) or isinstance(x, dict):
+        if isinstance(x, str | dict):
             keys = [x] if isinstance(x, str) else list(x)
             for k in keys:  # object keys count too
                 try:

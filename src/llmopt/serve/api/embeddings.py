@@ -75,10 +75,7 @@ def plan_forward(
     [32, 32]
     """
     take = [0] * len(lefts)
-    if fresh_turn and any(fresh):
-        allowed = list(fresh)
-    else:
-        allowed = [True] * len(lefts)
+    allowed = list(fresh) if fresh_turn and any(fresh) else [True] * len(lefts)
     room = max_batch
     idx = [i for i, ok in enumerate(allowed) if ok and lefts[i] > 0]
     if not idx:

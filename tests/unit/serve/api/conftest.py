@@ -26,9 +26,15 @@ def serve_client(folder, **kw):
 
 
 def settle(ctx, timeout: float = 10.0) -> None:
-    """Wait for the engine thread to go idle, then check the block invariant."""
-    sched = ctx.engine.sched
+    """Wait for the engine thread to go idle, then check the block invariant (an embedding
+    server: that no request is left outstanding)."""
     deadline = time.monotonic() + timeout
+    if ctx.engine is None:
+        while ctx.outstanding and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ctx.outstanding == 0 and not ctx.started
+        return
+    sched = ctx.engine.sched
     while (sched.has_work() or ctx.outstanding) and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.05)  # the step that freed the last blocks has published

@@ -16,7 +16,6 @@ pytest.importorskip("prometheus_client")
 from llmopt.serve.settings import ServeSettings  # noqa: E402
 
 
-
 @pytest.fixture
 def client(tiny_llama_dir, make_client):
     with make_client(tiny_llama_dir) as c:
@@ -106,9 +105,8 @@ def test_lone_surrogates_are_400(client, path, raw, param, settle):
     e = _err(r, 400)
     assert e["param"] == param and e["code"] == "invalid_text"
     # A valid pair (an emoji spelled as two escapes) is text like any other.
-    ok = '{"model": %s, "prompt": "a\\ud83d\\ude00b", "max_tokens": 2}' % json.dumps(
-        client.ctx.served_name
-    )
+    name = json.dumps(client.ctx.served_name)
+    ok = '{"model": ' + name + ', "prompt": "a\\ud83d\\ude00b", "max_tokens": 2}'
     r = client.post(
         "/v1/completions", content=ok.encode(), headers={"content-type": "application/json"}
     )

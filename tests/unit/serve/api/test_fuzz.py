@@ -19,8 +19,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-
-CASES = 120  # per endpoint
+CASES = 200  # per endpoint
 FUZZ = settings(
     max_examples=CASES,
     deadline=None,
@@ -61,9 +60,7 @@ def _sampling() -> dict:
 
 COMPLETION = st.fixed_dictionaries(
     {
-        "prompt": st.one_of(
-            TEXT, st.lists(TEXT, max_size=4), IDS, st.lists(IDS, max_size=3), WILD
-        ),
+        "prompt": st.one_of(TEXT, st.lists(TEXT, max_size=4), IDS, st.lists(IDS, max_size=3), WILD),
     },
     optional=_sampling()
     | {
@@ -207,8 +204,10 @@ def test_overload_at_ten_times_capacity_loses_nothing(lm, settle):
     for t in threads:
         t.join()
     lost = [o for o in outcomes if o.startswith("lost")]
-    print(f"overload: {total} streams on capacity {cap}: {outcomes.count('done')} completed, "
-          f"{outcomes.count('429')} x 429, {len(lost)} lost")
+    print(
+        f"overload: {total} streams on capacity {cap}: {outcomes.count('done')} completed, "
+        f"{outcomes.count('429')} x 429, {len(lost)} lost"
+    )
     assert len(outcomes) == total and not lost, lost
     assert outcomes.count("done") >= cap
     settle(lm.ctx)
