@@ -266,3 +266,31 @@ def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
     alone = c.post("/v1/embeddings", json={"model": name, "input": [big[0], big[1999]]}).json()
     for want, have in zip(alone["data"], (got["big"][0], got["big"][1999]), strict=True):
         np.testing.assert_allclose(want["embedding"], have, atol=1e-5)
+
+
+def test_nan_in_one_row_fails_one_request_and_shows_in_health(client, settle):
+    """Fault injection into the real engine's next decode step (NaN logits in one row): that
+    request alone gets a 500 naming the fault, /health keeps "ok" and shows it as last_error,
+    nothing leaks, and the next request is served."""
+    gen, name = client.ctx.engine.sched.gen, client.ctx.served_name
+    real = gen.decode_packed
+    calls = []
+
+    def decode(packed):
+        logits, best, best_lp = real(packed)
+        calls.append(1)
+        if len(calls) == 1:
+            logits, best_lp = logits.clone(), best_lp.clone()
+            logits[0], best_lp[0] = float("nan"), float("nan")
+        return logits, best, best_lp
+
+    gen.decode_packed = decode
+    body = {"model": name, "prompt": "abc", "max_tokens": 6, "ignore_eos": True}
+    e = _err(client.post("/v1/completions", json=body), 500)
+    assert "numerical fault" in e["message"] and e["type"] == "server_error"
+    settle(client.ctx)
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and "numerical fault" in h["engine"]["last_error"]
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    settle(client.ctx)
