@@ -107,7 +107,7 @@ def main() -> None:
             one_batch.append(embed(batch))
             done = threading.Event()
 
-            def run_big() -> None:
+            def run_big(done: threading.Event) -> None:
                 with httpx.Client(base_url=url, timeout=600) as c2:
                     t0 = time.perf_counter()
                     r = c2.post("/v1/embeddings", json={"model": name, "input": big})
@@ -115,7 +115,7 @@ def main() -> None:
                     big_s.append(time.perf_counter() - t0)
                 done.set()
 
-            t = threading.Thread(target=run_big)
+            t = threading.Thread(target=run_big, args=(done,))
             t.start()
             time.sleep(0.5)  # under way
             while not done.is_set():
