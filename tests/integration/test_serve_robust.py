@@ -18,7 +18,7 @@ pytest.importorskip("openai")
 
 from .test_serve_openai import COMMON, MODEL, Server  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _stream_lines(url: str, body: dict, started: threading.Event, out: list) -> None:
