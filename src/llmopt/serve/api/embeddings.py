@@ -265,13 +265,25 @@ async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
     ctx.note_latency(time.monotonic() - t0)
     ctx.metrics.prompt_tokens.inc(sum(lens))
     ctx.metrics.requests.labels("embeddings", "ok").inc()
-    data = []
-    for i, v in enumerate(vecs):
-        emb: Any = (
-            base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
-            if req.encoding_format == "base64"
-            else [float(x) for x in v]
-        )
-        data.append(EmbeddingData(index=i, embedding=emb))
     usage = EmbeddingUsage(prompt_tokens=sum(lens), total_tokens=sum(lens))
-    return json_response(EmbeddingResponse(data=data, model=ctx.served_name, usage=usage))
+
+    def render() -> JSONResponse:
+        data = []
+        for i, v in enumerate(vecs):
+            emb: Any = (
+                base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+                if req.encoding_format == "base64"
+                else v.tolist()
+            )
+            data.append(EmbeddingData(index=i, embedding=emb))
+        return json_response(EmbeddingResponse(data=data, model=ctx.served_name, usage=usage))
+
+    if len(vecs) <= RENDER_INLINE:
+        return render()
+    # Thousands of vectors take the event loop a second or more to render as JSON: done in a
+    # worker thread, the small requests' responses go out meanwhile.
+    return await asyncio.to_thread(render)
+
+
+# Responses of up to this many vectors are rendered on the event loop (a thread costs more).
+RENDER_INLINE = 64
