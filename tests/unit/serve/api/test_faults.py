@@ -294,3 +294,28 @@ def test_nan_in_one_row_fails_one_request_and_shows_in_health(client, settle):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     settle(client.ctx)
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "decoding"])
+def test_client_gone_at_each_stage_frees_everything(client, settle, stage):
+    """A client that goes away while its request waits in the queue, right after it was sent,
+    or mid-stream: its sequences are aborted and their blocks come back."""
+    name = client.ctx.served_name
+    long = {"model": name, "prompt": "hold", "max_tokens": 100, "ignore_eos": True}
+    hold: list = []
+    if stage == "queued":  # both batch slots taken: the next request waits in the queue
+        for _ in range(2):
+            cm = client.stream("POST", "/v1/completions", json=long | {"stream": True})
+            r = cm.__enter__()
+            next(r.iter_lines())
+            hold.append(cm)
+    body = long | {"stream": True, "n": 2}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        if stage == "decoding":
+            for _ in range(6):
+                next(lines)
+        # leaving the block closes the response: the server sees the client go
+    for cm in hold:
+        cm.__exit__(None, None, None)
+    settle(client.ctx)
