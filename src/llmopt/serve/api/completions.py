@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from llmopt.engines.generation import SEED_MIN
+from llmopt.engines.generation import SEED_MAX
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.generation import Delta, Generation, merge
 from llmopt.serve.api.protocol import APIError, ChatRequest, CompletionRequest, new_id, now
@@ -66,8 +66,11 @@ def _start(
     gens = []
     for ids in prompts:
         for j in range(req.n):
-            # Choice j draws from seed + j, wrapped into the range a random generator takes.
-            seed = None if req.seed is None else (req.seed + j - SEED_MIN) % 2**64 + SEED_MIN
+            # Choice j draws from seed + j; past the top of the range a random generator
+            # takes, it wraps around (2**64 - 1 with n=2: choices 2**64 - 1 and 0).
+            seed = None if req.seed is None else req.seed + j
+            if seed is not None and seed > SEED_MAX:
+                seed -= 2**64
             params = ctx.sampling_params(req, max_tokens, logprobs, seed, prompt_logprobs)
             gens.append(
                 Generation(ctx, ids, params, stops, req.priority, deadline, _registry(request))
