@@ -76,6 +76,7 @@ class _Seq:
     finish: str | None = None
     done: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
     plp: list | None = None  # prompt log-probabilities gathered so far, chunk by chunk
+    faulty: bool = False  # its logits went NaN/inf: its blocks may hold NaN
 
 
 @dataclass
@@ -299,6 +300,8 @@ class Generator:
         Blocks held under `seq_id` are freed even when no sequence was recorded for it (what a
         failed admission may leave); KeyError when it holds nothing at all."""
         s = self.seqs.pop(seq_id, None)
+        if s is not None and s.faulty:  # its KV (and scratch block 0) may hold NaN
+            self.pool.scrub([0, *self.pool.tables.get(seq_id, [])])
         if seq_id in self.pool.tables:
             self.pool.release(seq_id)
         elif s is None:
@@ -515,7 +518,7 @@ class Generator:
     def _append(self, key: Hashable, token: int, logprob: float, top) -> TokenEvent:
         s = self.seqs[key]
         if token < 0 or math.isnan(logprob):  # NaN/inf logits in this row: it alone fails
-            s.finish = "error"
+            s.finish, s.faulty = "error", True
             why = "numerical fault: NaN or inf in the logits of this sequence"
             return TokenEvent(key, -1, float("nan"), [], "error", error=why)
         s.ids.append(token)

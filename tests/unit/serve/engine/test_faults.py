@@ -176,3 +176,50 @@ def test_sample_rows_isolates_bad_rows():
     assert all(0 <= p[0] < 50 for i, p in enumerate(picks) if i in (0, 3))
     alone = sample_rows(logits[[0]], params[:1], [torch.Generator().manual_seed(0)])
     assert alone[0][0] == picks[0][0]  # row 0 does not depend on the bad rows
+
+
+def _poisoned_copy(folder, out, token: int):
+    """The tiny model with token `token`'s input embedding set to NaN (its output head kept
+    clean): any sequence whose prompt holds that token gets NaN from a real forward."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    f = next(out.glob("*.safetensors"))
+    w = load_file(f)
+    key = next(k for k in w if "embed_tokens" in k)
+    w["lm_head.weight"] = w[key].clone()
+    w[key] = w[key].clone()
+    w[key][token] = float("nan")
+    save_file(w, f, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    return out
+
+
+def test_a_nan_sequence_poisons_no_one_after_it(tiny_llama_dir, tmp_path):
+    """A sequence whose forward goes NaN fails alone, and the blocks it leaves hold no NaN:
+    attention gives masked positions zero weight, and 0 x NaN is NaN, so a block reused with
+    stale NaN used to fail the next sequence that grew into it (and every one after)."""
+    gen = _gen(_poisoned_copy(tiny_llama_dir, tmp_path / "poisoned", token=5))
+    sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=256)
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    a, b = [3, 4, 6, 7, 8], [9, 10]
+    for i, prompt in ((1, a), (2, b)):
+        sched.submit(Sequence(i, prompt, p))
+    clean = _drive(sched)
+    for i, prompt in ((11, a), (12, [9, 10, 5, 11, 12, 13, 14, 15, 16]), (13, b)):
+        sched.submit(Sequence(i, prompt, p))
+    mixed = _drive(sched)
+    assert isinstance(mixed[12][0], SequenceFault)
+    assert mixed[11] == clean[1] and mixed[13] == clean[2]  # 13 grows into 12's old blocks
+    for i, prompt in ((21, a), (22, b)):
+        sched.submit(Sequence(i, prompt, p))
+    after = _drive(sched)
+    assert after[21] == clean[1] and after[22] == clean[2]
+    _idle_and_whole(sched)
+    for view in gen.pool.views:
+        assert not torch.isnan(view).any()
