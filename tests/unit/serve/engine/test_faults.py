@@ -223,3 +223,39 @@ def test_a_nan_sequence_poisons_no_one_after_it(tiny_llama_dir, tmp_path):
     _idle_and_whole(sched)
     for view in gen.pool.views:
         assert not torch.isnan(view).any()
+
+
+def test_engine_process_reports_a_sequence_fault_in_health(tiny_llama_dir, tmp_path):
+    """`--engine-process`: a sequence that fails in the engine process (a real NaN forward)
+    gets its error, /health's `last_error` says why (it said null), the engine stays alive,
+    and the next request is served with nothing leaked."""
+    import asyncio
+
+    from llmopt.engines.generation import GeneratorSpec
+    from llmopt.serve.engine.process import EngineProcess
+    from llmopt.serve.metrics import ServeMetrics
+
+    folder = _poisoned_copy(tiny_llama_dir, tmp_path / "poisoned", token=5)
+    spec = GeneratorSpec(
+        model=str(folder), max_batch=2, block_size=4, num_blocks=64, max_seq_len=64
+    )
+
+    async def scenario():
+        ep = EngineProcess(spec, {}, 2, 256, False, ServeMetrics(), start_timeout=300)
+        try:
+            ep.start(asyncio.get_running_loop())
+            assert ep.describe()["last_error"] is None
+            _, q = ep.submit([9, 10, 5, 11], SamplingParams(max_tokens=4, ignore_eos=True))
+            item = await asyncio.wait_for(q.get(), 120)
+            assert isinstance(item, RuntimeError) and "numerical fault" in str(item)
+            d = ep.describe()
+            assert d["alive"] and "numerical fault" in d["last_error"]
+            _, q = ep.submit([9, 10], SamplingParams(max_tokens=4, ignore_eos=True))
+            events = [await asyncio.wait_for(q.get(), 120) for _ in range(4)]
+            assert events[-1].finish_reason == "length"
+            await asyncio.sleep(0.2)  # the step that freed the blocks has reported
+            assert ep.describe()["leaked_blocks"] == 0
+        finally:
+            ep.stop()
+
+    asyncio.run(scenario())
