@@ -175,8 +175,14 @@ class Guard:
         )
 
 
-# A JSON escape of a UTF-16 surrogate: where a lone one may hide (then the body is parsed to see).
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A JSON escape of a lone UTF-16 surrogate: a high one not followed by a low one, or a low one
+# not preceded by a high one (a pair, as `ensure_ascii` clients spell every emoji, is fine). A
+# match may still be a false alarm (an escaped backslash before "u..."): the body is then parsed
+# to see.
+_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
 
 
 def _surrogate_field(body: bytes) -> str | None:
