@@ -9,7 +9,9 @@ model (seeded random weights, std 0.02, for `--shape`; real weights for `--model
 tokens/s, the bytes each decode step must read (weights + KV cache), the achieved bandwidth and its
 share of the device-to-device copy bandwidth measured in the same run. bf16 is also swept over
 `--batches`. `--hf` runs transformers' generate() (dynamic cache, then static cache) on the same
-weights and checks the greedy tokens match the native engine's.
+weights and checks the greedy tokens match the native engine's. `--attention triton gather` runs
+each point twice, back to back: decode attention through the flash-decoding Triton kernel
+(`engines/native/attention.py`, the CUDA default) and through the torch gather path (before it).
 Results go to stdout (a table at the end) and `--json`.
 """
 
@@ -118,6 +120,7 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
         compile=compile_,
         bucket_blocks=False,
     )
+    kernel = model.model.layers[0].self_attn.decode_kernel
     params = SamplingParams(
         max_tokens=new, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
     )
@@ -161,6 +164,7 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
         "ms_per_step": 1e3 * decode_s / steps,
         "tokens": tokens[0],
         "ms_per_step_device_only": graph,
+        "attention": "triton" if kernel else "gather",
     }
 
 
@@ -287,6 +291,18 @@ def main() -> None:
         help="native runs: sample at this temperature (0: greedy, the default)",
     )
     ap.add_argument("--top-p", type=float, default=1.0, help="native runs: nucleus sampling")
+    ap.add_argument(
+        "--attention",
+        nargs="+",
+        choices=["triton", "gather"],
+        default=["triton"],
+        help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather only)",
+    )
+    ap.add_argument(
+        "--int4-triton",
+        action="store_true",
+        help="int4 through the opt-in Triton fused-dequant kernels instead of tinygemm (CUDA)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
@@ -295,8 +311,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from llmopt.engines.native import attention as A
     from llmopt.engines.native import linear as L
 
+    L.INT4_TRITON = args.int4_triton
     cuda = torch.device(args.device).type == "cuda"
     dtype = (
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
@@ -328,10 +346,17 @@ def main() -> None:
     print(json.dumps(env))
     results: dict = {"env": env, "args": vars(args), "native": [], "hf": []}
     native_tokens = None
+    tokens_b1: list[tuple[str, list[int]]] = []
     for mode in modes:
         model, sqnr = build(args, mode, dtype, cfg_dict, prompt)
         wbytes = weight_bytes(model)
-        for b in args.batches if mode in ("bf16", "fp32") else [1]:
+        points = [
+            (b, path)
+            for b in (args.batches if mode in ("bf16", "fp32") else [1])
+            for path in args.attention
+        ]
+        for b, path in points:
+            A.ENABLED = path == "triton"
             r = run_native(args, model, b, prompt, compile_)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
@@ -342,8 +367,15 @@ def main() -> None:
                 achieved_GBps=step_bytes / (r["ms_per_step"] / 1e3) / 1e9,
             )
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
-            if b == 1 and mode in ("bf16", "fp32"):
+            if b == 1 and mode in ("bf16", "fp32") and native_tokens is None:
                 native_tokens = r["tokens"]
+            if b == 1 and path != args.attention[0]:  # greedy tokens against the first path
+                first = next(x for x in tokens_b1 if x[0] == mode)[1]
+                r["greedy_equal_to_first_path"] = sum(
+                    a == c for a, c in zip(first, r["tokens"], strict=False)
+                )
+            if b == 1:
+                tokens_b1.append((mode, r["tokens"]))
             results["native"].append({k: v for k, v in r.items() if k != "tokens"})
             print(json.dumps(results["native"][-1]), flush=True)
         if args.hf and mode in ("bf16", "fp32"):
@@ -364,13 +396,13 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     print(
-        f"\n{'mode':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'dev ms':>7s} {'GB/s':>8s} "
+        f"\n{'mode':6s} {'attn':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'dev ms':>7s} {'GB/s':>8s} "
         f"{'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}"
     )
     for r in results["native"]:
         q = r.get("logits_sqnr_db_vs_dense")
         print(
-            f"{r['mode']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
+            f"{r['mode']:6s} {r['attention']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
             f"{r['ms_per_step_device_only']:7.2f} {r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
             f"{'-' if q is None else format(q, '.1f'):>8s}"

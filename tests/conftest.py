@@ -190,3 +190,46 @@ def tiny_bert_dir(_tiny_bert_master: Path, tmp_path: Path) -> Path:
     """A tiny random BertModel folder (2 layers, hidden 64, vocab 30522) laid out like a
     sentence-transformers embedder (mean pooling, Normalize), with a BERT tokenizer."""
     return Path(shutil.copytree(_tiny_bert_master, tmp_path / "tiny-bert"))
+
+
+def _st_files(out: Path, pooling_mode: str, dim: int, prompts: dict | None = None) -> None:
+    """sentence-transformers' files for a Transformer -> Pooling(pooling_mode) -> Normalize
+    model, optionally with instruction prompts (config_sentence_transformers.json)."""
+    st = "sentence_transformers.models."
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"},
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
+    cfg = {"word_embedding_dimension": dim} | {
+        f"pooling_mode_{m}": m == pooling_mode for m in modes
+    }
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(cfg, indent=2))
+    if prompts is not None:
+        body = {"prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+        (out / "config_sentence_transformers.json").write_text(json.dumps(body, indent=2))
+
+
+@pytest.fixture
+def tiny_bert_cls_dir(_tiny_bert_master: Path, tmp_path: Path) -> Path:
+    """`tiny_bert_dir` with CLS pooling (BGE / GTE-style), E5-style "query: " / "passage: "
+    prompts, and Normalize."""
+    out = Path(shutil.copytree(_tiny_bert_master, tmp_path / "tiny-bert-cls"))
+    _st_files(out, "cls_token", 64, {"query": "query: ", "document": "passage: "})
+    return out
+
+
+@pytest.fixture
+def tiny_last_token_dir(_tiny_llama_master: Path, tmp_path: Path) -> Path:
+    """The tiny Llama as a Qwen3-Embedding-style decoder embedder: last-token pooling,
+    Normalize, an instruction prompt for queries, and a tokenizer that pads on the left."""
+    out = Path(shutil.copytree(_tiny_llama_master, tmp_path / "tiny-last-token"))
+    _st_files(out, "lasttoken", 64, {"query": "Instruct: find the passage\nQuery:", "document": ""})
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["padding_side"] = "left"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out

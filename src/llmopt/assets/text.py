@@ -44,6 +44,8 @@ __all__ = [
     "wordsim353",
     "simlex999",
     "token_windows",
+    "special_prefix",
+    "window_convention",
     "strip_wiki_markup",
 ]
 
@@ -455,14 +457,66 @@ def simlex999() -> list[tuple[str, str, float]]:
     return _word_pairs("simlex999.txt")
 
 
+def special_prefix(tokenizer) -> list[int]:
+    """The token ids the tokenizer puts before a text of its own accord (its BOS, usually).
+
+    Found by encoding a probe with and without special tokens, so it follows whatever the
+    tokenizer's post-processor does (`add_bos_token`, a template processor), not a guess from
+    `bos_token` alone: GPT-2 style tokenizers define a BOS but never add it; Llama 3, Gemma and
+    Mistral tokenizers add it.
+
+    >>> class Tok:
+    ...     def __call__(self, text, add_special_tokens=True):
+    ...         ids = [ord(c) for c in text]
+    ...         return {"input_ids": ([1] if add_special_tokens else []) + ids}
+    >>> special_prefix(Tok())
+    [1]
+    """
+    probe = "The quick brown fox."
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            return full[:k]
+    return []
+
+
+def window_convention(tokenizer) -> str:
+    """How `token_windows` feeds text to this tokenizer's model, in words (for results).
+
+    >>> class Tok:
+    ...     bos_token = "<s>"
+    ...     def __call__(self, text, add_special_tokens=True):
+    ...         return {"input_ids": [ord(c) for c in text]}
+    >>> window_convention(Tok())
+    'no prefix token in each window (the tokenizer adds none)'
+    """
+    prefix = special_prefix(tokenizer)
+    if not prefix:
+        return "no prefix token in each window (the tokenizer adds none)"
+    return (
+        f"each window starts with the tokenizer's own prefix {prefix} (its BOS), "
+        "as the model reads its input"
+    )
+
+
 def token_windows(tokenizer, text: str, window: int = 512, count: int = 16) -> torch.Tensor:
-    """Cut `text` into `count` non-overlapping windows of `window` tokens, in order: the unit
-    quantization calibrates and evaluates on, and verification scores perplexity over.
+    """Cut `text` into `count` windows of `window` tokens, in order: the unit quantization
+    calibrates and evaluates on, and verification scores perplexity over.
+
+    Each window is fed as the model reads input: where the tokenizer puts a prefix before a
+    text (a BOS token: Llama 3, Gemma, Mistral...), every window starts with it and holds
+    `window - len(prefix)` tokens of text, as lm-evaluation-harness starts its rolling
+    log-likelihood windows with the prefix token. A model that always saw BOS at position 0 in
+    training scores badly without it (the text is then out of distribution); tokenizers that
+    add nothing (GPT-2 style, SmolLM2) get plain consecutive text. `window_convention` says
+    which, for the results.
 
     Args:
         tokenizer: a Hugging Face tokenizer.
         text: held-out prose (`evaluation_text()`).
-        window: tokens per window (the context each token is predicted from is at most this).
+        window: tokens per window, prefix included (the context each token is predicted from
+            is at most this).
         count: number of windows; fewer are returned if the text runs out (never padded).
 
     Returns:
@@ -470,10 +524,17 @@ def token_windows(tokenizer, text: str, window: int = 512, count: int = 16) -> t
     """
     import torch  # heavy: only the callers that tokenize pay for it
 
+    prefix = special_prefix(tokenizer)
+    body = window - len(prefix)
+    if body < 2:
+        raise ValueError(f"a window of {window} tokens leaves no room after the prefix {prefix}")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    n = min(count, len(ids) // window)
+    n = min(count, len(ids) // body)
     if n == 0:
         raise ValueError(
             f"evaluation text has {len(ids)} tokens, fewer than one window of {window}"
         )
-    return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)
+    rows = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)
+    if prefix:
+        rows = torch.cat([torch.tensor([prefix] * n, dtype=torch.long), rows], dim=1)
+    return rows

@@ -1,7 +1,8 @@
 """Online load generator for OpenAI-compatible servers (vLLM, llama.cpp, Ollama, llmopt's own).
 
-It streams `/v1/completions` requests and times every chunk on the client, the way vLLM's
-`bench serve` does, so the numbers (see `serve_metrics.py`) mean the same thing across tools.
+It streams `/v1/completions` (or `/v1/chat/completions`) requests and times every chunk on the
+client, the way vLLM's `bench serve` does, or sends `/v1/embeddings` requests (one response
+each, a batch of texts drawn from a batch-size mix) and times the response, so the numbers (see `serve_metrics.py`) mean the same thing across tools.
 Arrival patterns, as vLLM's `get_request`: fixed concurrency (all requests queued, at most N in
 flight), constant rate, and Poisson/gamma arrivals whose `burstiness` is the gamma shape (1 =
 Poisson, < 1 burstier, > 1 more even). Every loop is bounded: `num_requests` caps the count,
@@ -27,14 +28,24 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from llmopt.bench.serve_metrics import SLO, RequestRecord, serve_metrics
+from llmopt.bench.serve_metrics import PERCENTILES, SLO, RequestRecord, serve_metrics
 from llmopt.core.errors import EngineUnavailableError, LlmoptError
 
-__all__ = ["LoadSpec", "Workload", "LoadTargetError", "arrival_offsets", "make_prompts", "run_load"]
+__all__ = [
+    "ENDPOINTS",
+    "LoadSpec",
+    "Workload",
+    "LoadTargetError",
+    "arrival_offsets",
+    "make_batches",
+    "make_prompts",
+    "run_load",
+]
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["concurrency", "rate", "poisson"]
+ENDPOINTS = ("completions", "chat", "embeddings")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Common short English words: each is one token in BPE vocabularies with a leading space, so a
 # prompt of N words is about N tokens (the server's usage report gives the exact count).
@@ -180,10 +191,17 @@ class Workload:
         range_ratio: lengths drawn uniformly in [len*(1-r), len*(1+r)] as vLLM's random dataset.
         prompts_file: JSONL with {"prompt": str, "max_tokens": int (optional)} per line.
         ignore_eos: ask the server to ignore end-of-sequence (vLLM honours it; others may not).
+        endpoint: "completions" (streamed /v1/completions), "chat" (streamed
+            /v1/chat/completions, the prompt as one user message) or "embeddings"
+            (/v1/embeddings; `output_len` unused).
+        batch_sizes: embeddings: texts per request, each request drawing one of these
+            uniformly (the batch-size mix; (1,) sends one text a request).
 
     Example:
         >>> Workload(input_len=64, output_len=32).output_len
         32
+        >>> Workload(endpoint="embeddings", batch_sizes=(1, 8)).batch_sizes
+        (1, 8)
     """
 
     input_len: int = 128
@@ -191,8 +209,14 @@ class Workload:
     range_ratio: float = 0.0
     prompts_file: Path | None = None
     ignore_eos: bool = False
+    endpoint: str = "completions"
+    batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint {self.endpoint!r}: use one of {', '.join(ENDPOINTS)}")
+        if not self.batch_sizes or any(not 1 <= b <= 2048 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes {self.batch_sizes} must each be in 1..2048")
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError("input_len and output_len must be >= 1 token")
         if not 0 <= self.range_ratio < 1:
@@ -290,7 +314,11 @@ async def _one(
     w: Workload,
     timeout_s: float,
     est_prompt_len: int = 0,
+    texts: list[str] | None = None,
 ) -> RequestRecord:
+    if w.endpoint == "embeddings":
+        return await _one_embeddings(client, url, model, texts or [prompt], timeout_s)
+    chat = w.endpoint == "chat"
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -299,8 +327,11 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
     if w.ignore_eos:
         body["ignore_eos"] = True
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     rec = RequestRecord(success=False, start_time=time.perf_counter())
     st = rec.start_time
     last = st
@@ -308,7 +339,7 @@ async def _one(
     text: list[str] = []
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            async with client.stream("POST", url + path, json=body) as resp:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode("utf-8", "replace")[:300]
                     rec.error = f"HTTP {resp.status_code}: {detail}"
@@ -329,7 +360,12 @@ async def _one(
                             rec.itl.append(now - last)
                         last = now
                         chunks += 1
-                        piece = d["choices"][0].get("text") or ""
+                        choice = d["choices"][0]
+                        piece = (
+                            (choice.get("delta") or {}).get("content")
+                            if chat
+                            else choice.get("text")
+                        ) or ""
                         rec.finish_reason = (
                             d["choices"][0].get("finish_reason") or rec.finish_reason
                         )
@@ -360,6 +396,60 @@ async def _one(
     return rec
 
 
+async def _one_embeddings(
+    client, url: str, model: str, texts: list[str], timeout_s: float
+) -> RequestRecord:
+    body = {"model": model, "input": texts, "encoding_format": "float"}
+    rec = RequestRecord(success=False, start_time=time.perf_counter(), inputs=len(texts))
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await client.post(url + "/v1/embeddings", json=body)
+            raw = await resp.aread()
+    except TimeoutError:
+        rec.error = f"timeout after {timeout_s:g} s"
+        return rec
+    except asyncio.CancelledError:
+        rec.error = "cancelled: run deadline reached"
+        return rec
+    except Exception as e:  # a server's fault must become a record, never a crash
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+        return rec
+    done = time.perf_counter()
+    if resp.status_code != 200:
+        rec.error = f"HTTP {resp.status_code}: {raw.decode('utf-8', 'replace')[:300]}"
+        return rec
+    try:
+        d = json.loads(raw)
+        got = len(d["data"])
+    except (ValueError, KeyError, TypeError) as e:
+        rec.error = f"not an embeddings response ({type(e).__name__}: {e})"[:300]
+        return rec
+    if got != len(texts):
+        rec.error = f"{got} embeddings for {len(texts)} inputs"
+        return rec
+    rec.success, rec.latency = True, done - rec.start_time
+    rec.prompt_len = int((d.get("usage") or {}).get("prompt_tokens") or 0)
+    rec.tokens_source = "usage" if rec.prompt_len else "words"
+    rec.prompt_len = rec.prompt_len or sum(len(t.split()) for t in texts)
+    return rec
+
+
+def make_batches(w: Workload, prompts: list[tuple[str, int]], seed: int = 0) -> list[list[str]]:
+    """Embeddings: one list of texts per request, its size drawn from `w.batch_sizes`.
+
+    Example:
+        >>> make_batches(Workload(batch_sizes=(2,)), [("a", 1), ("b", 1)])
+        [['a', 'b'], ['b', 'a']]
+    """
+    rng = random.Random(seed + 1)
+    texts = [p for p, _ in prompts]
+    out = []
+    for i in range(len(prompts)):
+        b = rng.choice(w.batch_sizes)
+        out.append([texts[(i + j) % len(texts)] for j in range(b)])
+    return out
+
+
 async def first_model(client, url: str) -> str:
     """The first model id the server lists (as vLLM does when --model is not given)."""
     r = await client.get(url + "/v1/models")
@@ -378,6 +468,7 @@ async def _run(
         ) from None
 
     prompts = make_prompts(w, spec.num_requests + warmups, spec.seed)
+    batches = make_batches(w, prompts, spec.seed) if w.endpoint == "embeddings" else None
     offsets = arrival_offsets(spec, spec.num_requests)
     limit = int(spec.value) if spec.mode == "concurrency" else spec.max_concurrency
     limits = httpx.Limits(max_connections=limit or 1000, max_keepalive_connections=limit or 100)
@@ -390,16 +481,18 @@ async def _run(
                 f"no OpenAI-compatible server answers at {url}/v1/models ({type(e).__name__}: {e})",
                 "start the server first, or check --url and --model",
             ) from None
-        for p, m in prompts[:warmups]:  # untimed: first-request allocation, caches
-            await _one(client, url, model, p, m, w, timeout_s, len(p.split()))
+        for i, (p, m) in enumerate(prompts[:warmups]):  # untimed: allocation, caches
+            texts = batches[i] if batches else None
+            await _one(client, url, model, p, m, w, timeout_s, len(p.split()), texts)
         sem = asyncio.Semaphore(limit) if limit else None
 
         async def send(i: int) -> RequestRecord:
             p, m = prompts[warmups + i]
+            texts = batches[warmups + i] if batches else None
             if sem is None:
-                return await _one(client, url, model, p, m, w, timeout_s, len(p.split()))
+                return await _one(client, url, model, p, m, w, timeout_s, len(p.split()), texts)
             async with sem:
-                return await _one(client, url, model, p, m, w, timeout_s, len(p.split()))
+                return await _one(client, url, model, p, m, w, timeout_s, len(p.split()), texts)
 
         t0 = time.perf_counter()
         deadline = t0 + spec.max_seconds
@@ -435,6 +528,7 @@ def run_load(
     timeout_s: float = 120.0,
     warmups: int = 1,
     allow_remote: bool = False,
+    percentiles: tuple[float, ...] = PERCENTILES,
 ) -> dict[str, Any]:
     """Load one endpoint with one arrival pattern and return vLLM-defined metrics.
 
@@ -447,6 +541,7 @@ def run_load(
         timeout_s: per-request bound.
         warmups: untimed requests sent one by one before the measured ones.
         allow_remote: permit a non-loopback host.
+        percentiles: latency percentiles to report (p50, p90, p95, p99 by default).
 
     Returns:
         {"spec", "workload", "model", "metrics" (see serve_metrics), "unsent", "errors" (first
@@ -464,7 +559,7 @@ def run_load(
         log.warning(
             "%d of %d requests failed: %s", sum(not r.success for r in recs), len(recs), errors[0]
         )
-    metrics = serve_metrics(recs, max(out["duration_s"], 1e-9), slo)
+    metrics = serve_metrics(recs, max(out["duration_s"], 1e-9), slo, percentiles)
     return {
         "kind": "serve",
         "spec": asdict(spec) | {"label": spec.label},

@@ -11,6 +11,8 @@ Achieved bandwidth and FLOP/s are those divided by the measured phase time; the 
 ceiling says how close the phase runs to it. The verdict compares the phase's arithmetic intensity
 (FLOPs per byte) with the machine's ridge point (peak FLOP/s / bandwidth); when neither share
 reaches `overhead_share` the phase is overhead-bound (per-step Python, kernel launch, threading).
+A phase above a ceiling (share > 100%) is bound by nothing measured: the ceiling measurement was
+low, and the verdict says so ("above-ceiling") instead of naming a bound it exceeds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from typing import Any
 
 from llmopt.bench.timing import device_sync
 
-__all__ = ["Ceilings", "measure_ceilings", "PhaseWork", "attribute", "attribute_lm", "IMPLICATIONS"]
+__all__ = [
+    "Ceilings",
+    "measure_ceilings",
+    "PhaseWork",
+    "attribute",
+    "attribute_lm",
+    "IMPLICATIONS",
+    "above_ceiling",
+    "best_ceilings",
+]
 
 IMPLICATIONS = {
     "memory-bound": (
@@ -32,6 +43,11 @@ IMPLICATIONS = {
         "time is spent in matrix multiplies: faster math helps (bf16/int8 GEMMs, AMX/tensor "
         "cores, activation quantization); weight-only quantization will not, and may slow it "
         "down by adding dequantization work"
+    ),
+    "above-ceiling": (
+        "the phase ran faster than a ceiling measured in this run, so that ceiling measurement "
+        "was low (a busy machine while it was measured, or a working set that fits in cache): "
+        "no bound is claimed; re-measure with `llmopt bench roofline` on an idle machine"
     ),
     "overhead-bound": (
         "neither ceiling is near: per-step overhead (Python, kernel launches, small ops) "
@@ -194,6 +210,8 @@ def attribute(
     bw_share, fl_share = bw / ceilings.copy_bytes_per_s, fl / peak
     bound = "memory-bound" if intensity < ridge else "compute-bound"
     verdict = "overhead-bound" if max(bw_share, fl_share) < overhead_share else bound
+    if max(bw_share, fl_share) > 1.0:  # past a measured ceiling: that measurement was low
+        verdict = "above-ceiling"
     return {
         "phase": work.name,
         "dtype": work.dtype,
@@ -208,6 +226,30 @@ def attribute(
         "verdict": verdict,
         "implication": IMPLICATIONS[verdict],
     }
+
+
+def above_ceiling(rows: list[dict[str, Any]]) -> list[str]:
+    """The metrics of `rows` that ran above a measured ceiling (share over 100%).
+
+    >>> above_ceiling([{"metric": "a", "bandwidth_share": 1.6, "flops_share": 0.1}])
+    ['a']
+    """
+    return [r["metric"] for r in rows if max(r["bandwidth_share"], r["flops_share"]) > 1.0]
+
+
+def best_ceilings(a: Ceilings, b: Ceilings) -> Ceilings:
+    """The higher of two measurements of each ceiling (a ceiling is the best the machine did)."""
+    flops = {
+        k: max(a.matmul_flops_per_s.get(k, 0.0), b.matmul_flops_per_s.get(k, 0.0))
+        for k in {*a.matmul_flops_per_s, *b.matmul_flops_per_s}
+    }
+    return Ceilings(
+        max(a.copy_bytes_per_s, b.copy_bytes_per_s),
+        flops,
+        a.device,
+        a.threads,
+        a.seconds + b.seconds,
+    )
 
 
 def attribute_lm(

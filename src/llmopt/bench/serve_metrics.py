@@ -12,6 +12,8 @@ vllm/benchmarks/lib/endpoint_request_func.py. Per request, on the client's clock
   request throughput = completed / duration; output = sum(output tokens) / duration;
   total token throughput = (sum(prompt tokens) + sum(output tokens)) / duration;
   request goodput = requests meeting every SLO / duration.
+- Embeddings requests (`/v1/embeddings`, not streamed): E2EL is the response time, TTFT and TPOT
+  are 0 (so an E2EL SLO is the one that applies), and input throughput = sum(texts) / duration.
 
 Percentiles use numpy's default (linear interpolation), means and std are numpy's; all in ms.
 Failed requests count in `failed` and nowhere else. This module is pure arithmetic on timestamps,
@@ -25,7 +27,7 @@ from typing import Any
 
 __all__ = ["RequestRecord", "SLO", "serve_metrics", "PERCENTILES"]
 
-PERCENTILES = (50.0, 90.0, 99.0)
+PERCENTILES = (50.0, 90.0, 95.0, 99.0)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class RequestRecord:
     tokens_source: str = ""  # "usage" or "chunks"
     finish_reason: str = ""  # the server's last one: "length", "stop"... (a cut stream shows here)
     generated_text: str = ""
+    inputs: int = 0  # embeddings: texts in the request (the batch size a client sent)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "generated_text"}
@@ -108,7 +111,8 @@ def serve_metrics(
 
     Returns:
         A plain dict: counts, token totals, throughputs (per second), and `ttft_ms`, `tpot_ms`,
-        `itl_ms`, `e2el_ms` distributions ({mean, median, std, n, p50, p90, p99}).
+        `itl_ms`, `e2el_ms` distributions ({mean, median, std, n, p50, p90, p95, p99} by
+        default), and `input_throughput` (embedding texts per second).
 
     Example:
         >>> r = RequestRecord(True, prompt_len=10, output_tokens=3, ttft=0.1, itl=[0.05, 0.05], latency=0.2)
@@ -122,13 +126,14 @@ def serve_metrics(
     all_tpots: list[float] = []
     itls: list[float] = []
     e2els: list[float] = []
-    total_in = total_out = completed = 0
+    total_in = total_out = completed = inputs = 0
     for r in records:
         if not r.success:
             continue
         completed += 1
         total_in += r.prompt_len
         total_out += r.output_tokens
+        inputs += r.inputs
         tpot = 0.0
         if r.output_tokens > 1:
             tpot = (r.latency - r.ttft) / (r.output_tokens - 1)
@@ -157,6 +162,8 @@ def serve_metrics(
         "good_requests": good,
         "slo_ms": slo.as_dict() if slo else {},
         "output_throughput": total_out / duration_s,
+        "total_inputs": inputs,
+        "input_throughput": inputs / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
         "ttft_ms": _dist_ms(ttfts, percentiles),
         "tpot_ms": _dist_ms(tpots, percentiles),

@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmopt.bench.loadgen import LoadSpec, Workload, run_load
-from llmopt.bench.serve_metrics import SLO
+from llmopt.bench.serve_metrics import PERCENTILES, SLO
 from llmopt.core.schema import SCHEMA_VERSION, summarize
 from llmopt.hardware.host import cpu_name
 
-__all__ = ["HEADLINE", "headline_values", "run_sweep", "parse_points"]
+__all__ = ["HEADLINE", "headline_for", "headline_values", "run_sweep", "parse_points"]
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,39 @@ HEADLINE: tuple[tuple[str, str, bool], ...] = (
     ("output_throughput", "tokens/s", True),
     ("total_token_throughput", "tokens/s", True),
     ("request_goodput", "req/s", True),
+    ("input_throughput", "inputs/s", True),
     ("ttft_ms.median", "ms", False),
+    ("ttft_ms.p95", "ms", False),
     ("ttft_ms.p99", "ms", False),
     ("tpot_ms.median", "ms", False),
     ("itl_ms.median", "ms", False),
     ("itl_ms.p99", "ms", False),
     ("e2el_ms.median", "ms", False),
+    ("e2el_ms.p95", "ms", False),
+    ("e2el_ms.p99", "ms", False),
     ("failed", "requests", False),
 )
+# The rows that mean something for an embeddings load (no tokens are generated or streamed).
+EMBEDDING_HEADLINE = (
+    "request_throughput",
+    "input_throughput",
+    "request_goodput",
+    "e2el_ms.median",
+    "e2el_ms.p95",
+    "e2el_ms.p99",
+    "failed",
+)
+
+
+def headline_for(endpoint: str) -> tuple[tuple[str, str, bool], ...]:
+    """The headline rows for a load of `endpoint` (completions, chat or embeddings).
+
+    >>> [k for k, _, _ in headline_for("embeddings")][:3]
+    ['request_throughput', 'request_goodput', 'input_throughput']
+    """
+    if endpoint != "embeddings":
+        return tuple(h for h in HEADLINE if h[0] != "input_throughput")
+    return tuple(h for h in HEADLINE if h[0] in EMBEDDING_HEADLINE)
 
 
 def headline_values(metrics: dict[str, Any]) -> dict[str, float]:
@@ -83,6 +108,7 @@ def run_sweep(
     timeout_s: float = 120.0,
     on_run: Callable[[int, int, dict[str, Any]], None] | None = None,
     warmups: int = 1,
+    percentiles: tuple[float, ...] = PERCENTILES,
 ) -> dict[str, Any]:
     """Run every point `repeats` times and summarize each headline metric over the repeats.
 
@@ -98,6 +124,7 @@ def run_sweep(
         timeout_s: per-request bound.
         on_run: progress callback (run index, total runs, run result).
         warmups: untimed requests sent one by one before each run (0: none).
+        percentiles: latency percentiles each run reports (p95 is in the headline).
 
     Example:
         >>> res = run_sweep("http://127.0.0.1:8000", parse_points("concurrency", "1,2"), repeats=2)  # doctest: +SKIP
@@ -121,6 +148,7 @@ def run_sweep(
                 timeout_s,
                 warmups=warmups,
                 allow_remote=allow_remote,
+                percentiles=percentiles,
             )
             model_seen = r["model"]
             runs.append(r)
@@ -150,6 +178,8 @@ def run_sweep(
             "python": platform.python_version(),
         },
         "workload": out_points[0]["runs"][0]["workload"] if out_points else {},
+        "endpoint": w.endpoint,
+        "percentiles": list(percentiles),
         "repeats": repeats,
         "slo_ms": slo.as_dict() if slo else {},
         "points": out_points,

@@ -12,11 +12,12 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from llmopt.hardware.host import cpu_name
 
-__all__ = ["device_sync", "time_repeated", "environment"]
+__all__ = ["device_sync", "time_repeated", "environment", "machine_probe"]
 
 
 def device_sync(device: str = "cpu") -> None:
@@ -76,3 +77,58 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
+
+
+def machine_probe(size: int = 192, iters: int = 40) -> dict[str, float | None]:
+    """A short fixed workload timed now, with the load average and CPU clock: what a benchmark
+    records before and after its timed block, so that two numbers measured minutes apart can be
+    compared only when the machine was alike for both (a neighbour's busy loop shows as a slower
+    probe and a higher load).
+
+    The workload is `iters` float32 matmuls of `size` x `size` on one thread (a few milliseconds
+    on an idle core); its milliseconds are the median of three tries.
+
+    >>> p = machine_probe(size=16, iters=2)
+    >>> p["probe_ms"] > 0 and "loadavg_1m" in p
+    True
+    """
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's speed: independent of how many threads the bench uses
+    try:
+        tries = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                a @ b
+            tries.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    out: dict[str, float | None] = {"probe_ms": round(sorted(tries)[1], 3)}
+    try:
+        out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:  # not on every platform
+        out["loadavg_1m"] = None
+    out["cpu_mhz"] = _cpu_mhz()
+    return out
+
+
+def _cpu_mhz() -> float | None:
+    """The current clock of CPU 0 in MHz where Linux exposes it (None elsewhere)."""
+    for path in (
+        "/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq",  # kHz
+        "/proc/cpuinfo",
+    ):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError:
+            continue
+        if path.endswith("scaling_cur_freq"):
+            return round(int(text.strip()) / 1000, 1)
+        for line in text.splitlines():
+            if line.startswith("cpu MHz"):
+                return round(float(line.split(":")[1]), 1)
+    return None

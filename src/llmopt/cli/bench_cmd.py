@@ -20,7 +20,7 @@ from llmopt.bench.lm_run import bench_lm_model
 from llmopt.bench.loadgen import Workload
 from llmopt.bench.roofline import measure_ceilings
 from llmopt.bench.serve_metrics import SLO
-from llmopt.bench.sweep import HEADLINE, parse_points, run_sweep
+from llmopt.bench.sweep import headline_for, parse_points, run_sweep
 from llmopt.cli.render import console
 from llmopt.core.atomic import write_json, write_text
 from llmopt.core.recipes import get_recipe
@@ -78,6 +78,16 @@ def serve(
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="Ask the server to ignore EOS.")
     ] = False,
+    endpoint: Annotated[
+        str, typer.Option(help="completions, chat or embeddings (/v1/embeddings).")
+    ] = "completions",
+    batch_sizes: Annotated[
+        str,
+        typer.Option("--batch-sizes", help="Embeddings: texts per request, a mix, e.g. 1,8,32."),
+    ] = "1",
+    percentiles: Annotated[
+        str, typer.Option(help="Latency percentiles to report, e.g. 50,90,95,99.")
+    ] = "50,90,95,99",
     repeats: Annotated[int, typer.Option(help="Runs per point (>= 2 measures the noise).")] = 3,
     warmups: Annotated[
         int,
@@ -115,7 +125,16 @@ def serve(
         max_seconds=max_seconds,
         seed=seed,
     )
-    w = Workload(input_len, output_len, range_ratio, prompts, ignore_eos)
+    w = Workload(
+        input_len,
+        output_len,
+        range_ratio,
+        prompts,
+        ignore_eos,
+        endpoint=endpoint,
+        batch_sizes=_ints(batch_sizes, "--batch-sizes"),
+    )
+    pcts = _percentiles(percentiles)
     slo = SLO(ttft_ms, tpot_ms, e2el_ms)
     with Progress(disable=as_json, transient=True) as prog:
         task = prog.add_task("load runs", total=len(points) * repeats)
@@ -131,6 +150,7 @@ def serve(
             timeout,
             on_run=lambda k, n, r: prog.update(task, completed=k),
             warmups=warmups,
+            percentiles=pcts,
         )
     path = _write(out, res)
     if as_json:
@@ -142,6 +162,27 @@ def serve(
         raise typer.Exit(1)
 
 
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{flag} {text!r}: give whole numbers, e.g. 1,8,32") from None
+    if not vals:
+        raise typer.BadParameter(f"{flag}: give at least one number")
+    return vals
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"--percentiles {text!r}: give numbers, e.g. 50,95,99") from None
+    if not vals or any(not 0 < v < 100 for v in vals):
+        raise typer.BadParameter(f"--percentiles {text!r}: each must be in (0, 100)")
+    # p95 is in every headline table, so it is always computed.
+    return tuple(sorted({*vals, 95.0}))
+
+
 def _render_serve(res: dict[str, Any], path: Path | None) -> None:
     from rich.table import Table
 
@@ -150,7 +191,7 @@ def _render_serve(res: dict[str, Any], path: Path | None) -> None:
     t.add_column("metric")
     for pt in res["points"]:
         t.add_column(pt["spec"]["label"], justify="right")
-    for key, unit, _ in HEADLINE:
+    for key, unit, _ in headline_for(res.get("endpoint", "completions")):
         cells = []
         for pt in res["points"]:
             st = pt["summary"].get(key)
@@ -253,16 +294,43 @@ def lm(
     if as_json:
         _emit(res)
         return
+    sys.stdout.write(lm_header(res) + "\n")
     for name, st in res["metrics"].items():
         sys.stdout.write(
             f"{name}: {st['median']:.1f} {st['unit']} [{st['min']:.1f}-{st['max']:.1f}]\n"
         )
+    c = res["ceilings"]
+    flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in c["matmul_flops_per_s"].items())
+    again = (
+        " (measured twice: a phase ran above the first)" if res.get("ceilings_remeasured") else ""
+    )
+    sys.stdout.write(
+        f"ceilings{again}: copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s; matmul {flops}\n"
+    )
     for r in res["roofline"]:
         sys.stdout.write(
             f"{r['metric']}: {r['achieved_bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['bandwidth_share']:.0f}% "
             f"of copy), {r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * r['flops_share']:.0f}%): "
             f"{r['verdict']}; {r['implication']}\n"
         )
+
+
+def lm_header(res: dict) -> str:
+    """What `bench lm` measured, before its numbers: model, engine, recipe, lengths, threads.
+
+    >>> print(lm_header({"model": "m", "engine": "hf", "recipe": "fp32", "settings": {
+    ...     "prompt_tokens": 100, "new_tokens": 32, "prompt_lengths": [32], "batch_sizes": [1, 4],
+    ...     "repeats": 3, "threads": 2}}))
+    model m, engine hf, recipe fp32; prompt 100 tokens (+ prefill 32), 32 new tokens, decode batch 1,4; 3 repeats, 2 threads
+    """
+    s = res["settings"]
+    extra = ", ".join(str(p) for p in s.get("prompt_lengths") or [])
+    return (
+        f"model {res['model']}, engine {res['engine']}, recipe {res['recipe']}; "
+        f"prompt {s['prompt_tokens']} tokens{f' (+ prefill {extra})' if extra else ''}, "
+        f"{s['new_tokens']} new tokens, decode batch {','.join(map(str, s['batch_sizes']))}; "
+        f"{s['repeats']} repeats, {s['threads']} threads"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,6 @@ from llmopt.cli.options import (
     ParamsOpt,
     PrecOpt,
     RateOpt,
-    TargetOpt,
     ThreadsOpt,
     TpOpt,
     TpotOpt,
@@ -32,16 +32,27 @@ from llmopt.cli.options import (
 )
 from llmopt.cli.render_ops import render_deploy
 from llmopt.deploy import resolve_source, write_bundle
+from llmopt.deploy.source import run_target
+from llmopt.hardware.target import Target
 
 
 def deploy(
     source: Annotated[
-        str, typer.Argument(help="A run directory (its best/ candidate) or a model folder.")
+        str,
+        typer.Argument(
+            help="A run directory (its best/ candidate), a model folder or a built-in name."
+        ),
     ],
     out: Annotated[
         Path, typer.Option("--out", help="Bundle folder to write (replaced if it exists).")
     ],
-    target: TargetOpt = "cuda",
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="cpu or cuda (cuda: the GPUs doctor finds here). Default: a run's own target "
+            "(what it measured on), else cuda."
+        ),
+    ] = None,
     gpu: GpuOpt = None,
     gpus: GpusOpt = None,
     cpu: CpuOpt = False,
@@ -69,7 +80,16 @@ def deploy(
     """Write a ready-to-run bundle (container, compose, nginx, Kubernetes, start script), validated here."""
 
     src = resolve_source(source, params=params)
-    st = serving_target(target, gpu, gpus, cpu, threads)
+    recorded = None
+    if src.kind == "run" and target is None and not (gpu or cpu):
+        recorded = run_target(src.model_dir)
+    if recorded is not None:
+        st = recorded
+        if threads:
+            st = Target.cpu_host(threads) if st.device == "cpu" else st
+        sys.stderr.write(f"target: the run's own ({st.device}); pass --target/--gpu to change\n")
+    else:
+        st = serving_target(target or "cuda", gpu, gpus, cpu, threads)
     wl = workload(
         input_len=input_len,
         output_len=output_len,

@@ -8,8 +8,9 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.options import DEFAULT_MODEL, JsonOpt, emit_json
-from llmopt.cli.render import OptimizeProgress, render_reverify, render_selection
-from llmopt.optimize.budget import Budget
+from llmopt.cli.progress import OptimizeProgress
+from llmopt.cli.render import render_reverify, render_selection
+from llmopt.optimize.budget import Budget, parse_duration
 from llmopt.optimize.executor import RAY_MISSING
 from llmopt.optimize.job import optimize as run_optimize
 from llmopt.optimize.reverify import reverify
@@ -55,12 +56,13 @@ def optimize(
         str, typer.Option(help="What to optimize: latency, throughput, memory or cost.")
     ] = "throughput",
     time_budget: Annotated[
-        str | None,
+        str,
         typer.Option(
             "--time-budget",
-            help="Wall-clock budget of this call, e.g. 15m, 1h, 90s (default: none).",
+            help="Wall-clock budget of this call, e.g. 15m, 1h, 90s, or none (no limit). "
+            "Default: 5m for a model under 1B parameters, 30m otherwise.",
         ),
-    ] = None,
+    ] = "auto",
     search: Annotated[
         str,
         typer.Option(
@@ -91,6 +93,20 @@ def optimize(
             "directory, and say whether the choice still holds.",
         ),
     ] = None,
+    pairs: Annotated[
+        Path | None,
+        typer.Option(help="Embedders: your sentence pairs (JSONL: text1, text2, optional label)."),
+    ] = None,
+    threshold: Annotated[
+        float | None,
+        typer.Option(help="Embedders: your similarity threshold; gated and recalibrated."),
+    ] = None,
+    queries: Annotated[
+        Path | None, typer.Option(help="Embedders: your queries (JSONL 'text' or one a line).")
+    ] = None,
+    corpus: Annotated[
+        Path | None, typer.Option(help="Embedders: your corpus for the FAISS index check.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The main job: inspect, plan, search (screen, verify, bench), select, report. Resumes if re-run."""
@@ -108,7 +124,9 @@ def optimize(
         raise typer.Exit(0 if res["holds"] else 1)
     out = out or Path("runs") / Path(model).name
     only = [c.strip() for c in candidates.split(",")] if candidates else None
-    with OptimizeProgress(enabled=not as_json) as prog:
+    started = Budget.process_start()
+    budget_s = None if time_budget == "auto" else parse_duration(time_budget)
+    with OptimizeProgress(enabled=not as_json, budget_s=budget_s, started_at=started) as prog:
         res = run_optimize(
             model,
             out,
@@ -126,7 +144,8 @@ def optimize(
             ray_address=address,
             price_per_hour=price_per_hour,
             deploy=not no_deploy,
-            budget_started_at=Budget.process_start(),
+            budget_started_at=started,
+            retrieval=_retrieval(pairs, threshold, queries, corpus),
         )
     if as_json:
         emit_json(
@@ -145,6 +164,12 @@ def optimize(
         render_selection(res)
     if res.selection.chosen is None:
         raise typer.Exit(1)
+
+
+def _retrieval(pairs, threshold, queries, corpus) -> dict | None:
+    options = {"pairs": pairs, "threshold": threshold, "queries": queries, "corpus": corpus}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()}
+    return options if any(v is not None for v in options.values()) else None
 
 
 def register(app: typer.Typer) -> None:

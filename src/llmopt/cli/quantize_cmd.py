@@ -41,22 +41,34 @@ def render_facts(facts: dict[str, Any], out: Path) -> None:
             ("excluded (auto)", ", ".join(facts["excluded"]) or "-"),
             ("skipped", "; ".join(f"{k}: {v}" for k, v in facts["skipped"].items()) or "-"),
             ("notes", "; ".join(facts.get("notes") or []) or "-"),
-            (
-                "calibration",
-                f"{facts['calibration']['windows_used']} x "
-                f"{facts['calibration']['seq_len']} tokens, seed {facts['calibration']['seed']}",
-            ),
-            ("calibration time", f"{facts['calibration_seconds']:.1f} s"),
         ]
+        if facts["calibration"]["windows_used"]:
+            rows += [
+                (
+                    "calibration",
+                    f"{facts['calibration']['windows_used']} x "
+                    f"{facts['calibration']['seq_len']} tokens, seed {facts['calibration']['seed']}",
+                ),
+                ("calibration time", f"{facts['calibration_seconds']:.1f} s"),
+            ]
+        else:
+            rows.append(
+                (
+                    "calibration",
+                    "none: round-to-nearest reads only the weights "
+                    f"({facts.get('rounding_seconds') or 0:.1f} s; --sensitivity measures layers)",
+                )
+            )
         if facts.get("peak_device_memory_bytes"):
             rows.append(("peak GPU memory", f"{facts['peak_device_memory_bytes'] / 2**30:.2f} GiB"))
-        worst = facts["sensitivity"]["most_sensitive"][:3]
-        rows.append(
-            (
-                "most sensitive",
-                ", ".join(f"{w['name']} {w['sqnr_db']:.1f} dB" for w in worst) or "-",
+        if facts.get("sensitivity"):
+            worst = facts["sensitivity"]["most_sensitive"][:3]
+            rows.append(
+                (
+                    "most sensitive",
+                    ", ".join(f"{w['name']} {w['sqnr_db']:.1f} dB" for w in worst) or "-",
+                )
             )
-        )
         q = facts.get("quality") or {}
         if q:
             rows.append(
@@ -103,6 +115,14 @@ def quantize(
         float | None,
         typer.Option(help="Budget: relative perplexity increase on held-out text (0.01 = +1%)."),
     ] = None,
+    sensitivity: Annotated[
+        bool,
+        typer.Option(
+            "--sensitivity",
+            help="Measure each layer's output SQNR on calibration text (always done by "
+            "calibrated recipes; w8a16's round-to-nearest otherwise runs no forward pass).",
+        ),
+    ] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda: where layers are calibrated.")] = "cpu",
     dtype: Annotated[
         str,
@@ -158,6 +178,7 @@ def quantize(
                 max_quality_drop=max_quality_drop,
                 progress=line,
                 dtype=dtype,
+                sensitivity=sensitivity,
             )
         else:
             from rich.progress import Progress
@@ -178,6 +199,7 @@ def quantize(
                     max_quality_drop=max_quality_drop,
                     progress=progress,
                     dtype=dtype,
+                    sensitivity=sensitivity,
                 )
     if as_json:
         sys.stdout.write(json.dumps(facts, indent=2, default=str) + "\n")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -51,8 +50,15 @@ def render_inspect(info: ModelInfo) -> None:
     ]
     if info.task == "embedding":
         rows.append(("pooling", f"{info.pooling}{', normalized' if info.normalize else ''}"))
+    else:
+        rows.append(("attention", info.attention_pattern))
     for dt, b in info.kv_bytes_per_token.items():
-        rows.append((f"KV cache / token ({dt})", human_bytes(b)))
+        note = ""
+        if info.sliding_layers and info.sliding_window:
+            note = (
+                f" (every layer at full length; sliding ones stop at {info.sliding_window} tokens)"
+            )
+        rows.append((f"KV cache / token ({dt})", human_bytes(b) + note))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
@@ -102,48 +108,3 @@ def render_reverify(res: dict) -> None:
     console.print(
         f"recorded in reverify.json; chosen {res['chosen']}, reference {res['reference']}"
     )
-
-
-class OptimizeProgress:
-    """Progress bar over candidate stages; used as the `progress` callback of `optimize`."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.bar = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} stages"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=False,
-            disable=not enabled,
-        )
-        self.task = None
-
-    def __enter__(self) -> OptimizeProgress:
-        self.bar.__enter__()
-        self.task = self.bar.add_task(
-            "inspecting and planning (a built-in is prepared once)", total=None
-        )
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.bar.__exit__(*exc)
-
-    def __call__(self, event: str, cid: str, stage: str, detail: str) -> None:
-        if self.bar.tasks[0].total is None:
-            self.bar.update(self.task, total=0)
-        verb = {"build": "building", "verify": "verifying", "bench": "benchmarking"}[stage]
-        if event == "start":
-            self.bar.update(
-                self.task, description=f"{verb} {cid}", total=self.bar.tasks[0].total + 1
-            )
-        elif event == "skip":
-            self.bar.update(self.task, total=self.bar.tasks[0].total + 1, advance=1)
-        else:
-            self.bar.advance(self.task)
-            if event == "fail" and self.enabled:
-                self.bar.console.print(f"[red]{cid}: {stage} failed: {detail}[/]")
-            elif event == "cut" and self.enabled:
-                self.bar.console.print(f"[yellow]{cid}: cut: {detail}[/]")

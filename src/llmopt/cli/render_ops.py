@@ -195,7 +195,16 @@ def render_plan(
 
 
 def render_deploy(res: DeployResult) -> None:
-    render_serving(res.plan)
+    if hasattr(res.plan, "served_by"):  # an embedder bundle (llmopt.deploy.embedder)
+        p = res.plan
+        thr = (p.threshold or {}).get("threshold")
+        console.print(
+            f"embedder {p.model['name']}: served by {p.served_by} on {p.target.name}"
+            + (f"; similarity threshold {thr:.4g}" if thr is not None else ""),
+            highlight=False,
+        )
+    else:
+        render_serving(res.plan)
     t = Table(title=f"bundle {res.out} validation")
     for col in ("check", "status", "tool", "detail"):
         t.add_column(col, overflow="fold")

@@ -1,7 +1,8 @@
 """CLI of `llmopt serve`: an OpenAI-compatible server for a run's best candidate or any model.
 
 Wiring only: settings from flags (`ServeSettings`), then `llmopt.serve.load_context` +
-`run_server`, or with `--engine vllm|llamacpp` the engine's own server (`llmopt.serve.external`).
+`run_server` (on `--engine torch|hf`, else chosen by `llmopt.serve.server.batching_engine`), or
+with `--engine vllm|llamacpp` the engine's own server (`llmopt.serve.external`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from llmopt.serve.settings import ServeSettings
 
 __all__ = ["register", "serve"]
 
+# Engines llmopt's own server drives (`Engine.load_generator`); the others have their own server.
+IN_PROCESS = ("torch", "hf")
+
 
 def serve(
     model: Annotated[
@@ -33,8 +37,9 @@ def serve(
     engine: Annotated[
         str | None,
         typer.Option(
-            help="vllm or llamacpp: launch that engine's own server with the plan's "
-            "flags instead of llmopt's."
+            help="torch (the native engine) or hf (transformers, every architecture): "
+            "llmopt's server on that engine (default: torch where it runs the model, else hf); "
+            "vllm or llamacpp: launch that engine's own server with the plan's flags."
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -220,7 +225,10 @@ def serve(
         "num_blocks": num_blocks,
         "max_seq_len": max_seq_len,
     }
-    chosen = None if engine else chosen_external_engine(model)
+    own = engine if engine in IN_PROCESS else None  # llmopt's own server on this engine
+    if own:
+        engine = None
+    chosen = None if engine or own else chosen_external_engine(model)
     if chosen:  # the run chose an engine with its own server: serve what was measured
         sys.stderr.write(f"note: the run chose the {chosen} engine; serving it with its server\n")
         engine = chosen
@@ -244,7 +252,7 @@ def serve(
 
     settings = resolve_settings(model, requested, recipe, **common)
     with console.status(f"loading {model}") if sys.stderr.isatty() else nullcontext():
-        ctx = load_context(model, settings, recipe)
+        ctx = load_context(model, settings, recipe, engine=own)
     if any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv):
         sys.stderr.write(
             "warning: --api-key is visible to every user of this machine (`ps`); "

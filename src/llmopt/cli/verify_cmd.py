@@ -17,12 +17,13 @@ import typer
 
 from llmopt.cli.render import console
 from llmopt.verify.api import verify_models
+from llmopt.verify.embedding import RetrievalSpec
 from llmopt.verify.gates import Gates, gate_rows
 
 if TYPE_CHECKING:
     from llmopt.verify.api import VerifyReport
 
-__all__ = ["verify", "register", "render_report"]
+__all__ = ["verify", "register", "render_report", "retrieval_spec"]
 
 
 def _fmt(x) -> str:
@@ -80,6 +81,20 @@ def render_report(report: VerifyReport) -> None:
     console.print(f"{verdict} in {report.result.seconds:.1f} s")
 
 
+def retrieval_spec(
+    pairs: Path | None,
+    threshold: float | None,
+    queries: Path | None,
+    corpus: Path | None,
+    top_k: int = 10,
+) -> RetrievalSpec:
+    """The embedding options of `verify` and `optimize` as one `RetrievalSpec` (files read)."""
+    try:
+        return RetrievalSpec.from_options(pairs, threshold, queries, corpus, top_k)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+
 def verify(
     reference: Annotated[str, typer.Argument(help="Reference: built-in name or HF folder.")],
     candidate: Annotated[
@@ -114,6 +129,22 @@ def verify(
     no_attribution: Annotated[
         bool, typer.Option("--no-attribution", help="Skip the per-layer SQNR comparison.")
     ] = False,
+    pairs: Annotated[
+        Path | None,
+        typer.Option(help="Embeddings: your sentence pairs (JSONL: text1, text2, optional label)."),
+    ] = None,
+    threshold: Annotated[
+        float | None,
+        typer.Option(help="Embeddings: your similarity threshold; recalibrated for the candidate."),
+    ] = None,
+    queries: Annotated[
+        Path | None, typer.Option(help="Embeddings: your queries (JSONL 'text' or one a line).")
+    ] = None,
+    corpus: Annotated[
+        Path | None,
+        typer.Option(help="Embeddings: your corpus for the FAISS index check (default: built-in)."),
+    ] = None,
+    top_k: Annotated[int, typer.Option(help="Embeddings: neighbours of the index check.")] = 10,
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: all).")] = None,
     out: Annotated[Path | None, typer.Option(help="Also write the report as JSON here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
@@ -143,6 +174,7 @@ def verify(
             tasks=tasks,
             attribution=not no_attribution,
             threads=threads,
+            retrieval=retrieval_spec(pairs, threshold, queries, corpus, top_k),
         )
     data = report.to_dict() | {"gates": g.to_dict()}
     if out:

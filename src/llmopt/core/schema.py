@@ -118,6 +118,9 @@ class VerifyResult(Serializable):
     notes: list[str] = field(default_factory=list)
     # The work behind the numbers: {"level": "screen"|"full"|"reverify", "rung": 1|2, sizes...}.
     fidelity: dict[str, Any] = field(default_factory=dict)
+    # How the text was fed to the model (causal LMs: whether each window starts with the
+    # tokenizer's BOS), so a score is read with the input convention it was measured under.
+    inputs: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VerifyResult:
@@ -232,3 +235,7 @@ class Selection(Serializable):
     objective_values: dict[str, float] = field(default_factory=dict)  # full fidelity, by id
     higher_is_better: bool = True
     cut: dict[str, str] = field(default_factory=dict)  # id -> why the search never finished it
+    # id -> the finalist's ratio to the reference measured side by side (llmopt.optimize.paired)
+    side_by_side: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the chosen one's runtime settings measured side by side (llmopt.optimize.tune)
+    tuned: dict[str, Any] = field(default_factory=dict)

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.assets.models import BUILTIN_MODELS
 from llmopt.core.atomic import atomic_dir, write_json, write_text
 from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import RECIPES
 from llmopt.deploy import templates as T
+from llmopt.deploy.embedder import embedder_files, plan_embedder
 from llmopt.deploy.readme import bundle_readme
 from llmopt.deploy.source import DeploySource
 from llmopt.deploy.validate import CheckResult, validate_bundle
@@ -96,13 +98,17 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
     """A run directory (its best/ artifact) or a model folder, as something to deploy.
 
     Args:
-        path: `runs/NAME` written by `llmopt optimize`, its `best/` folder, or an HF folder.
+        path: `runs/NAME` written by `llmopt optimize`, its `best/` folder, an HF folder, or a
+            built-in model's name.
         params: parameter count override for config-only folders.
 
     Raises:
         DeployError: a run without a chosen candidate, or a model llmopt cannot serve yet.
     """
 
+    if isinstance(path, str) and path in BUILTIN_MODELS and not Path(path).exists():
+        # A built-in name, as every other command takes it (prepared on first use).
+        path = Path(inspect_model(path).path)
     p = Path(path).resolve()
     try:
         best = find_best(p)
@@ -112,14 +118,16 @@ def resolve_source(path: str | Path, *, params: float | None = None) -> DeploySo
             hint="look at report.html, relax --max-quality-drop, or deploy the model folder",
         ) from e
     if best is not None:
-        src = DeploySource(best.model, best.artifact, "run", best.recipe, best.candidate.id)
+        src = DeploySource(
+            best.model, best.artifact, "run", best.recipe, best.candidate.id, best.launch
+        )
     else:
         info = inspect_model(str(p), params=params, config_only="auto")
         src = DeploySource(info, p, "config" if info.weight_format == CONFIG_ONLY else "model")
-    if src.info.task != "causal-lm":
+    if src.info.task not in ("causal-lm", "embedding"):
         raise DeployError(
-            f"{src.info.name} is an embedding model; bundles serve causal LMs (vLLM) today",
-            hint="serve embedders in Python with llmopt.engines.load_best(RUN/best)",
+            f"{src.info.name} is a {src.info.task} model; bundles serve causal LMs and embedders",
+            hint="serve it in Python with llmopt.engines.load_best(RUN/best)",
         )
     return src
 
@@ -172,6 +180,8 @@ def write_bundle(
     True
     """
 
+    if source.info.task == "embedding":
+        return _write_embedder_bundle(source, Path(out), target, image, validate)
     if _recipe_precision(source.recipe):  # serve what was verified, unless told otherwise
         precision, dtype = _recipe_precision(source.recipe)
         plan_kw.setdefault("precision", precision)
@@ -215,3 +225,38 @@ def write_bundle(
         }
         write_json(tmp / "bundle.json", manifest).chmod(0o644)
     return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)
+
+
+def _write_embedder_bundle(
+    source: DeploySource, out: Path, target: Target, image: str | None, validate: bool
+) -> DeployResult:
+    """The embedder bundle (`llmopt.deploy.embedder`): same layout, validators and manifest."""
+    plan = plan_embedder(source, target, source.launch)
+    image = image or f"llmopt/{T.slug(source.info.name)}:latest"
+    # A run mounts its best/ folder (llmopt serves it); a model folder is mounted as it is.
+    mount = source.model_dir.parent if source.kind == "run" else source.model_dir
+    files = embedder_files(plan, image, str(mount))
+    with atomic_dir(out) as tmp:
+        tmp.chmod(0o755)
+        for rel, text in files.items():
+            write_text(tmp / rel, text)
+            (tmp / rel).chmod(0o755 if rel.endswith(".sh") else 0o644)
+            (tmp / rel).parent.chmod(0o755)
+        checks = validate_bundle(tmp) if validate else []
+        manifest = {
+            "generator": "llmopt deploy",
+            "source": {
+                "kind": source.kind,
+                "model_dir": str(mount),
+                "recipe": source.recipe,
+                "candidate": source.candidate,
+                "fingerprint": source.info.fingerprint,
+            },
+            "files": {
+                rel: hashlib.sha256(text.encode()).hexdigest()
+                for rel, text in sorted(files.items())
+            },
+            "checks": [c.to_dict() for c in checks],
+        }
+        write_json(tmp / "bundle.json", manifest).chmod(0o644)
+    return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)  # type: ignore[arg-type]

@@ -184,7 +184,10 @@ def check_shell(bundle: Path) -> CheckResult:
 
 def check_vllm(bundle: Path) -> CheckResult:
 
-    argv = yaml.safe_load((bundle / "plan.json").read_text())["launch"]["vllm"]["argv"]
+    launch = yaml.safe_load((bundle / "plan.json").read_text())["launch"]
+    if "vllm" not in launch:  # an embedder bundle served by llmopt: no vLLM flags to check
+        return CheckResult("vllm", "skipped", "vLLM argument parser", "served by llmopt")
+    argv = launch["vllm"]["argv"]
     try:
         parsed = check_vllm_args(argv)
     except EngineUnavailableError as e:

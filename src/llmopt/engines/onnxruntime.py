@@ -32,7 +32,7 @@ import numpy as np
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
-from llmopt.engines.pooling import embed_in_batches, pool
+from llmopt.engines.pooling import embed_in_batches, encoder_feeds, pool
 
 if TYPE_CHECKING:
     from llmopt.core.recipes import Recipe
@@ -211,18 +211,7 @@ class OrtEmbeddingRunner:
         return embed_in_batches(texts, batch_size, self._embed_batch, dim, self.sort_by_length)
 
     def _embed_batch(self, batch: list[str]) -> np.ndarray:
-        enc = self.tokenizer(
-            batch, padding=True, truncation=True, max_length=self.max_length, return_tensors="np"
-        )
-        mask = enc["attention_mask"].astype(np.int64)  # (B, T)
-        feeds = {}
-        for name in self.input_names:
-            if name in enc:
-                feeds[name] = enc[name].astype(np.int64)
-            elif name == "token_type_ids":  # tokenizer without segment ids: all zeros
-                feeds[name] = np.zeros_like(mask)
-            else:
-                raise KeyError(f"model input {name!r} not produced by the tokenizer")
+        feeds, mask = encoder_feeds(self.tokenizer, batch, self.max_length, self.input_names)
         (hidden,) = self.session.run(["last_hidden_state"], feeds)  # (B, T, D)
         return pool(hidden, mask, self.pooling, self.normalize)
 

@@ -28,7 +28,7 @@ from llmopt.assets.text import calibration_sentences
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
-from llmopt.engines.pooling import embed_in_batches, pool
+from llmopt.engines.pooling import embed_in_batches, encoder_feeds, pool
 from llmopt.hardware.host import isa_features, usable_cores
 from llmopt.model.files import copy_tokenizer_files
 
@@ -198,17 +198,6 @@ class OpenVinoEmbeddingRunner:
         return embed_in_batches(texts, batch_size, self._embed_batch, self.dim, self.sort_by_length)
 
     def _embed_batch(self, batch: list[str]) -> np.ndarray:
-        enc = self.tokenizer(
-            batch, padding=True, truncation=True, max_length=self.max_length, return_tensors="np"
-        )
-        mask = enc["attention_mask"].astype(np.int64)
-        feeds = {}
-        for name in self.input_names:
-            if name in enc:
-                feeds[name] = enc[name].astype(np.int64)
-            elif name == "token_type_ids":  # a tokenizer without segment ids: all zeros
-                feeds[name] = np.zeros_like(mask)
-            else:
-                raise KeyError(f"model input {name!r} is not produced by the tokenizer")
+        feeds, mask = encoder_feeds(self.tokenizer, batch, self.max_length, self.input_names)
         hidden = self.request.infer(feeds)[self.compiled.outputs[0]]  # (B, T, D)
         return pool(np.asarray(hidden, dtype=np.float32), mask, self.pooling, self.normalize)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["pool", "embed_in_batches"]
+__all__ = ["pool", "embed_in_batches", "encoder_feeds"]
 
 
 def pool(
@@ -19,7 +20,7 @@ def pool(
         mask: (B, T) attention mask, 1 for real tokens.
         mode: "mean" (mask-weighted average, sentence-transformers' default), "cls" (first
             token) or "last" (last real token, for decoder embedders such as Qwen3-Embedding;
-            assumes right padding).
+            either padding side: Qwen3-Embedding's tokenizer pads on the left).
         normalize: L2-normalize the result (as sentence-transformers' Normalize module does).
 
     Returns:
@@ -27,6 +28,9 @@ def pool(
 
     >>> pool(np.ones((1, 2, 3)), np.array([[1, 0]]), normalize=False).tolist()
     [[1.0, 1.0, 1.0]]
+    >>> h = np.arange(6.0).reshape(2, 3, 1)  # right-padded row, then left-padded row
+    >>> pool(h, np.array([[1, 1, 0], [0, 1, 1]]), "last", normalize=False).ravel().tolist()
+    [1.0, 5.0]
     """
     hidden = hidden.astype(np.float32, copy=False)
     m = mask.astype(np.float32)
@@ -35,7 +39,8 @@ def pool(
     elif mode == "cls":
         out = hidden[:, 0]
     elif mode == "last":
-        last = m.sum(1).astype(np.int64) - 1  # (B,)
+        # The last position whose mask is 1, whichever side the padding is on.
+        last = m.shape[1] - 1 - np.argmax(m[:, ::-1] > 0, axis=1)  # (B,)
         out = hidden[np.arange(hidden.shape[0]), last]
     else:
         raise ValueError(f"unknown pooling mode {mode!r}; use mean, cls or last")
@@ -76,3 +81,34 @@ def embed_in_batches(
     out = np.empty((len(texts), chunks[0].shape[1]), np.float32)
     out[order] = np.concatenate(chunks)  # undo the sort
     return out
+
+
+def encoder_feeds(
+    tokenizer: Any, batch: list[str], max_length: int, input_names: Sequence[str]
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Tokenize `batch` into the int64 feeds an exported encoder takes, and the attention mask.
+
+    The ONNX Runtime and OpenVINO runners both feed a graph by input name; an input the
+    tokenizer does not produce is `token_type_ids` (all zeros, one segment) or a mistake.
+
+    Raises:
+        KeyError: the graph takes an input the tokenizer does not produce.
+
+    >>> tok = lambda b, **kw: {"input_ids": np.array([[5, 6]]), "attention_mask": np.ones((1, 2))}
+    >>> feeds, mask = encoder_feeds(tok, ["x"], 8, ["input_ids", "token_type_ids"])
+    >>> sorted(feeds), feeds["token_type_ids"].tolist()
+    (['input_ids', 'token_type_ids'], [[0, 0]])
+    """
+    enc = tokenizer(
+        batch, padding=True, truncation=True, max_length=max_length, return_tensors="np"
+    )
+    mask = np.asarray(enc["attention_mask"]).astype(np.int64)  # (B, T)
+    feeds = {}
+    for name in input_names:
+        if name in enc:
+            feeds[name] = np.asarray(enc[name]).astype(np.int64)
+        elif name == "token_type_ids":  # a tokenizer without segment ids: all zeros
+            feeds[name] = np.zeros_like(mask)
+        else:
+            raise KeyError(f"model input {name!r} is not produced by the tokenizer")
+    return feeds, mask

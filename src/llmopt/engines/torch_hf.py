@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.core.recipes import get_recipe
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
@@ -33,9 +34,17 @@ if TYPE_CHECKING:
     import torch
 
     from llmopt.core.recipes import Recipe
+    from llmopt.engines.generation import GeneratorSpec
+    from llmopt.engines.hf_generator import HFGenerator
     from llmopt.model.info import ModelInfo
 
-__all__ = ["HFEngine", "HFCausalLMRunner", "HFEmbeddingRunner"]
+__all__ = [
+    "HFEngine",
+    "HFCausalLMRunner",
+    "HFEmbeddingRunner",
+    "load_causal_lm",
+    "load_hf_generator",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,9 @@ RECIPES = ("fp32", "bf16", "fp16", "w8a16")
 class HFEngine(Engine):
     name = "hf"
     tasks = ("causal-lm", "embedding")
+    # `llmopt serve` runs causal LMs on `HFGenerator` (engines/hf_generator.py): every
+    # architecture transformers runs, one forward per sequence per step.
+    batching = True
 
     def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
         if recipe.name not in RECIPES:
@@ -91,6 +103,18 @@ class HFEngine(Engine):
         if info.task == "embedding":
             return HFEmbeddingRunner(model, tokenizer, info, device, settings)
         return HFCausalLMRunner(model, tokenizer, device)
+
+    def load_generator(self, spec: GeneratorSpec) -> HFGenerator:
+        """An `HFGenerator` (one forward per sequence per step; see engines/hf_generator.py)."""
+        return load_hf_generator(
+            spec.model,
+            spec.recipe,
+            spec.device,
+            max_batch=spec.max_batch,
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            max_seq_len=spec.max_seq_len,
+        )
 
 
 class HFCausalLMRunner:
@@ -245,6 +269,62 @@ def _load_model(artifact: Path, task: str, recipe: Recipe):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def load_causal_lm(folder: Path, recipe: Recipe, device: str = "cpu"):
+    """A causal LM from an HF folder or an `hf` artifact, in `recipe`'s numbers, on `device`.
+
+    A dense folder with an int8 recipe is quantized on load (round-to-nearest, per channel, as
+    `build` does); fp16 on the CPU computes in fp32 (emulated fp16 matmuls are slower).
+    """
+    import torch
+
+    if recipe.name not in RECIPES:
+        raise ValueError(
+            f"the hf engine runs recipes {', '.join(RECIPES)}, not {recipe.name!r}; "
+            "pick one of those with --recipe"
+        )
+    quantized = (folder / "config.json").is_file() and "quantization_config" in json.loads(
+        (folder / "config.json").read_text()
+    )
+    if recipe.weight_bits == 8 and not quantized:
+        from llmopt.engines.int8 import quantize_linears_  # heavy: torch
+
+        model = _auto_class("causal-lm").from_pretrained(folder, dtype=torch.float32)
+        quantize_linears_(model, recipe.ignore)
+    else:
+        model = _load_model(folder, "causal-lm", recipe)
+    if device == "cpu" and next(model.parameters()).dtype == torch.float16:
+        model = model.float()
+    return model.to(device).eval()
+
+
+def load_hf_generator(
+    model: str | Path,
+    recipe: Recipe | str = "fp32",
+    device: str = "cpu",
+    *,
+    max_batch: int = 8,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    max_seq_len: int | None = None,
+) -> HFGenerator:
+    """The `hf` engine's batch generator for a folder, built-in name or `hf` artifact."""
+    from transformers import AutoTokenizer
+
+    from llmopt.assets.models import resolve_model  # lazy: only serving resolves names here
+    from llmopt.engines.hf_generator import HFGenerator  # heavy: torch
+
+    folder, _ = resolve_model(model)
+    net = load_causal_lm(Path(folder), get_recipe(recipe), device)
+    return HFGenerator(
+        net,
+        AutoTokenizer.from_pretrained(folder),
+        max_batch=max_batch,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_seq_len=max_seq_len,
+    )
 
 
 def link_dense_weights(source: Path, out: Path, dtype: str) -> str | None:

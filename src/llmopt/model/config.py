@@ -20,7 +20,14 @@ from typing import Any
 
 from llmopt.core.errors import NotAModelFolderError, UnsupportedModelError
 
-__all__ = ["estimate_parameters", "config_shape", "get_key", "is_config_only"]
+__all__ = [
+    "estimate_parameters",
+    "config_shape",
+    "get_key",
+    "is_config_only",
+    "attention_layers",
+    "attention_pattern",
+]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -110,6 +117,61 @@ def config_shape(config: dict[str, Any], source: str = "config.json") -> dict[st
         "vocab_size": need("vocab_size"),
         "max_context": get_key(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
     }
+
+
+def attention_layers(config: dict[str, Any]) -> tuple[int | None, int]:
+    """(sliding window in tokens or None, how many layers attend only within it), per config.
+
+    Read the way transformers builds the layers: an explicit `layer_types` list first
+    ("sliding_attention" / "full_attention"); else the family's rule: Gemma 2 alternates
+    (even layers local), Gemma 3 has one global layer per `sliding_window_pattern` (6), Qwen2 /
+    Qwen3 slide from `max_window_layers` on only when `use_sliding_window` is set; any other
+    decoder with a `sliding_window` (Mistral, Phi-3) slides in every layer.
+
+    >>> attention_layers({"model_type": "gemma3_text", "num_hidden_layers": 18,
+    ...     "sliding_window": 512, "sliding_window_pattern": 6})
+    (512, 15)
+    >>> attention_layers({"model_type": "llama", "num_hidden_layers": 2})
+    (None, 0)
+    """
+    cfg = config.get("text_config") or config
+    n = int(get_key(cfg, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None, 0
+    window = int(window)
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        return window, sum("sliding" in str(k) for k in kinds)
+    mt = str(cfg.get("model_type", ""))
+    if mt == "gemma2":
+        return window, (n + 1) // 2
+    if mt.startswith("gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return window, n - n // pattern
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not cfg.get("use_sliding_window"):
+            return None, 0
+        return window, max(0, n - int(cfg.get("max_window_layers") or n))
+    return window, n
+
+
+def attention_pattern(num_layers: int, window: int | None, sliding: int) -> str:
+    """The attention pattern in words, as `inspect` shows it.
+
+    >>> attention_pattern(18, 512, 15)
+    '15 sliding-window layers (512 tokens) + 3 full-attention layers'
+    >>> attention_pattern(2, None, 0)
+    'full attention in all 2 layers'
+    """
+    if not sliding or not window:
+        return f"full attention in all {num_layers} layers"
+    if sliding >= num_layers:
+        return f"sliding-window attention ({window} tokens) in all {num_layers} layers"
+    return (
+        f"{sliding} sliding-window layers ({window} tokens) + "
+        f"{num_layers - sliding} full-attention layers"
+    )
 
 
 def is_config_only(folder: str | os.PathLike) -> bool:

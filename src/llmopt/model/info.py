@@ -7,6 +7,7 @@ every way a folder can be unusable into a typed error that says how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,8 +28,16 @@ from llmopt.core.errors import (
 )
 from llmopt.core.schema import SCHEMA_VERSION, Serializable, Task
 from llmopt.core.units import DTYPE_BYTES, SAFETENSORS_DTYPES, dtype_bytes
-from llmopt.model.config import config_shape, estimate_parameters, get_key, is_config_only
+from llmopt.model.config import (
+    attention_layers,
+    attention_pattern,
+    config_shape,
+    estimate_parameters,
+    get_key,
+    is_config_only,
+)
 from llmopt.model.files import ST_FILES
+from llmopt.model.pooling import read_embedding_head
 
 __all__ = [
     "ModelInfo",
@@ -68,26 +77,13 @@ _EMBEDDER_IF_ST = {
     "XLMRobertaForMaskedLM",
     "MPNetForMaskedLM",
 }
+_DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # transformers' causal-LM heads
 _ENCODERS = {"bert", "roberta", "xlm-roberta", "mpnet"}  # model_type; others are decoders
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 # Persistent buffers some checkpoints store; they are not parameters.
 _BUFFER_SUFFIXES = ("position_ids", "token_type_ids", "inv_freq")
 _DTYPE_BYTES = {code: dtype_bytes(name) for code, name in SAFETENSORS_DTYPES.items()}
-_DTYPE_NAMES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
 # KV-cache element types worth planning for; bf16 and fp16 cost the same.
 _KV_DTYPES = ("float32", "bfloat16", "float16", "fp8", "int8")
 CONFIG_ONLY = "none (config only)"  # weight_format of a ModelInfo built from config.json alone
@@ -123,7 +119,18 @@ class ModelInfo(Serializable):
     pooling: str | None = None  # "mean" | "cls" | "last" for embedders
     normalize: bool = False  # embedders: L2-normalize the pooled vector
     max_seq_length: int | None = None  # sentence-transformers' truncation length, if set
+    query_prompt: str | None = None  # embedders: instruction prepended to queries (model.pooling)
+    document_prompt: str | None = None  # embedders: prefix of corpus texts
     fingerprint: str = ""
+    # Decoders with local attention: the window (tokens) and how many layers use it; the other
+    # layers attend to the whole context. A sliding layer's KV cache holds at most the window.
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+
+    @property
+    def attention_pattern(self) -> str:
+        """E.g. '15 sliding-window layers (512 tokens) + 3 full-attention layers'."""
+        return attention_pattern(self.num_layers, self.sliding_window, self.sliding_layers)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelInfo:
@@ -264,40 +271,12 @@ def _pickle_tensors(files: list[Path]) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def _embedding_head(folder: Path, model_type: str) -> tuple[str, bool, int | None]:
-    """(pooling, normalize, max_seq_length) from sentence-transformers files, else defaults."""
-    pooling = "mean" if model_type in _ENCODERS else "last"
-    normalize, max_len = False, None
-    modules = []
-    if (folder / "modules.json").is_file():
-        modules = json.loads((folder / "modules.json").read_text())
-    for m in modules:
-        kind = m.get("type", "")
-        if kind.endswith("Normalize"):
-            normalize = True
-        elif kind.endswith("Pooling") and (folder / m.get("path", "") / "config.json").is_file():
-            cfg = json.loads((folder / m["path"] / "config.json").read_text())
-            modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
-            mode = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "last"}
-            picked = [mode.get(k.removeprefix("pooling_mode_")) for k in modes]
-            if len(picked) != 1 or picked[0] is None:
-                raise UnsupportedModelError(
-                    f"pooling {modes} in {folder / m['path']} is not supported",
-                    hint="llmopt supports one of mean, cls or last-token pooling",
-                )
-            pooling = picked[0]
-    if (folder / "sentence_bert_config.json").is_file():
-        max_len = json.loads((folder / "sentence_bert_config.json").read_text()).get(
-            "max_seq_length"
-        )
-    return pooling, normalize, max_len
-
-
 def _unsupported(arch: str, config: dict[str, Any]) -> UnsupportedModelError:
     remote = " It ships custom code (auto_map)," if "auto_map" in config else ""
     return UnsupportedModelError(
         f"architecture {arch!r} is not supported.{remote}",
-        hint=f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Models that need custom code "
+        hint="supported: any decoder whose code ships with transformers (*ForCausalLM, "
+        f"*LMHeadModel), and {', '.join(SUPPORTED_ARCHITECTURES)}. Models that need custom code "
         "(trust_remote_code) run the author's Python; llmopt does not enable that by default.",
     )
 
@@ -330,6 +309,10 @@ def _task(folder: Path, config: dict[str, Any]) -> str:
         # sentence-transformers files make any supported model an embedder (decoder embedders
         # such as e5-mistral ship a CausalLM architecture).
         return "embedding" if has_st else SUPPORTED_ARCHITECTURES[arch]
+    if arch.endswith(_DECODER_SUFFIXES) and "auto_map" not in config and not has_st:
+        # Any other decoder whose code ships with transformers: the hf engine runs it (and
+        # serves it); the native engine says itself whether it does.
+        return "causal-lm"
     raise _unsupported(arch or f"(none; model_type {config.get('model_type')!r})", config)
 
 
@@ -341,7 +324,7 @@ def _stored_tensors(folder: Path, allow_pickle: bool) -> tuple[list[Path], str, 
     if headers:
         # Tied weights are stored once, so this counts them once.
         tensors = [
-            (name, _DTYPE_NAMES.get(t["dtype"], t["dtype"]), math.prod(t["shape"]), hi - lo)
+            (name, SAFETENSORS_DTYPES.get(t["dtype"], t["dtype"]), math.prod(t["shape"]), hi - lo)
             for _, header in headers
             for name, t in header.items()
             if name != "__metadata__"
@@ -428,6 +411,7 @@ def info_from_config(
         tied = bool(cfg.get("tie_word_embeddings", False))
     if fingerprint is None:
         fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    window, sliding = attention_layers(config)
     return ModelInfo(
         name=name,
         path=path,
@@ -442,6 +426,8 @@ def info_from_config(
         tied_embeddings=tied if task == "causal-lm" else False,
         kv_bytes_per_token=kv_bytes_per_token(shape) if task == "causal-lm" else {},
         fingerprint=fingerprint,
+        sliding_window=window if task == "causal-lm" and sliding else None,
+        sliding_layers=sliding if task == "causal-lm" else 0,
         **facts,
     )
 
@@ -510,8 +496,8 @@ def inspect_model(
         stored_head = any(name.endswith("lm_head.weight") for name, *_ in tensors)
         tied = bool(explicit) if explicit is not None else not stored_head
     else:
-        pooling, normalize, max_len = _embedding_head(folder, str(config.get("model_type", "")))
-        stored.update(pooling=pooling, normalize=normalize, max_seq_length=max_len)
+        head = read_embedding_head(folder, str(config.get("model_type", "")) in _ENCODERS)
+        stored.update(dataclasses.asdict(head))
 
     # Cheap identity: config bytes plus weight names and sizes (no hashing of gigabytes).
     digest = hashlib.sha256(config_bytes)

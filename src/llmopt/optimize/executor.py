@@ -107,6 +107,30 @@ def _spawn(
     return False, err["error"]
 
 
+def stage_summary(result: dict[str, Any] | None, stage: str) -> str:
+    """One short phrase for a finished stage's result, for progress lines: the quality drop of a
+    verification, the primary figure of a benchmark ("" for a build or an unreadable result).
+
+    >>> stage_summary({"passed": True, "quality_drop": 0.0049, "metrics": []}, "verify")
+    'quality drop 0.49%, passed'
+    >>> stage_summary({"primary": "decode_tokens_per_s",
+    ...                "metrics": {"decode_tokens_per_s": {"median": 138.1}}}, "bench")
+    'decode_tokens_per_s 138.1'
+    """
+    if not result:
+        return ""
+    try:
+        if stage == "verify":
+            verdict = "passed" if result.get("passed") else "failed its gates"
+            return f"quality drop {float(result['quality_drop']):.2%}, {verdict}"
+        if stage == "bench":
+            name = result["primary"]
+            return f"{name} {float(result['metrics'][name]['median']):.1f}"
+    except (KeyError, TypeError, ValueError):  # an older or partial result: no summary
+        return ""
+    return ""
+
+
 def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dict[str, Any]:
     """Run `task`'s steps in order, skipping finished ones; stop at the first failure.
 
@@ -148,6 +172,8 @@ def run_task(run_root: str, task: Task, progress: Progress | None = None) -> dic
             break
         step_seconds[key] = round(time.perf_counter() - t1, 2)
         ran.append(key)
+        if ok:
+            detail = stage_summary(cdir.read(stage, fid), stage)
         progress and progress("done" if ok else "fail", task.cid, stage, detail)
         if not ok:
             error = f"{stage}: {detail}"

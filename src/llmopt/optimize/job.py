@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
+from llmopt.core.settings import EngineSettings
 from llmopt.deploy import resolve_source, write_bundle
 from llmopt.hardware.target import Target, detect_target
 from llmopt.model.info import inspect_model
-from llmopt.optimize.budget import Budget, parse_duration
+from llmopt.optimize.budget import Budget, default_budget, parse_duration
 from llmopt.optimize.executor import make_executor
 from llmopt.optimize.loop import MODES, run_search
 from llmopt.optimize.objective import get_objective
@@ -30,9 +31,11 @@ from llmopt.optimize.profiles import PROFILES, SCREEN, StageSettings
 from llmopt.optimize.runmeta import run_meta, write_doctor
 from llmopt.optimize.select import SelectionInput, select
 from llmopt.optimize.space import make_plan
+from llmopt.optimize.tune import tune
 from llmopt.report import write_report
 from llmopt.rundir.best import write_best
 from llmopt.rundir.paths import RunDir
+from llmopt.verify.embedding import RetrievalSpec
 from llmopt.verify.gates import GATE_PRESETS
 
 if TYPE_CHECKING:
@@ -45,7 +48,8 @@ __all__ = ["optimize", "OptimizeResult"]
 
 log = logging.getLogger(__name__)
 
-# progress(event, candidate_id, stage, detail): event is "start", "done", "skip" or "fail".
+# progress(event, candidate_id, stage, detail): "start", "done", "skip", "fail", "cut" for a
+# candidate's stage; "note" (a message) and "budget" (its seconds) for the run.
 Progress = Callable[[str, str, str, str], None]
 
 
@@ -81,6 +85,7 @@ def optimize(
     deploy: bool = True,
     budget_started_at: float | None = None,
     gates: str = "default",
+    retrieval: dict[str, Any] | None = None,
 ) -> OptimizeResult:
     """Find the best deployment of `model` on `target` for `objective` within the quality budget.
 
@@ -96,12 +101,17 @@ def optimize(
         force: discard a different run found in `out` instead of refusing.
         progress: optional callback for stage events.
         objective: latency | throughput | memory | cost (llmopt.optimize.objective).
-        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None: unlimited.
+        time_budget: wall-clock budget of this call ("15m", "1h", seconds); None or "none":
+            unlimited (the default here); "auto" (the CLI's default): `budget.default_budget`
+            for the model's size.
         search: "halving" (screen all, fully verify the survivors) or "exhaustive".
         ray_address: None (local worker processes), "local" (start a Ray instance here) or the
             address of a Ray cluster; candidates then run as Ray tasks.
         price_per_hour: the target's price, for the cost objective (default: relative units).
-        deploy: write the deploy bundle into best/deploy (causal LMs).
+        deploy: write the deploy bundle into best/deploy.
+        retrieval: embedders: the user's `threshold`, `pairs`, `queries`, `corpus` (file paths)
+            and `top_k`, as `llmopt verify` takes them; every candidate is gated on them and
+            the chosen one's recalibrated threshold goes into best/launch.json.
         budget_started_at: epoch seconds the time budget counts from (default: now; the CLI
             passes its process's start).
         gates: the verification gates besides the budget (`llmopt.verify.gates` presets:
@@ -116,16 +126,25 @@ def optimize(
 
     _check(max_quality_drop, gates, profile, search)
     obj = get_objective(objective)
-    budget = Budget.since(parse_duration(time_budget), budget_started_at)
+    budget_s = None if time_budget == "auto" else parse_duration(time_budget)
     ctx = {"price_per_hour": price_per_hour}
     # inspect: the model and the machine; the run directory opens (or resumes) on them
     info, tgt = _inspect(model, target, threads)
+    if time_budget == "auto":
+        budget_s, why = default_budget(info.num_parameters)
+        progress and progress("note", "", "", f"time budget: {why}")
+    budget = Budget.since(budget_s, budget_started_at)
+    if progress and budget_s:
+        progress("budget", "", "", f"{budget_s:.0f}")
     stage = StageSettings.for_run(profile, max_quality_drop, gates, tgt.threads)
     run = RunDir(out)
-    resumed = run.open(
-        run_meta(model, Path(info.path), info, tgt, stage.run_json(profile)), force=force
-    )
+    settings = stage.run_json(profile)
+    if retrieval:  # only when given, so runs without it keep their identity
+        settings["retrieval"] = _retrieval_options(retrieval)
+    resumed = run.open(run_meta(model, Path(info.path), info, tgt, settings), force=force)
     write_json(run.model_json, info.to_dict())
+    if progress:
+        progress("rundir", "", "", str(run.root))
     write_doctor(run, target)
     # plan -> search -> select -> best/
     plan = _plan(run, info, tgt, candidates)
@@ -135,6 +154,14 @@ def optimize(
     selection = _select(run, plan, max_quality_drop, obj, ctx, state)
     if selection.chosen:
         chosen = next(c for c in plan.candidates if c.id == selection.chosen)
+        # rung 4: the chosen one's runtime settings, side by side with its defaults
+        tuned = tune(run, chosen, info, budget, obj, ctx, progress, state.events)
+        if tuned is not None:
+            selection.tuned = tuned.to_dict()
+            selection.reasons[chosen.id] += f"; {tuned.note}"
+            if tuned.variant:
+                chosen = replace(chosen, settings=EngineSettings.from_dict(tuned.settings))
+            write_json(run.selection_json, selection.to_dict())
         _write_best(run, chosen, tgt.threads, deploy)
     # search.json and the report
     result = OptimizeResult(
@@ -248,13 +275,48 @@ def _search_record(
 
 def _write_best(run: RunDir, cand: Candidate, threads: int, deploy: bool) -> None:
     """best/ = the chosen artifact (hard links where possible: no second copy on disk), its
-    launch configuration, and the deploy bundle (llmopt.deploy) for causal LMs."""
+    launch configuration, and the deploy bundle (llmopt.deploy)."""
     info = read_json(run.model_json)
     bench = run.candidate(cand.id).read("bench")
     launch = _launch(cand, info, run.best.resolve(), bench)
+    if info.get("task") == "embedding" and (
+        t := _embedding_threshold(run.candidate(cand.id).read("verify"))
+    ):
+        launch["similarity_threshold"] = t
     write_best(run.best, cand, run.candidate(cand.id).artifact, run.model_json, launch)
     if deploy:
         write_json(run.best / "deploy.json", _deploy(run, threads))
+
+
+def _retrieval_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The retrieval options with absolute file paths, checked now (a bad file fails here,
+    not in every candidate's verify stage)."""
+    out = dict(options)
+    for key in ("pairs", "queries", "corpus"):
+        if out.get(key) is not None:
+            out[key] = str(Path(out[key]).resolve())
+    RetrievalSpec.from_options(**out)
+    return out
+
+
+def _embedding_threshold(verify: dict | None) -> dict[str, Any] | None:
+    """The user's threshold and the chosen candidate's recalibrated one, from its verify.json."""
+    metrics = {m["name"]: m for m in (verify or {}).get("metrics", [])}
+    rec = metrics.get("recalibrated_threshold")
+    if rec is None:
+        return None
+    agree = metrics.get("recalibrated_agreement") or {}
+    lo, hi = rec.get("ci_low"), rec.get("ci_high")  # of the shift from the reference's
+    return {
+        "threshold": rec["candidate"],
+        "reference_threshold": rec["reference"],
+        "ci95": None if lo is None else [rec["reference"] + lo, rec["reference"] + hi],
+        "agreement": agree.get("candidate"),
+        "agreement_as_is": (metrics.get("decision_agreement") or {}).get("candidate"),
+        "percentile_threshold": (metrics.get("percentile_threshold") or {}).get("candidate"),
+        "why": "compare cosine similarity against this threshold in the application: it keeps "
+        "the reference's decisions at reference_threshold best (llmopt verify --threshold)",
+    }
 
 
 def _launch(
@@ -308,6 +370,6 @@ def _deploy(run: RunDir, threads: int) -> dict[str, Any]:
             "checks": [c.to_dict() for c in res.checks],
             "files": res.files,
         }
-    except Exception as e:  # e.g. embedders: bundles serve causal LMs today
+    except Exception as e:  # a bundle that cannot be written must not fail the run
         hint = getattr(e, "hint", None)
         return {"written": False, "reason": f"{type(e).__name__}: {e}", "hint": hint}

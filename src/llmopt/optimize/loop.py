@@ -7,6 +7,12 @@
     rung 2   full verification and benchmark for the survivors, best screen score first, in
              waves as wide as the executor; before each task the early stop ("cannot improve")
              and the time budget are checked, and a task that does not start is recorded as cut
+    rung 3   side by side: the reference and the two best that passed, benchmarked again in
+             mirrored rounds one right after the other (`llmopt.optimize.paired`), so selection
+             compares numbers measured in the same time window
+
+Before a calibrated build starts, `llmopt.optimize.predict` checks whether its RTN sibling's screen
+already rules it out; such a candidate is recorded as cut with the prediction, never built.
 
 `exhaustive` skips the screen: every candidate is fully verified and benchmarked (budget checked).
 Everything a rung needs that exists already (a resumed run) is skipped by the tasks themselves.
@@ -20,10 +26,12 @@ from typing import Any
 from llmopt.core.atomic import read_json
 from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import BenchResult, Candidate, VerifyResult
-from llmopt.optimize.budget import Budget
+from llmopt.optimize.budget import Budget, typical
 from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import Objective
+from llmopt.optimize.paired import MAX_ROUNDS, PAIR_ROUNDS, paired_ratios, round_order
+from llmopt.optimize.predict import ValueModel, predicted_miss, screen_order
 from llmopt.rundir.paths import RunDir
 
 __all__ = ["SearchState", "run_search", "MODES"]
@@ -44,6 +52,15 @@ class SearchState:
     tasks: list[dict[str, Any]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     stopped_early: bool = False
+    paired: dict[str, Any] = field(default_factory=dict)  # id -> side-by-side ratio record
+    # progress(event, candidate_id, stage, detail) of the run, told of every cut as it happens
+    notify: Any = field(default=None, repr=False)
+
+    def cut_one(self, cid: str, reason: str) -> None:
+        """Record that the search will not finish `cid`, and why (also told to the progress)."""
+        self.cut[cid] = reason
+        if self.notify:
+            self.notify("cut", cid, "search", reason)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +70,7 @@ class SearchState:
             "survivors": self.survivors,
             "events": self.events,
             "stopped_early": self.stopped_early,
+            "side_by_side": self.paired,
             "tasks": [
                 {
                     k: t.get(k)
@@ -101,17 +119,18 @@ def run_search(
     """
     assert mode in MODES, f"unknown search mode {mode!r}; use one of {MODES}"
     ctx = context or {}
-    st = SearchState()
+    st = SearchState(notify=getattr(executor, "progress", None))
     ref, others = cands[0], cands[1:]
     assert ref.reference, "the reference must be the first candidate"
 
     def run_tasks(tasks: list[Task]) -> list[dict[str, Any]]:
-        for t in tasks:  # every candidate but the reference stops at the budget's end
-            t.deadline = None if t.cid == ref.id else budget.deadline
+        # Every task but the reference's own evaluation stops at the budget's end.
+        for t in tasks:
+            t.deadline = None if (t.cid == ref.id and t.rung == "full") else budget.deadline
         recs = executor.run(str(run.root), tasks) if tasks else []
         st.tasks += recs
         for r in recs:
-            if r.get("out_of_time"):
+            if r.get("out_of_time") and not r["rung"].startswith("pair"):
                 st.cut[r["cid"]] = r["out_of_time"]
         return recs
 
@@ -124,7 +143,7 @@ def run_search(
     run_tasks([Task(ref.id, ref_steps, "full")])
     if not run.candidate(ref.id).done("bench", "full"):
         for c in others:
-            st.cut[c.id] = "the reference failed, nothing to compare against"
+            st.cut_one(c.id, "the reference failed, nothing to compare against")
         st.events.append("stopped: the reference failed")
         return st
     ref_full_s = _steps_seconds(run, ref.id, "full") or 0.0
@@ -145,6 +164,7 @@ def run_search(
             max_quality_drop,
             early_stop=False,
         )
+        _paired_rung(run, ref.id, st, budget, obj, ctx, run_tasks)
         return st
 
     # ---- rung 1: build and screen each candidate, in waves, while the budget allows ----
@@ -154,37 +174,62 @@ def run_search(
     # verify of two models on an eighth of the tokens, no generation (~a quarter of its full verify).
     first_est = ref_build_s + ref_screen_s + (0.25 * ref_verify_s if task != "embedding" else 0.0)
     # What candidate screens actually took, by cost class (calibrated builds take minutes where
-    # the others take seconds); the longest one so far is the estimate (a mean under-estimates
-    # the next expensive build, and a screen cut off by the deadline is time lost).
+    # the others take seconds); their median is the estimate (`typical`: one screen timed under
+    # contention does not set it). The cheapest SCREEN_FLOOR are screened whatever it says.
     observed: dict[bool, list[float]] = {False: [], True: []}
+    started = 0
     # Screening stops while there is still time to fully verify the survivors (halving keeps 2).
     keep = min(2, len(others))
     reserve = keep * _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
-    # Cheap candidates first: their screens decide what is worth the expensive ones' time.
-    queue = sorted(others, key=lambda c: _calibrated(c.recipe))
+    # Cheap candidates first, then RTN at the calibrated ones' bits: their screens decide what
+    # is worth the expensive ones' time (`llmopt.optimize.predict`).
+    values = ValueModel()
+
+    def ordered(cands: list[Candidate]) -> list[Candidate]:
+        idx = screen_order([c.recipe for c in cands], [c.engine for c in cands], values)
+        return [cands[i] for i in idx]
+
+    queue = ordered(others)
     recipe_of = {c.id: c.recipe for c in others}
+    engine_of = {c.id: c.engine for c in others}
+    screened: dict[str, tuple[str, float]] = {}  # id -> (recipe, screen quality drop)
     while queue:
         wave = []
         while queue and len(wave) < executor.parallel:
             c = queue.pop(0)
             cls = _calibrated(c.recipe)
-            seen = observed[cls] or observed[not cls]
-            est = max(seen) if seen else first_est
+            est = typical(observed[cls] or observed[not cls], first_est)
             cd = run.candidate(c.id)
-            if all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN]) or budget.fits(
-                est + reserve, executor.parallel
+            finished = all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN])
+            if not finished and (why := predicted_miss(c.recipe, screened, max_quality_drop)):
+                st.cut_one(c.id, why)
+                continue
+            if (
+                finished
+                or budget.fits(est + reserve, executor.parallel)
+                or budget.floor_allows(started)
             ):
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
+                started += 1
             else:
-                st.cut[c.id] = _exhausted(
-                    f"the build and screen (keeping time for {keep} full verification"
-                    f"{'s' if keep > 1 else ''})",
-                    est + reserve,
-                    budget,
+                st.cut_one(
+                    c.id,
+                    budget.exhausted(
+                        f"the build and screen (keeping time for {keep} full verification"
+                        f"{'s' if keep > 1 else ''})",
+                        est + reserve,
+                        est * (len(queue) + 1) + reserve,
+                        executor.parallel,
+                    ),
                 )
         for r in run_tasks(wave):
             if r.get("ran") and r.get("seconds"):
                 observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
+            if (v := run.candidate(r["cid"]).read("verify", "screen")) is not None:
+                screened[r["cid"]] = (recipe_of[r["cid"]], float(v["quality_drop"]))
+                sc = _score(run, r["cid"], ref.id, "screen", obj, ctx)
+                values.observe(engine_of[r["cid"]], recipe_of[r["cid"]], sc)
+        queue = ordered(queue)  # what this wave measured re-ranks the rest
     built = [c for c in others if run.candidate(c.id).done("build")]
 
     entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]
@@ -199,7 +244,8 @@ def run_search(
             ScreenEntry(c.id, vr.quality_drop, vr.passed, score, quality_name=_quality_name(vr))
         )
     survivors, cut = screen(entries, max_quality_drop, obj.name)
-    st.cut.update(cut)
+    for cid, why in cut.items():
+        st.cut_one(cid, why)
     st.survivors = survivors
     st.events.append(
         f"screen: {len(entries) - 1} screened, {len(survivors) - 1} go on to full fidelity"
@@ -221,6 +267,7 @@ def run_search(
         max_quality_drop,
         early_stop=True,
     )
+    _paired_rung(run, ref.id, st, budget, obj, ctx, run_tasks)
     return st
 
 
@@ -257,16 +304,22 @@ def _full_rung(
             done = all(run.candidate(c.id).done(s, f) for s, f in FULL)
             scr = st.screen_scores.get(c.id)
             if not done and early_stop and cannot_improve(scr, best):
-                st.cut[c.id] = (
-                    f"stopped early: screen {obj.name} {scr:.2f}x the reference cannot beat "
-                    f"{best_id} ({best:.2f}x at the screen, passed at full fidelity) "
-                    "even with 10% noise"
+                st.cut_one(
+                    c.id,
+                    (
+                        f"stopped early: screen {obj.name} {scr:.2f}x the reference cannot beat "
+                        f"{best_id} ({best:.2f}x at the screen, passed at full fidelity) "
+                        "even with 10% noise"
+                    ),
                 )
                 st.stopped_early = True
                 continue
             est = _full_estimate(run, c.id, ref_full_s, ref_screen_s)
             if not done and not budget.fits(est, executor.parallel):
-                st.cut[c.id] = _exhausted("full verification", est, budget)
+                rest = est * (len(queue) + 1)
+                st.cut_one(
+                    c.id, budget.exhausted("full verification", est, rest, executor.parallel)
+                )
                 continue
             wave.append(
                 Task(c.id, ([("build", "full")] if not early_stop else []) + FULL, "full", ref.id)
@@ -280,6 +333,58 @@ def _full_rung(
                     confirmed[rec["cid"]] = sc
     if st.stopped_early:
         st.events.append("stopped early: no remaining candidate could improve the objective")
+
+
+FINALISTS = 2  # candidates benchmarked side by side with the reference, best full score first
+
+
+def _paired_rung(
+    run: RunDir,
+    ref_id: str,
+    st: SearchState,
+    budget: Budget,
+    obj: Objective,
+    ctx: dict[str, Any],
+    run_tasks,
+) -> None:
+    """Rung 3: the reference and the best candidates that passed full verification benchmarked
+    again one right after the other, in mirrored rounds (`llmopt.optimize.paired`), so selection
+    compares numbers measured in the same time window. A round the machine disturbed is measured
+    again while rounds and budget remain. Memory is not timed: no rounds for it."""
+    if obj.name == "memory":
+        return
+    passed = [i for i, s in st.full_scores.items() if i != ref_id and s is not None]
+    finalists = sorted(passed, key=lambda i: -(st.full_scores[i] or 0.0))[:FINALISTS]
+    if not finalists:
+        return
+    ids = [ref_id, *finalists]
+    per = {i: _pair_estimate(run, i) for i in ids}
+    for r in range(1, MAX_ROUNDS + 1):
+        if r > PAIR_ROUNDS:
+            pr = paired_ratios(run, finalists, ref_id, obj, ctx)
+            if all(p.trusted for p in pr.values()):
+                break
+        done = all(run.candidate(i).done("bench", f"pair{r}") for i in ids)
+        if not done and not budget.fits(sum(per.values())):
+            st.events.append(
+                f"side by side: round {r} not run (needs ~{sum(per.values()):.0f} s, "
+                f"{max(0.0, budget.left or 0.0):.0f} s left)"
+            )
+            break
+        for cid in round_order(ids, r):
+            run_tasks([Task(cid, [("bench", f"pair{r}")], f"pair{r}")])
+    res = paired_ratios(run, finalists, ref_id, obj, ctx)
+    st.paired = {i: p.to_dict() for i, p in res.items()}
+    for i, p in res.items():
+        st.events.append(f"{i}: {p.note or 'no side-by-side round finished'}")
+
+
+def _pair_estimate(run: RunDir, cid: str) -> float:
+    """Seconds one side-by-side bench of `cid` takes: half its full bench (a round times half
+    the decode steps once, where the full bench repeats them), else 30 s."""
+    steps = _step_seconds(run, cid, "full")
+    full = steps.get(f"{cid}/bench")
+    return 0.5 * full if full else 30.0
 
 
 def _step_seconds(run: RunDir, cid: str, rung: str) -> dict[str, float]:
@@ -311,14 +416,6 @@ def _full_estimate(run: RunDir, cid: str, ref_full_s: float, ref_screen_s: float
 def run_ref_id(run: RunDir) -> str:
 
     return next(c["id"] for c in read_json(run.plan_json)["candidates"] if c.get("reference"))
-
-
-def _exhausted(what: str, est: float, budget: Budget) -> str:
-    left = budget.left or 0.0
-    return (
-        f"time budget exhausted: {what} needs ~{est:.0f} s, {max(0.0, left):.0f} s left "
-        f"of {budget.seconds:.0f} s"
-    )
 
 
 def _quality_name(v: VerifyResult) -> str:

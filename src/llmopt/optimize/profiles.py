@@ -3,6 +3,7 @@ presets, and `StageSettings` (a run's settings at one fidelity, as the worker re
 
     PROFILES[name]   full fidelity (rung 2) of `--profile full | quick`
     SCREEN[name]     the search's cheap first rung (rung 1) of the same profile
+    PAIR[name]       one round of the side-by-side benchmark of the finalists (rung 3)
 
 The sizes are part of a run's identity: run.json keeps them (`settings`, and the screen's under
 `settings["fidelities"]["screen"]`), a resume with other sizes is refused, and every worker process
@@ -12,13 +13,22 @@ dictionaries had, so run directories written before these types existed still re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["StageProfile", "StageSettings", "PROFILES", "SCREEN", "RUNGS"]
+__all__ = ["StageProfile", "StageSettings", "PROFILES", "SCREEN", "PAIR", "RUNGS", "base_fidelity"]
 
 # The rung number a fidelity is recorded with (reverify repeats full fidelity: no rung).
-RUNGS = {"screen": 1, "full": 2}
+RUNGS = {"screen": 1, "full": 2, "pair": 3}
+
+
+def base_fidelity(fidelity: str) -> str:
+    """The sizes a fidelity uses: a side-by-side round ("pair1", "tune2", ...) uses "pair"'s.
+
+    >>> base_fidelity("pair2"), base_fidelity("tune1"), base_fidelity("screen")
+    ('pair', 'pair', 'screen')
+    """
+    return "pair" if fidelity.startswith(("pair", "tune")) else fidelity
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,8 @@ class StageProfile:
         """The `fidelity` field of a verify or bench result: the level, its rung, and the sizes
         that stage used (`which`: VERIFY_FIELDS or BENCH_FIELDS)."""
         d = self.to_dict()
-        return {"level": level, "rung": RUNGS.get(level), **{k: d[k] for k in which if k in d}}
+        rung = RUNGS.get(base_fidelity(level))
+        return {"level": level, "rung": rung, **{k: d[k] for k in which if k in d}}
 
 
 PROFILES: dict[str, StageProfile] = {
@@ -129,6 +140,15 @@ SCREEN: dict[str, StageProfile] = {
 }
 
 
+# One side-by-side round: the finalists and the reference benchmarked one after the other, each
+# once, at the full profile's batch sizes and prompt (so the objective reads the same metric) but
+# with fewer decode steps; the rounds, mirrored, are the repeats (llmopt.optimize.loop).
+PAIR: dict[str, StageProfile] = {
+    "full": replace(PROFILES["full"], bench_repeats=1, new_tokens=32, bench_sentences=256),
+    "quick": replace(PROFILES["quick"], bench_repeats=1, new_tokens=16, bench_sentences=64),
+}
+
+
 @dataclass(frozen=True)
 class StageSettings:
     """What one worker stage needs from run.json's `settings`: the sizes of its fidelity, the
@@ -156,14 +176,17 @@ class StageSettings:
             "max_quality_drop": self.max_quality_drop,
             "gates": self.gates,
             "threads": self.threads,
-            "fidelities": {"screen": SCREEN[profile].to_dict()},
+            "fidelities": {
+                "screen": SCREEN[profile].to_dict(),
+                "pair": PAIR[profile].to_dict(),
+            },
         }
 
     @classmethod
     def from_run_json(cls, settings: dict[str, Any], fidelity: str = "full") -> StageSettings:
         """The settings a stage at `fidelity` runs with: run.json's, with that fidelity's sizes
         over the full ones ("reverify" has none of its own: full sizes)."""
-        over = (settings.get("fidelities") or {}).get(fidelity, {})
+        over = (settings.get("fidelities") or {}).get(base_fidelity(fidelity), {})
         sizes = StageProfile.from_dict({**settings, **over})
         return cls(
             sizes,

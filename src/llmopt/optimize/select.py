@@ -14,6 +14,7 @@ from typing import Any
 
 from llmopt.core.schema import BenchResult, Candidate, Selection, VerifyResult
 from llmopt.optimize.objective import get_objective
+from llmopt.optimize.paired import PairedRatio, paired_ratios
 from llmopt.rundir.paths import RunDir
 
 __all__ = [
@@ -72,6 +73,9 @@ class SelectionInput:
         screen_bench: screen-fidelity bench results by id; they never rank anything, but when the
             chosen candidate's eager `hf` twin was cut at the screen, the reason compares the
             two there (both measured alike, in this run).
+        paired: the finalists' ratios to the reference measured side by side
+            (`llmopt.optimize.paired`); a trusted one ranks its candidate instead of the ratio
+            of two full-fidelity numbers taken minutes apart.
     """
 
     candidates: list[Candidate]
@@ -83,6 +87,7 @@ class SelectionInput:
     context: dict[str, Any] = field(default_factory=dict)
     cut: dict[str, str] = field(default_factory=dict)
     screen_bench: dict[str, BenchResult] = field(default_factory=dict)
+    paired: dict[str, PairedRatio] = field(default_factory=dict)
 
     @classmethod
     def from_run(
@@ -97,6 +102,15 @@ class SelectionInput:
         """The full-fidelity results (and screen benchmarks) the run directory holds."""
         full = read_results(run, cands)
         screen = read_results(run, cands, "screen").bench
+        ref = next((c.id for c in cands if c.reference), None)
+        finalists = [
+            c.id for c in cands if not c.reference and run.candidate(c.id).done("bench", "pair1")
+        ]
+        paired = (
+            paired_ratios(run, finalists, ref, get_objective(objective), context)
+            if ref and finalists
+            else {}
+        )
         return cls(
             cands,
             full.verify,
@@ -107,6 +121,7 @@ class SelectionInput:
             dict(context or {}),
             dict(cut or {}),
             screen,
+            paired,
         )
 
 
@@ -178,29 +193,46 @@ def select(inp: SelectionInput) -> Selection:
         else:
             eligible.append(c.id)
 
-    sign = -1 if obj.higher_is_better else 1
-    # Best first; equal objective goes to the smaller quality drop.
-    ranking = sorted(eligible, key=lambda i: (sign * values[i], verify[i].quality_drop))
+    ref = next((c.id for c in candidates if c.reference), None)
+    score = _scores(eligible, values, ref, obj, inp.paired)
+    # Best first (side-by-side ratios where measured); equal goes to the smaller quality drop.
+    ranking = sorted(eligible, key=lambda i: (-score[i], verify[i].quality_drop))
     chosen = ranking[0] if ranking else None
     task = next(iter(bench.values())).task if bench else ""
     unit = obj.unit_for(task)
     if chosen:
-        ref = next((c.id for c in candidates if c.reference), None)
-        vs = obj.score(values[chosen], values.get(ref)) if ref else None
+        vs = score[chosen] if ref in values else None
         vs_ref = f", {vs:.2f}x the reference" if vs and chosen != ref else ""
+        pr = inp.paired.get(chosen)
         reasons[chosen] = (
             f"chosen: best {obj.name} within the quality budget ({_fmt(values[chosen], unit)}"
             f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
+            + (f"; {pr.note}" if pr and pr.note else "")
             + _vs_eager(chosen, candidates, bench, inp.screen_bench)
         )
+        untrusted = [i for i, p in inp.paired.items() if i != chosen and not p.trusted]
+        if untrusted and (pr is None or not pr.trusted):
+            reasons[chosen] += (
+                f"; not confirmed side by side against {', '.join(untrusted)}: the machine's "
+                "load changed during every round, so this ranking rests on numbers measured "
+                "minutes apart"
+            )
         best_noise = _noise(bench[chosen], obj.name)
         for i in ranking[1:]:
-            ratio = obj.score(values[i], values[chosen]) or 0.0
+            ratio = score[i] / score[chosen] if score[chosen] else 0.0
             noise = max(_noise(bench[i], obj.name), best_noise)
-            tag = " (within run-to-run noise of the chosen one)" if 1 - ratio <= noise else ""
+            a, b = inp.paired.get(i), inp.paired.get(chosen) if chosen != ref else None
+            if a and a.trusted and (chosen == ref or (b and b.trusted)):
+                # Side by side: within noise when the round ratios overlap.
+                best_lo = b.lo if b and b.lo is not None else 1.0
+                within = (a.hi or 0.0) >= best_lo
+            else:
+                within = 1 - ratio <= noise
+            tag = " (within run-to-run noise of the chosen one)" if within else ""
+            side = f"; {a.note}" if a and a.note else ""
             reasons[i] = (
                 f"kept: passes the gates, {obj.name} {ratio:.2f}x the chosen "
-                f"({_fmt(values[i], unit)}){tag}"
+                f"({_fmt(values[i], unit)}){tag}{side}"
             )
     full = [i for i in verify if i in bench]
     speed = {i: bench[i].primary_value for i in full}
@@ -218,7 +250,33 @@ def select(inp: SelectionInput) -> Selection:
         objective_values={i: values[i] for i in full if i in values},
         higher_is_better=obj.higher_is_better,
         cut={i: r for i, r in cut.items()},
+        side_by_side={i: p.to_dict() for i, p in inp.paired.items()},
     )
+
+
+def _scores(
+    eligible: list[str],
+    values: dict[str, float],
+    ref: str | None,
+    obj,
+    paired: dict[str, PairedRatio],
+) -> dict[str, float]:
+    """Each eligible candidate's objective relative to the reference, higher is better: the
+    side-by-side ratio where one was measured and trusted, else the ratio of the full-fidelity
+    values (the reference itself: 1). Without the reference's value, the values themselves."""
+    if ref is None or ref not in values:
+        sign = 1 if obj.higher_is_better else -1
+        return {i: sign * values[i] for i in eligible}
+    out = {}
+    for i in eligible:
+        p = paired.get(i)
+        if i == ref:
+            out[i] = 1.0
+        elif p is not None and p.trusted and p.ratio is not None:
+            out[i] = p.ratio
+        else:
+            out[i] = obj.score(values[i], values[ref]) or 0.0
+    return out
 
 
 def _vs_eager(

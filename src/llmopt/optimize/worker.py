@@ -31,7 +31,7 @@ from llmopt.bench.embedding import bench_embedding
 from llmopt.bench.lm import bench_causal_lm
 from llmopt.bench.lm_run import lm_roofline
 from llmopt.bench.roofline import measure_ceilings
-from llmopt.bench.timing import environment
+from llmopt.bench.timing import environment, machine_probe
 from llmopt.core.atomic import TMP_PREFIX, atomic_dir, read_json, write_json
 from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import BenchResult, Candidate
@@ -40,7 +40,12 @@ from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
 from llmopt.model.info import ModelInfo
 from llmopt.optimize.profiles import StageProfile, StageSettings
 from llmopt.rundir.paths import CandidateDir, RunDir
-from llmopt.verify.embedding import reference_outputs, verify_embedding
+from llmopt.verify.embedding import (
+    RetrievalSpec,
+    reference_outputs,
+    reference_side,
+    verify_embedding,
+)
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import check_weights, raise_on_problems
 from llmopt.verify.lm import ReferenceOutputs, verify_causal_lm
@@ -72,6 +77,12 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _log_progress(phase: str, done: int, total: int) -> None:
+    """A long step's progress, as a line of the candidate's log (the parent's progress view
+    shows a running stage's last log line)."""
+    log.info("%s %d/%d", phase, done, total)
+
+
 def build(run: RunDir, cid: str) -> dict[str, Any]:
     """The candidate's artifact. A calibrated recipe is quantized here first (`llmopt.quant`);
     the engine then takes in that checkpoint (engines only load checkpoints, never quantize)."""
@@ -90,7 +101,9 @@ def build(run: RunDir, cid: str) -> dict[str, Any]:
             # the next build of this artifact.
             prefix = f"{TMP_PREFIX}{cdir.artifact.name}.quant-"
             with tempfile.TemporaryDirectory(dir=cdir.root, prefix=prefix) as q:
-                facts = build_checkpoint(source, recipe, Path(q) / "checkpoint")
+                facts = build_checkpoint(
+                    source, recipe, Path(q) / "checkpoint", progress=_log_progress
+                )
                 facts.update(engine.build(Path(q) / "checkpoint", info, recipe, tmp))
         else:
             facts = engine.build(source, info, recipe, tmp)
@@ -153,19 +166,32 @@ def _verify_embedding(
     import numpy as np
 
     sentences = evaluation_sentences(s.sizes.sentences)
+    # The user's threshold, pairs, queries and corpus (`optimize --threshold ...`), if any, with
+    # the model's own instruction prompts.
+    info = ModelInfo.from_dict(read_json(run.model_json))
+    options = read_json(run.run_json)["settings"].get("retrieval") or {}
+    spec = RetrievalSpec.from_options(**options).with_prompts(info)
     # Reference outputs are computed once per fidelity and shared by every candidate.
     ref_file = run.reference / (
         "embeddings.npy" if fidelity == "full" else f"embeddings.{fidelity}.npy"
     )
+    side_file = ref_file.with_name(ref_file.stem + ".retrieval.npz")
+    ref_side = None
     if cand.reference:
         emb = reference_outputs(runner, sentences)
         run.reference.mkdir(parents=True, exist_ok=True)
         tmp = ref_file.with_name(f".tmp-{ref_file.name}")
         np.save(tmp, emb, allow_pickle=False)
         tmp.replace(ref_file)
+        tmp = side_file.with_name(f".tmp-{side_file.name}")
+        with open(tmp, "wb") as f:
+            np.savez(f, **reference_side(runner, spec))
+        tmp.replace(side_file)
         ref_emb, ref_spearman, scores = None, None, None
     else:
         ref_emb = np.load(ref_file, allow_pickle=False)
+        with np.load(side_file, allow_pickle=False) as z:
+            ref_side = {k: z[k] for k in z.files}
         ref_verify = run.candidate(_reference_id(run)).read("verify", fidelity)
         scores = {m["name"]: m["candidate"] for m in ref_verify["metrics"]}
         ref_spearman = scores["wordsim353_spearman"]
@@ -180,6 +206,8 @@ def _verify_embedding(
         gates=gates,
         simlex_pairs=simlex999(),
         reference_scores=scores,
+        retrieval=spec,
+        reference_retrieval=ref_side,
     )
 
 
@@ -192,6 +220,7 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
     runner = load_runner(engine.name, run.candidate(cid).artifact, info, recipe, cand.settings)
     load_s = time.perf_counter() - t0
     roofline: dict[str, Any] = {}
+    probe_before = machine_probe()
     if info.task == "embedding":
         sentences = evaluation_sentences(z.sentences)[: z.bench_sentences]
         metrics, warm = bench_embedding(runner, sentences, repeats=z.bench_repeats)
@@ -216,7 +245,10 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
             "new_tokens": new,
         }
     peak = peak_rss_bytes()  # before the ceilings below: their buffers are not the model's
-    if info.task == "causal-lm" and fidelity != "screen":  # the screen only ranks candidates
+    probe = {"before": probe_before, "after": machine_probe()}
+    # The screen only ranks candidates and a side-by-side round only compares them: the
+    # ceilings are measured with the full benchmark.
+    if info.task == "causal-lm" and fidelity in ("full", "reverify"):
         # The machine's ceilings, measured in this process right after the phases, so each
         # phase's achieved bandwidth and FLOP/s read as a share of what the machine does now.
         ceilings = measure_ceilings(cand.settings.device)
@@ -233,7 +265,7 @@ def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
         load_seconds=load_s,
         warmup_seconds=warm,
         settings=settings,
-        env=environment(),
+        env={**environment(), "probe": probe},
         roofline=roofline,
         fidelity=z.fidelity_record(fidelity, StageProfile.BENCH_FIELDS),
     ).to_dict()

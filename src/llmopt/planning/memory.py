@@ -11,6 +11,8 @@ tp x pp ways (the whole RAM for a CPU target):
                 + activations of one step at max_num_batched_tokens + fp32 logits of max_num_seqs
     KV budget = usable - weights - reserve, in whole blocks of `block_size` tokens
     KV/token  = layers x KV heads x head_dim x 2 (K and V) x bytes per KV element
+    KV of one sequence of L tokens = KV/token per layer x (full layers x L
+                + sliding-window layers x min(L, window)): a local layer holds at most its window
 
 >>> from llmopt.model.info import info_from_config
 >>> info = info_from_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -70,34 +72,71 @@ class MemoryPlan:
     kv_budget_bytes: int
     kv_bytes_per_token: int  # whole model, all layers and KV heads
     kv_bytes_per_token_per_gpu: int
-    kv_tokens: int  # tokens the KV cache holds per replica, whole blocks
+    kv_tokens: int  # tokens the KV cache holds per replica, whole blocks, every layer full
     block_size: int
+    num_layers: int = 0
+    sliding_layers: int = 0  # layers that attend only within `sliding_window` tokens
+    sliding_window: int | None = None
 
     @property
     def reserve_bytes(self) -> int:
         return self.runtime_bytes + self.activation_bytes + self.logits_bytes
 
+    def kv_bytes_per_sequence(self, tokens: int) -> int:
+        """KV bytes (per GPU) one sequence of `tokens` tokens holds: a sliding-window layer
+        keeps at most its window, a full-attention layer every token."""
+        if not self.sliding_layers or not self.sliding_window or not self.num_layers:
+            return self.kv_bytes_per_token_per_gpu * tokens
+        per_layer = self.kv_bytes_per_token_per_gpu / self.num_layers
+        full = self.num_layers - self.sliding_layers
+        held = full * tokens + self.sliding_layers * min(tokens, self.sliding_window)
+        return math.ceil(per_layer * held)
+
     def sequences_at(self, tokens: int) -> int:
-        """Concurrent sequences of `tokens` tokens each the KV cache holds."""
-        return self.kv_tokens // tokens if tokens > 0 else 0
+        """Concurrent sequences of `tokens` tokens each the KV cache holds (window-aware)."""
+        if tokens <= 0:
+            return 0
+        if not self.sliding_layers or not self.sliding_window:
+            return self.kv_tokens // tokens
+        return max(0, self.kv_budget_bytes) // max(1, self.kv_bytes_per_sequence(tokens))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "reserve_bytes": self.reserve_bytes}
+        d = {**asdict(self), "reserve_bytes": self.reserve_bytes}
+        if not self.sliding_layers:  # full attention everywhere: the layer split adds nothing
+            for k in ("num_layers", "sliding_layers", "sliding_window"):
+                d.pop(k)
+        return d
 
 
-def weights_bytes(info: ModelInfo, precision: str, *, embeddings_16bit: bool = True) -> int:
+def weights_bytes(
+    info: ModelInfo,
+    precision: str,
+    *,
+    embeddings_16bit: bool = True,
+    embed_dtype: str = "bfloat16",
+) -> int:
     """All weights of `info` stored in `precision`.
 
     Args:
-        embeddings_16bit: quantized formats keep the embedding (and an untied LM head) in 16
-            bits, as vLLM and compressed-tensors do (they quantize the linear layers only);
-            False: every weight in `precision` (the optimizer's per-dtype table).
+        embeddings_16bit: quantized formats keep the embedding (and an untied LM head) in
+            float (`embed_dtype`), as vLLM and compressed-tensors do (they quantize the linear
+            layers only); False: every weight in `precision`.
+        embed_dtype: the float type those embeddings stay in (bfloat16 for a served model;
+            float32 for llmopt's w8a16 artifacts, built from the fp32 reference).
+
+    >>> from llmopt.model.info import info_from_config
+    >>> info = info_from_config({"architectures": ["Gemma3ForCausalLM"],
+    ...     "model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18,
+    ...     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    ...     "intermediate_size": 2048, "vocab_size": 262144, "tie_word_embeddings": True})
+    >>> round(weights_bytes(info, "int8", embed_dtype="float32") / 2**20)  # 168M float32 embed
+    736
     """
     width = dtype_bytes(precision)
     if width >= 2 or not embeddings_16bit:
         return int(info.num_parameters * width)
     embed = info.vocab_size * info.hidden_size * (1 if info.tied_embeddings else 2)
-    return int((info.num_parameters - embed) * width + embed * 2)
+    return int((info.num_parameters - embed) * width + embed * dtype_bytes(embed_dtype))
 
 
 def default_limits(target: Target) -> dict[str, Any]:
@@ -178,6 +217,9 @@ def memory_plan(
         kv_bytes_per_token_per_gpu=kv_tok_gpu,
         kv_tokens=tokens,
         block_size=block_size,
+        num_layers=int(info.num_layers),
+        sliding_layers=int(getattr(info, "sliding_layers", 0) or 0),
+        sliding_window=getattr(info, "sliding_window", None),
     )
 
 
@@ -189,12 +231,19 @@ def memory_table(info: ModelInfo, target: Target, context: int | None = None) ->
     same width, bf16 weights for fp8/fp16 KV), plus `notes` saying how it was computed.
     """
     limits = {**default_limits(target), "embeddings_16bit": False}
-    weights = {dt: weights_bytes(info, dt, embeddings_16bit=False) for dt in TABLE_DTYPES}
+    # Quantized rows keep the embeddings (and an untied head) in float32, as llmopt's
+    # weight-only recipes build them from the fp32 reference: the artifact's real size.
+    weights = {dt: weights_bytes(info, dt, embed_dtype="float32") for dt in TABLE_DTYPES}
     out: dict[str, Any] = {
         "weights_bytes": weights,
         "kv_bytes_per_token": dict(info.kv_bytes_per_token),
     }
     notes = []
+    if info.task == "causal-lm":
+        notes.append(
+            "int8 weights: linear layers in int8, the embeddings and an untied LM head in "
+            "float32 (weight-only recipes leave them in float)"
+        )
     if info.task == "causal-lm" and info.kv_bytes_per_token:
         ctx = int(context or info.max_context or 2048)
         fits, plan = {}, None
@@ -205,6 +254,11 @@ def memory_table(info: ModelInfo, target: Target, context: int | None = None) ->
         out["context"] = ctx
         out["max_sequences_at_context"] = fits
         reserve = plan.reserve_bytes / GiB if plan else 0.0
+        if getattr(info, "sliding_layers", 0):
+            notes.append(
+                f"attention: {info.attention_pattern}; a sliding-window layer's cache holds at "
+                "most its window, so sequences that fit count it per layer type"
+            )
         notes.append(
             f"KV cache per token (float32) {info.kv_bytes_per_token.get('float32', 0)} B; "
             f"{ctx}-token sequences that fit in {limits['utilization']:.0%} of "

@@ -28,6 +28,7 @@ from llmopt.quant.sequential import (
     decoder_layers,
     kv_fp8,
     layers_prefix,
+    quantize_rtn,
     remove_activation_hook,
     run_sequential,
 )
@@ -61,6 +62,7 @@ def quantize(
     max_quality_drop: float | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     dtype: str | None = None,
+    sensitivity: bool = False,
 ) -> dict[str, Any]:
     """Quantize the causal LM in `source` with `recipe` and write it to `out`.
 
@@ -81,6 +83,9 @@ def quantize(
             float32 in host and device memory, and tensor-core matmuls) and the recipe's on the
             CPU;
             or "float32", "bfloat16", "float16". See `resolve_dtype`.
+        sensitivity: also measure each linear's output SQNR on calibration text. Calibrated
+            recipes always do (their layer forwards run anyway); a weight-only round-to-nearest
+            recipe (w8a16) otherwise runs no forward at all: nothing to calibrate.
 
     Returns:
         Facts: seconds, peak memory, exclusions, sensitivity summary, skipped layers with
@@ -96,23 +101,34 @@ def quantize(
     with flush_denormals():
         recipe = resolve_dtype(Path(source), get_recipe(recipe), device, dtype)
         return _quantize(
-            source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress
+            source,
+            recipe,
+            out,
+            calibration,
+            device,
+            auto_exclude,
+            max_quality_drop,
+            progress,
+            sensitivity,
         )
 
 
-def build_checkpoint(source: Path, recipe: Recipe | str, out: Path) -> dict[str, Any]:
+def build_checkpoint(
+    source: Path, recipe: Recipe | str, out: Path, progress: Any = None
+) -> dict[str, Any]:
     """A calibrated candidate's checkpoint (`Recipe.calibrated`), as the build stage writes it
     before handing it to the engine: `quantize` with each layer calibrated where it is fast.
 
     Calibration runs on the GPU when there is one: its layer forwards and Hessians would
     otherwise run on the host's cores, many times slower (docs/quantization.md has the times).
     Only the layer being calibrated moves to the GPU, and the recipe's dtype (not the
-    checkpoint's) keeps the candidate the same wherever it was built.
+    checkpoint's) keeps the candidate the same wherever it was built. `progress(phase, done,
+    total)` is told of each calibrated layer, as `quantize`'s.
     """
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return quantize(Path(source), recipe, Path(out), device=device)
+    return quantize(Path(source), recipe, Path(out), device=device, progress=progress)
 
 
 def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) -> Recipe:
@@ -135,7 +151,17 @@ def resolve_dtype(source: Path, recipe: Recipe, device: str, dtype: str | None) 
     return recipe.with_changes(dtype=dtype)
 
 
-def _quantize(source, recipe, out, calibration, device, auto_exclude, max_quality_drop, progress):
+def _quantize(
+    source,
+    recipe,
+    out,
+    calibration,
+    device,
+    auto_exclude,
+    max_quality_drop,
+    progress,
+    sensitivity=False,
+):
     import torch
 
     t0 = time.perf_counter()
@@ -155,7 +181,10 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
 
     # 1-2. Checks on a weightless model, then the tokenizer, calibration windows, model on host.
     model, tokenizer, plan = _load_checked(source, recipe, calibration, device, auto_exclude)
-    windows = calibration_windows(tokenizer, calibration)
+    # Weight-only round-to-nearest reads the weights alone: no calibration pass unless the
+    # sensitivity is asked for (or auto-exclude needs it to rank layers).
+    rtn_only = not recipe.calibrated and not auto_exclude and not sensitivity
+    windows = None if rtn_only else calibration_windows(tokenizer, calibration)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(torch.device(device))
 
@@ -170,16 +199,19 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
             progress("calibrate", done, total)
 
     t_cal = time.perf_counter()
-    res = run_sequential(
-        model,
-        windows,
-        recipe,
-        plan.specs,
-        device=device,
-        keep_originals=auto_exclude,
-        progress=layer_progress,
-    )
-    calibration_seconds = time.perf_counter() - t_cal
+    if rtn_only:
+        res = quantize_rtn(model, recipe, plan.specs)
+    else:
+        res = run_sequential(
+            model,
+            windows,
+            recipe,
+            plan.specs,
+            device=device,
+            keep_originals=auto_exclude,
+            progress=layer_progress,
+        )
+    calibration_seconds = 0.0 if rtn_only else time.perf_counter() - t_cal
     peak_device = (
         int(torch.cuda.max_memory_allocated(torch.device(device)))
         if device.startswith("cuda")
@@ -221,7 +253,9 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
         "recipe": recipe.to_dict(),
         "source": str(source),
         "device": device,
-        "calibration": calibration.to_dict() | {"windows_used": int(windows.shape[0])},
+        "calibration": calibration.to_dict()
+        | {"windows_used": 0 if windows is None else int(windows.shape[0])},
+        "rounding_seconds": res.seconds if rtn_only else None,
         "format": sorted({format_for(q.spec, q.activations) for q in kept.values()}),
         "quantized_linears": len(kept),
         "ignored": sorted(plan.ignored),
@@ -231,7 +265,7 @@ def _quantize(source, recipe, out, calibration, device, auto_exclude, max_qualit
         "fallbacks": res.fallbacks,
         "smoothed": len(res.smoothed),
         "kv_cache_scales": {str(i): {"k": k, "v": v} for i, (k, v) in res.kv_scales.items()},
-        "sensitivity": _sensitivity(res),
+        "sensitivity": None if rtn_only else _sensitivity(res),
         "quality": quality,
         "calibration_seconds": calibration_seconds,
         "peak_device_memory_bytes": peak_device,

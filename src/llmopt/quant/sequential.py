@@ -46,6 +46,7 @@ __all__ = [
     "decoder_layers",
     "layers_prefix",
     "run_sequential",
+    "quantize_rtn",
     "kv_fp8",
 ]
 
@@ -298,6 +299,43 @@ def run_sequential(
                 torch.cuda.empty_cache()
             if progress:
                 progress(i + 1, len(layers))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def quantize_rtn(
+    model: nn.Module,
+    recipe: Recipe,
+    specs: dict[str, WeightSpec],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> SequentialResult:
+    """Round every Linear in `specs` to nearest, in place, with no forward pass.
+
+    Weight-only round-to-nearest reads nothing but the weights, so it needs no calibration
+    text: the same codes and scales `run_sequential` computes for such a recipe, without the
+    layer forwards it spends on sensitivity (per-linear SQNR, left NaN here).
+    """
+    assert recipe.algorithm == "rtn" and recipe.activations == "none", recipe.name
+    assert recipe.kv_cache_dtype is None, recipe.name
+    t0 = time.perf_counter()
+    res = SequentialResult()
+    names = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n in specs]
+    with torch.no_grad():
+        for i, (name, lin) in enumerate(names):
+            w = lin.weight.detach()
+            q, sc, z = algorithms.rtn(w, specs[name])
+            lin.weight.data.copy_(dequantize_weight(q, sc, specs[name], z).to(w.dtype))
+            res.linears[name] = QuantizedLinear(
+                name,
+                specs[name],
+                q.cpu(),
+                sc.cpu(),
+                recipe.activations,
+                zero_point=None if z is None else z.cpu(),
+            )
+            if progress:
+                progress(i + 1, len(names))
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -239,6 +239,18 @@ def _scheduler(view: RunView) -> Check:
     serve = (view.launch or {}).get("serve") or {}
     if serve.get("scheduler"):
         ev.append(f"launch: {serve['scheduler']}")
+    thr = (view.launch or {}).get("similarity_threshold") or {}
+    if thr.get("threshold") is not None:
+        agree = [
+            f"{thr[k]:.2%}{label}"
+            for k, label in (("agreement", ""), ("agreement_as_is", " as is"))
+            if thr.get(k) is not None
+        ]
+        ev.append(
+            f"similarity threshold for the application: {thr['threshold']:.4g} in place of "
+            f"{thr['reference_threshold']:.4g} (decision agreement with the reference "
+            f"{', '.join(agree) or 'unknown'}; best/launch.json)"
+        )
     dep = view.deploy or {}
     if dep.get("written"):
         ev.append(

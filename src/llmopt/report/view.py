@@ -324,7 +324,9 @@ def load_run(run_dir: str | Path) -> RunView:
     on_disk = sorted(
         p.name
         for p in (cand_root.iterdir() if cand_root.is_dir() else [])
-        if p.is_dir() and not p.name.startswith(TMP_PREFIX)
+        # `candidates/<id>+<setting>/` are the chosen one's settings variations
+        # (llmopt.optimize.tune), reported with it, not as candidates.
+        if p.is_dir() and not p.name.startswith(TMP_PREFIX) and "+" not in p.name
     )
     views = []
     for cid in list(planned) + [i for i in on_disk if i not in planned]:

@@ -27,8 +27,11 @@ __all__ = ["RunDir", "CandidateDir", "STAGES", "FIDELITIES"]
 
 STAGES = ("build", "verify", "bench")
 # "full" writes <stage>.json; any other fidelity <stage>.<fidelity>.json ("screen": the cheap
-# first rung of the search; "reverify": `optimize --reverify`). Build has one fidelity.
-FIDELITIES = ("screen", "full", "reverify")
+# first rung of the search; "pair1", "pair2", ...: the rounds of the side-by-side benchmark of
+# the finalists; "tune1", ...: the chosen one's settings variations; "reverify": `optimize
+# --reverify`). Build has one fidelity.
+_ROUNDS = tuple(f"{k}{r}" for k in ("pair", "tune") for r in range(1, 5))
+FIDELITIES = ("screen", "full", "reverify", *_ROUNDS)
 # run.json keys that must match for a run directory to be resumed rather than refused.
 IDENTITY_KEYS = ("model_fingerprint", "target", "settings")
 

@@ -64,7 +64,10 @@ def external_command(
     """
 
     if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)} (or none)")
+        raise ValueError(
+            f"unknown engine {engine!r}; use one of {', '.join(ENGINES)} (their own servers), "
+            "or torch, hf (llmopt's server)"
+        )
     _check_installed(engine)
     best = find_best(model)
     measured = None  # the settings the run measured this engine with, when it chose it

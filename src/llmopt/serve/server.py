@@ -46,13 +46,17 @@ __all__ = ["load_context", "run_server"]
 log = logging.getLogger(__name__)
 
 
-def load_context(model: str, settings: ServeSettings, recipe: str | None = None) -> ServerContext:
+def load_context(
+    model: str, settings: ServeSettings, recipe: str | None = None, engine: str | None = None
+) -> ServerContext:
     """Load the model and everything a request needs.
 
     Args:
         model: `runs/NAME[/best]`, a Hugging Face folder, or a built-in name.
         settings: limits and engine settings.
         recipe: numeric recipe for a folder or built-in (a run's best brings its own).
+        engine: the batching engine a causal LM is served on (`torch`, `hf`); None: chosen by
+            `batching_engine`.
 
     Example:
         >>> ctx = load_context("smollm2-135m", ServeSettings(max_num_seqs=4))  # doctest: +SKIP
@@ -67,20 +71,38 @@ def load_context(model: str, settings: ServeSettings, recipe: str | None = None)
     metrics = ServeMetrics()
     if info.task == "embedding":
         return _embedding_context(best, folder, info, recipe, name, settings, metrics)
-    return _generation_context(folder, recipe, name, settings, metrics, batching_engine(best))
+    chosen = batching_engine(best, folder, engine)
+    return _generation_context(folder, recipe, name, settings, metrics, chosen)
 
 
 # The batching engine causal LMs are served on, unless the run's candidate's engine batches.
 GENERATION_ENGINE = "torch"
 
 
-def batching_engine(best: Path | None) -> str:
-    """The engine whose `load_generator` serves a causal LM: the run's candidate's engine when
-    it batches (`Engine.batching`), else `GENERATION_ENGINE` (which loads `hf` artifacts too)."""
+def batching_engine(
+    best: Path | None, folder: Path | None = None, requested: str | None = None
+) -> str:
+    """The engine whose `load_generator` serves a causal LM: `requested` when given; else the
+    run's candidate's engine when it batches (`Engine.batching`) and is not the `hf` fallback;
+    else `GENERATION_ENGINE` (which loads `hf` artifacts too), unless it refuses the
+    architecture in `folder`: then the `hf` engine, which runs every transformers decoder."""
+    if requested:
+        if not get_engine(requested).batching:
+            raise ServeSourceError(
+                f"engine {requested!r} has no generator llmopt's server can drive",
+                "use --engine torch or --engine hf (or vllm, llamacpp for their own servers)",
+            )
+        return requested
     if best is not None:
         name = Best.read(best).candidate.engine
-        if get_engine(name).batching:
+        if get_engine(name).batching and name != "hf":
             return name
+    if folder is not None:
+        from llmopt.engines.native.config import native_refusal  # lazy: reads one config
+
+        if why := native_refusal(folder):
+            log.info("serving with the hf engine: %s", why)
+            return "hf"
     return GENERATION_ENGINE
 
 

@@ -27,7 +27,7 @@ from llmopt.hardware.runtime import flush_denormals
 from llmopt.model.info import inspect_model
 from llmopt.verify import endpoint as ep
 from llmopt.verify.attribution import layer_sqnr
-from llmopt.verify.embedding import verify_embedding
+from llmopt.verify.embedding import RetrievalSpec, reference_side, verify_embedding
 from llmopt.verify.gates import Gates
 from llmopt.verify.integrity import IntegrityError, check_tokenizers, check_weights
 from llmopt.verify.lm import verify_causal_lm
@@ -109,6 +109,7 @@ def verify_models(
     attribution: bool = True,
     threads: int | None = None,
     progress=None,
+    retrieval: RetrievalSpec | None = None,
 ) -> VerifyReport:
     """Verify `candidate` (a folder or built-in) or `endpoint` (an OpenAI-compatible URL).
 
@@ -125,6 +126,8 @@ def verify_models(
         attribution: compute per-layer SQNR (both in process, causal or embedding).
         threads: CPU threads.
         progress: optional callable(done, total).
+        retrieval: embeddings: the user's threshold, pairs, queries and corpus; the model's
+            instruction prompts are filled in from its folder.
 
     >>> verify_models("smollm2-135m", "runs/smollm2-135m/candidates/hf-w8a16/artifact").passed
     ... # doctest: +SKIP
@@ -167,9 +170,11 @@ def verify_models(
             None,
             gates=gates,
             simlex_pairs=simlex999(),
+            retrieval=(retrieval or RetrievalSpec()).with_prompts(info),
         )
         scores = {m.name: m.candidate for m in ref_res.metrics}
         ref_emb = ref_runner.embed(sents)
+        spec = (retrieval or RetrievalSpec()).with_prompts(info)
         result = verify_embedding(
             "candidate",
             cand_runner,
@@ -181,6 +186,8 @@ def verify_models(
             gates=gates,
             simlex_pairs=simlex999(),
             reference_scores=scores,
+            retrieval=spec,
+            reference_retrieval=reference_side(ref_runner, spec),
         )
         report = VerifyReport(str(reference), cand_name, result)
     else:

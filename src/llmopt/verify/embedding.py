@@ -16,26 +16,135 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
 from llmopt.core.schema import Metric, VerifyResult
 from llmopt.engines.base import EmbeddingRunner
 from llmopt.verify.gates import Gates
-from llmopt.verify.retrieval import (
-    recalibrate_threshold,
-    recall_at_k,
-    retrieval_queries,
-    sentence_pairs,
-)
+from llmopt.verify.index import FAISS_INSTALL, faiss_available, index_metrics
+from llmopt.verify.pairs import PairSet, load_pairs, load_texts
+from llmopt.verify.retrieval import recall_at_k, retrieval_queries, sentence_pairs
 from llmopt.verify.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, is_noise
+from llmopt.verify.threshold import threshold_metrics
 
-__all__ = ["reference_outputs", "verify_embedding", "word_similarity_spearman"]
+__all__ = [
+    "RetrievalSpec",
+    "reference_outputs",
+    "reference_side",
+    "verify_embedding",
+    "word_similarity_spearman",
+]
 
 log = logging.getLogger(__name__)
 
 # Below this many sentences the 1st percentile rests on fewer than 10 samples.
 _FEW_SENTENCES = 1000
+
+
+@dataclass(frozen=True)
+class RetrievalSpec:
+    """What the deployment does with the embeddings: its threshold, its pairs, its data.
+
+    Args:
+        threshold: the application's similarity threshold (`--threshold`); None: 0.5, reported
+            but not gated.
+        pairs: the user's sentence pairs (`--pairs`); None: pairs of the held-out sentences.
+        queries: the user's queries (`--queries`); None: each corpus text queries the others.
+        corpus: the user's corpus (`--corpus`); None: the held-out Wikipedia sentences.
+        k: neighbours per query of the index check.
+        query_prompt, document_prompt: the model's instruction prefixes (`ModelInfo`), prepended
+            to queries and to corpus texts as sentence-transformers does.
+        index: run the FAISS index check (skipped with a note when faiss-cpu is missing).
+
+    >>> RetrievalSpec(threshold=0.85).gated
+    True
+    """
+
+    threshold: float | None = None
+    pairs: PairSet | None = None
+    queries: list[str] | None = None
+    corpus: list[str] | None = None
+    k: int = 10
+    query_prompt: str | None = None
+    document_prompt: str | None = None
+    index: bool = True
+
+    @classmethod
+    def from_options(
+        cls,
+        pairs: str | Path | None = None,
+        threshold: float | None = None,
+        queries: str | Path | None = None,
+        corpus: str | Path | None = None,
+        top_k: int = 10,
+    ) -> RetrievalSpec:
+        """Read the files of `--pairs`, `--queries`, `--corpus` (see `llmopt.verify.pairs`).
+
+        Raises:
+            PairsFileError: an unreadable file; ValueError: a threshold outside [-1, 1] or
+                top_k < 1.
+
+        >>> RetrievalSpec.from_options(threshold=0.85).threshold
+        0.85
+        """
+        if threshold is not None and not -1.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold {threshold} is not a cosine similarity in [-1, 1]")
+        if top_k < 1:
+            raise ValueError(f"top_k {top_k} must be at least 1")
+        return cls(
+            threshold=threshold,
+            pairs=None if pairs is None else load_pairs(pairs),
+            queries=None if queries is None else load_texts(queries),
+            corpus=None if corpus is None else load_texts(corpus),
+            k=top_k,
+        )
+
+    def with_prompts(self, info) -> RetrievalSpec:
+        """This spec with the instruction prompts of the model `info` describes (`ModelInfo`)."""
+        return replace(
+            self,
+            query_prompt=getattr(info, "query_prompt", None),
+            document_prompt=getattr(info, "document_prompt", None),
+        )
+
+    @property
+    def gated(self) -> bool:
+        """The user gave a threshold or pairs: decision agreement is gated."""
+        return self.threshold is not None or self.pairs is not None
+
+    def query_texts(self) -> list[str] | None:
+        if self.queries is None:
+            return None
+        return [(self.query_prompt or "") + q for q in self.queries]
+
+    def corpus_texts(self) -> list[str] | None:
+        if self.corpus is None:
+            return None
+        return [(self.document_prompt or "") + c for c in self.corpus]
+
+
+def reference_side(
+    runner: EmbeddingRunner, spec: RetrievalSpec, batch_size: int = 32
+) -> dict[str, np.ndarray]:
+    """The reference's embeddings of the user's data (pairs' texts, queries, corpus).
+
+    Computed once with the reference runner and passed to `verify_embedding` for every
+    candidate (the optimize worker stores them as .npy next to the reference's embeddings).
+
+    >>> side = reference_side(ref_runner, RetrievalSpec(pairs=load_pairs("p.jsonl")))  # doctest: +SKIP
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, texts in (
+        ("pair_texts", spec.pairs.texts() if spec.pairs is not None else None),
+        ("queries", spec.query_texts()),
+        ("corpus", spec.corpus_texts()),
+    ):
+        if texts is not None:
+            out[name] = np.asarray(runner.embed(texts, batch_size=batch_size), dtype=np.float32)
+    return out
 
 
 def reference_outputs(
@@ -98,6 +207,8 @@ def verify_embedding(
     decision_threshold: float | None = 0.5,
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = DEFAULT_SEED,
+    retrieval: RetrievalSpec | None = None,
+    reference_retrieval: dict[str, np.ndarray] | None = None,
 ) -> VerifyResult:
     """Compare a candidate's embeddings with the reference's and score word similarity.
 
@@ -119,6 +230,10 @@ def verify_embedding(
         retrieval_k: k of retrieval recall@k.
         decision_threshold: a reference similarity threshold to recalibrate; None to skip.
         resamples, seed: bootstrap settings (over sentences).
+        retrieval: the user's threshold, pairs, queries and corpus (`RetrievalSpec`); None: the
+            built-in sentences and threshold 0.5 (reported, not gated).
+        reference_retrieval: the reference's `reference_side` of `retrieval`; None for the
+            reference itself (it is computed here).
 
     Returns:
         A VerifyResult with metrics cosine_mean (gated), cosine_p1, cosine_min (gated by
@@ -132,7 +247,9 @@ def verify_embedding(
     (True, 0.9931)
     """
     # No gates given (the optimize worker today): only the mean cosine is gated, as before.
-    gates = gates or Gates(min_cosine=None, max_recall_drop=None)
+    gates = gates or Gates(
+        min_cosine=None, max_recall_drop=None, min_decision_agreement=None, min_index_recall=None
+    )
     reference_scores = dict(reference_scores or {})
     is_reference = reference_embeddings is None
     t0 = time.perf_counter()
@@ -199,8 +316,31 @@ def verify_embedding(
         )
     else:
         notes.append("fewer than 10 sentences of 6+ words: retrieval recall skipped")
-    if decision_threshold is not None and not is_reference and np.isfinite(cos).all():
-        metrics += _recalibration(cand, reference_embeddings, decision_threshold, seed)
+    spec = retrieval or RetrievalSpec(threshold=None)
+    if is_reference:
+        ref_side = reference_side(runner, spec, batch_size)
+        cand_side = ref_side
+        ref_emb = cand
+    else:
+        ref_side = dict(reference_retrieval or {})
+        cand_side = reference_side(runner, spec, batch_size)
+        ref_emb = reference_embeddings
+    finite = bool(np.isfinite(cos).all()) and all(np.isfinite(v).all() for v in cand_side.values())
+    threshold = spec.threshold if spec.threshold is not None else decision_threshold
+    if threshold is not None and finite and (spec.gated or not is_reference):
+        m, extra = _threshold(spec, threshold, cand, ref_emb, cand_side, ref_side, gates, seed)
+        metrics += m
+        notes += extra
+        if spec.gated:
+            resamples_note = f"{resamples} bootstrap resamples"
+            notes.append(f"decision threshold {threshold:g} from the user; CIs: {resamples_note}")
+    if spec.index and finite:
+        if faiss_available():
+            m, extra = _index(spec, cand, ref_emb, cand_side, ref_side, gates, resamples, seed)
+            metrics += m
+            notes += extra
+        else:
+            notes.append(f"faiss-cpu not installed: vector-index check skipped ({FAISS_INSTALL})")
     for name, pairs in (("wordsim353_spearman", word_pairs), ("simlex999_spearman", simlex_pairs)):
         if not pairs:
             notes.append(f"no word pairs given: {name} skipped")
@@ -268,28 +408,47 @@ def _retrieval(
     )
 
 
-def _recalibration(cand, reference, threshold: float, seed: int) -> list[Metric]:
-    m = min(len(cand), 1000)
-    pairs = sentence_pairs(m, seed)
-    rc = (_unit(reference[pairs[:, 0]]) * _unit(reference[pairs[:, 1]])).sum(1)
-    cc = (_unit(cand[pairs[:, 0]]) * _unit(cand[pairs[:, 1]])).sum(1)
-    new, before, after = recalibrate_threshold(rc, cc, threshold)
-    note = (
-        f"reference threshold {threshold:g}: candidate agrees on {before:.2%} of "
-        f"{len(pairs)} sentence-pair decisions as is, {after:.2%} at threshold {new:.4f}"
+def _threshold(spec, threshold, cand, ref_emb, cand_side, ref_side, gates, seed):
+    if spec.pairs is not None:
+        texts = {t: i for i, t in enumerate(spec.pairs.texts())}
+        a = [texts[t] for t in spec.pairs.first]
+        b = [texts[t] for t in spec.pairs.second]
+        rp, cp = ref_side["pair_texts"], cand_side["pair_texts"]
+        rc = (_unit(rp[a]) * _unit(rp[b])).sum(1)
+        cc = (_unit(cp[a]) * _unit(cp[b])).sum(1)
+        labels, source = spec.pairs.labels, spec.pairs.source
+    else:
+        # No pairs given: neighbouring held-out sentences (often related) and random ones.
+        pairs = sentence_pairs(min(len(cand), 1000), seed)
+        rc = (_unit(ref_emb[pairs[:, 0]]) * _unit(ref_emb[pairs[:, 1]])).sum(1)
+        cc = (_unit(cand[pairs[:, 0]]) * _unit(cand[pairs[:, 1]])).sum(1)
+        labels, source = None, "held-out sentence pairs"
+    min_agreement = gates.min_decision_agreement if spec.gated else None
+    return threshold_metrics(
+        rc, cc, threshold, labels=labels, min_agreement=min_agreement, source=source, seed=seed
     )
-    return [
-        Metric("decision_agreement", 1.0, before, True, n=len(pairs), note=note),
-        Metric(
-            "recalibrated_threshold",
-            threshold,
-            new,
-            True,
-            n=len(pairs),
-            note="candidate threshold that best preserves the reference's decisions",
-        ),
-        Metric("recalibrated_agreement", 1.0, after, True, n=len(pairs)),
-    ]
+
+
+def _index(spec, cand, ref_emb, cand_side, ref_side, gates, resamples, seed):
+    if spec.corpus is not None:
+        rc, cc, source = ref_side["corpus"], cand_side["corpus"], "the user's corpus"
+    else:
+        rc, cc, source = ref_emb, cand, "held-out Wikipedia sentences"
+    rq = ref_side.get("queries")
+    cq = cand_side.get("queries")
+    if rc.shape[0] <= spec.k + 1:
+        return [], [f"corpus of {rc.shape[0]} texts is too small for an index check at k={spec.k}"]
+    return index_metrics(
+        rc,
+        rq,
+        cc,
+        cq,
+        spec.k,
+        min_recall=gates.min_index_recall,
+        source=source,
+        resamples=resamples,
+        seed=seed,
+    )
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmopt.assets.text import window_convention
 from llmopt.core.errors import LlmoptError
 from llmopt.core.schema import Metric, VerifyResult
 from llmopt.verify.gates import Gates
@@ -239,7 +240,14 @@ def verify_causal_lm_endpoint(
         ]
         metrics += _greedy(endpoint, reference, windows, generation_prompts, generation_tokens)
         return VerifyResult(
-            candidate_id, "causal-lm", metrics, False, float("nan"), time.perf_counter() - t0, notes
+            candidate_id,
+            "causal-lm",
+            metrics,
+            False,
+            float("nan"),
+            time.perf_counter() - t0,
+            notes,
+            inputs=_sent(endpoint, tok),
         )
     if top1_ok and n and shifted.mean() > agree.mean() + 0.2:
         notes.append(
@@ -283,8 +291,25 @@ def verify_causal_lm_endpoint(
     metrics += _greedy(endpoint, reference, windows, generation_prompts, generation_tokens)
     passed = all(m.passed for m in metrics if m.passed is not None)
     return VerifyResult(
-        candidate_id, "causal-lm", metrics, passed, drop, time.perf_counter() - t0, notes
+        candidate_id,
+        "causal-lm",
+        metrics,
+        passed,
+        drop,
+        time.perf_counter() - t0,
+        notes,
+        inputs=_sent(endpoint, tok),
     )
+
+
+def _sent(endpoint: OpenAIEndpoint, tok) -> str:
+    """The windows' input convention, and how they reached the server."""
+    how = (
+        "sent as text decoded with the reference tokenizer"
+        if endpoint.text_prompts
+        else ("sent as token ids")
+    )
+    return f"{window_convention(tok)}; {how}"
 
 
 def _greedy(endpoint, reference, windows, prompts: int, new: int) -> list[Metric]:

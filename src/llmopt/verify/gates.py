@@ -32,6 +32,11 @@ class Gates:
             sentences that the mean hides).
         max_recall_drop: largest absolute drop of retrieval recall@k allowed.
         max_task_accuracy_drop: largest absolute drop of multiple-choice accuracy allowed.
+        min_decision_agreement: embedders: smallest share of pairs the candidate must decide as
+            the reference does at the recalibrated threshold (out of sample); applied when the
+            user gives a threshold or pairs (`--threshold`, `--pairs`), reported otherwise.
+        min_index_recall: embedders: smallest share of the reference's exact top k that the
+            candidate's FAISS index must return (`index_recall@k`).
     """
 
     max_quality_drop: float = 0.01
@@ -40,6 +45,8 @@ class Gates:
     min_cosine: float | None = 0.90
     max_recall_drop: float | None = 0.05
     max_task_accuracy_drop: float | None = 0.05
+    min_decision_agreement: float | None = 0.95
+    min_index_recall: float | None = 0.80
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_quality_drop < 1.0:

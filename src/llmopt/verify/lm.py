@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llmopt.assets.text import special_prefix, window_convention
 from llmopt.core.atomic import atomic_file
 from llmopt.core.schema import Metric, VerifyResult
 from llmopt.hardware.runtime import flush_denormals
@@ -308,6 +309,7 @@ def verify_causal_lm(
     if nonfinite:
         nll_c[:] = float("nan")
 
+    inputs, off = _inputs(runner, windows)
     note = f"{n} windows x {T} tokens"
     ppl, drop = perplexity_metric(
         nll_c, None if reference is None else nll_r, T - 1, max_quality_drop, resamples, seed, note
@@ -316,6 +318,8 @@ def verify_causal_lm(
     notes = (
         ["non-finite log-probabilities in the candidate's output (NaN/Inf)"] if nonfinite else []
     )
+    if off:
+        notes.append(off)
     if reference is None:
         agree[:], kl[:] = 1.0, 0.0
         notes.append("this is the reference: comparison metrics are 1.0/0.0 by definition")
@@ -381,7 +385,29 @@ def verify_causal_lm(
         quality_drop=drop,
         seconds=time.perf_counter() - t0,
         notes=notes,
+        inputs=inputs,
     )
+
+
+def _inputs(runner, windows: torch.Tensor) -> tuple[str, str]:
+    """(the input convention of these windows, a warning when they miss the tokenizer's prefix).
+
+    Windows from `token_windows` start with the tokenizer's BOS where it adds one; windows built
+    some other way are scored as given, and the result says they lack it.
+    """
+    tok = getattr(runner, "tokenizer", None)
+    if tok is None:
+        return "unknown (the runner has no tokenizer)", ""
+    prefix = special_prefix(tok)
+    k = len(prefix)
+    if prefix and not bool((windows[:, :k] == windows.new_tensor(prefix)).all()):
+        return (
+            f"windows without the tokenizer's prefix {prefix}",
+            f"the windows do not start with the tokenizer's prefix {prefix} (its BOS): the "
+            "model is scored on input it does not expect; build them with "
+            "llmopt.assets.text.token_windows",
+        )
+    return window_convention(tok), ""
 
 
 def _mean_metric(

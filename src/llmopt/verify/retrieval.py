@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["retrieval_queries", "recall_at_k", "sentence_pairs", "recalibrate_threshold"]
+__all__ = [
+    "retrieval_queries",
+    "recall_at_k",
+    "sentence_pairs",
+    "recalibrate_threshold",
+    "percentile_threshold",
+    "agreement",
+]
 
 
 def retrieval_queries(sentences: Sequence[str], count: int = 300) -> tuple[list[str], np.ndarray]:
@@ -70,6 +77,12 @@ def recalibrate_threshold(
 ) -> tuple[float, float, float]:
     """The candidate threshold that best reproduces `reference_cos >= threshold`.
 
+    Every cut between two distinct candidate cosines is tried (a decision only changes there),
+    in O(P log P): sorted once, the agreement at each cut is a prefix count. The threshold is
+    placed midway between the two cosines around the cut (the widest margin, so it carries over
+    to pairs it was not fitted on); ties between equally good cuts go to the one nearest the
+    old threshold.
+
     Args:
         reference_cos: (P,) reference cosine of each pair.
         candidate_cos: (P,) candidate cosine of the same pairs.
@@ -79,19 +92,53 @@ def recalibrate_threshold(
         (candidate threshold, agreement at the old threshold, agreement at the new one).
 
     >>> recalibrate_threshold(np.array([0.2, 0.6, 0.9]), np.array([0.1, 0.45, 0.8]), 0.5)
-    (0.45, 0.6666666666666666, 1.0)
+    (0.275, 0.6666666666666666, 1.0)
     """
+    reference_cos = np.asarray(reference_cos, dtype=np.float64)
+    candidate_cos = np.asarray(candidate_cos, dtype=np.float64)
     decide = reference_cos >= threshold
     before = float(((candidate_cos >= threshold) == decide).mean())
-    # Candidate thresholds: every observed cosine (a decision only changes there).
-    order = np.sort(candidate_cos)
-    cands = np.concatenate([order, [order[-1] + 1e-6]])
-    # Agreement for t = cands[j]: pairs with cos >= t are "yes".
-    pos_ge = np.array([(decide & (candidate_cos >= t)).sum() for t in cands])
-    neg_lt = np.array([(~decide & (candidate_cos < t)).sum() for t in cands])
-    agree = (pos_ge + neg_lt) / len(decide)
-    best = int(np.argmax(agree - 1e-9 * np.abs(cands - threshold)))  # ties: nearest the old one
-    return float(cands[best]), before, float(agree[best])
+    order = np.argsort(candidate_cos, kind="stable")
+    c, d = candidate_cos[order], decide[order]
+    n = len(c)
+    # Cut j: the pairs at sorted positions >= j say "yes" (threshold c[j]; j = n: all "no").
+    pos_before = np.concatenate([[0], np.cumsum(d)])  # "yes" pairs below cut j
+    neg_before = np.arange(n + 1) - pos_before
+    agree = (d.sum() - pos_before + neg_before) / n
+    cuts = np.concatenate([c[:1], (c[:-1] + c[1:]) / 2, [c[-1] + 1e-6]])
+    valid = np.concatenate([[True], c[1:] > c[:-1], [True]])  # a cut inside a tie is not real
+    score = np.where(valid, agree - 1e-9 * np.abs(cuts - threshold), -np.inf)
+    best = int(np.argmax(score))
+    return float(cuts[best]), before, float(agree[best])
+
+
+def percentile_threshold(
+    reference_cos: np.ndarray, candidate_cos: np.ndarray, threshold: float
+) -> float:
+    """The candidate threshold at the same percentile as `threshold` in the reference's scores.
+
+    The alternative rule to `recalibrate_threshold`: it needs no per-pair alignment, only the
+    two distributions, so the same share of pairs passes before and after.
+
+    >>> percentile_threshold(np.array([0.1, 0.2, 0.6, 0.9]), np.array([0.0, 0.1, 0.5, 0.8]), 0.5)
+    0.5
+    """
+    below = float((np.asarray(reference_cos) < threshold).mean())
+    if below <= 0.0:
+        return float(np.min(candidate_cos))
+    if below >= 1.0:
+        return float(np.max(candidate_cos)) + 1e-6
+    return float(np.quantile(np.asarray(candidate_cos, dtype=np.float64), below, method="higher"))
+
+
+def agreement(reference_cos, candidate_cos, ref_threshold: float, cand_threshold: float) -> float:
+    """Share of pairs decided alike: reference at `ref_threshold`, candidate at `cand_threshold`.
+
+    >>> agreement(np.array([0.2, 0.7]), np.array([0.3, 0.6]), 0.5, 0.65)
+    0.5
+    """
+    ref = np.asarray(reference_cos) >= ref_threshold
+    return float((ref == (np.asarray(candidate_cos) >= cand_threshold)).mean())
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

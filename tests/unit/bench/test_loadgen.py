@@ -131,7 +131,9 @@ def test_bench_serve_warmups_reach_every_run(monkeypatch, tmp_path):
 
     seen = []
 
-    def fake_run_load(base_url, spec, w, model, slo, timeout_s, warmups=1, allow_remote=False):
+    def fake_run_load(
+        base_url, spec, w, model, slo, timeout_s, warmups=1, allow_remote=False, percentiles=()
+    ):
         seen.append(warmups)
         return run_load(base_url, spec, w, model, slo, timeout_s, warmups=0)  # refused: failures
 
@@ -160,3 +162,29 @@ def test_bench_serve_warmups_reach_every_run(monkeypatch, tmp_path):
     CliRunner().invoke(app, [*args, "--warmups", "0"])
     CliRunner().invoke(app, args)
     assert seen == [0, 0, 1, 1]
+
+
+def test_embeddings_workload_batches_and_validation():
+    from llmopt.bench.loadgen import make_batches
+    from llmopt.bench.sweep import headline_for
+
+    w = Workload(input_len=5, endpoint="embeddings", batch_sizes=(1, 3))
+    batches = make_batches(w, make_prompts(w, 40), seed=0)
+    assert len(batches) == 40 and {len(b) for b in batches} == {1, 3}
+    assert all(len(t.split()) == 5 for b in batches for t in b)
+    with pytest.raises(ValueError, match="endpoint 'rerank'"):
+        Workload(endpoint="rerank")
+    with pytest.raises(ValueError, match="batch sizes"):
+        Workload(endpoint="embeddings", batch_sizes=(0,))
+    keys = [k for k, _, _ in headline_for("embeddings")]
+    assert "e2el_ms.p95" in keys and "output_throughput" not in keys
+    assert "ttft_ms.p95" in [k for k, _, _ in headline_for("chat")]
+
+
+def test_refused_embeddings_requests_are_recorded_as_failures():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = Workload(endpoint="embeddings", batch_sizes=(2,))
+    with pytest.raises(LoadTargetError):  # no /v1/models: a typed error before any load
+        run_load(f"http://127.0.0.1:{port}", LoadSpec("concurrency", 1, num_requests=1), w)

@@ -57,3 +57,12 @@ def test_all_failed_reports_zeros_not_nan():
 def test_slo_rejects_non_positive():
     with pytest.raises(ValueError, match="leave it unset"):
         SLO(ttft_ms=0)
+
+
+def test_embedding_requests_count_inputs_and_p95():
+    recs = [
+        RequestRecord(True, prompt_len=8, latency=0.1 * (i + 1), inputs=i + 1) for i in range(4)
+    ]
+    m = serve_metrics(recs + [RequestRecord(False, inputs=5)], duration_s=2.0)
+    assert m["total_inputs"] == 10 and m["input_throughput"] == 5.0 and m["failed"] == 1
+    assert m["e2el_ms"]["p95"] == pytest.approx(np.percentile([100, 200, 300, 400], 95))

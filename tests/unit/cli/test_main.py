@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -86,19 +88,50 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
         "--out",
         str(out),
         "--quick",
-        "--json",
         "--candidates",
         "hf-bf16,hf-w8a16",
         "--search",
         "exhaustive",
         "--gates",
         "loose",
+        "--time-budget",
+        "30m",
         timeout=600,
     )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    res = json.loads(proc.stdout)
+    sel = json.loads((out / "selection.json").read_text())
     ids = {"hf-fp32", "hf-bf16", "hf-w8a16"}
-    assert set(res["selection"]["reasons"]) == ids
+    assert set(sel["reasons"]) == ids
+    # Not a terminal: one timestamped line per stage start and end.
+    lines = proc.stdout.splitlines()
+    for cid in ids:
+        for stage in ("build", "verify", "bench"):
+            assert any(re.search(rf"\bstart +{stage} +{cid}\b", line) for line in lines), (
+                cid,
+                stage,
+            )
+            assert any(re.search(rf"\bdone +{stage} +{cid}\b", line) for line in lines)
+    assert re.search(r"done +bench +hf-fp32 .*decode_tokens_per_s \d", proc.stdout)
+    assert re.search(r"done +verify +hf-bf16 .*quality drop", proc.stdout)
+    # The finalists were benchmarked side by side with the reference, in mirrored rounds.
+    search = json.loads((out / "search.json").read_text())
+    passed = [i for i in sel["ranking"] if i != "hf-fp32"]
+    assert set(search["side_by_side"]) == set(passed[:2])
+    for cid in [*passed[:2], "hf-fp32"] if passed else []:
+        for r in (1, 2):
+            b = json.loads((out / "candidates" / cid / f"bench.pair{r}.json").read_text())
+            assert b["fidelity"]["rung"] == 3 and b["env"]["probe"]["before"]["probe_ms"] > 0
+    assert sel["side_by_side"].keys() == search["side_by_side"].keys()
+    # Rung 4: the chosen one's thread count measured side by side with its default; best/
+    # deploys whichever settings the rounds chose, and the reason says which.
+    if sel["chosen"] and (os.cpu_count() or 1) > 1:
+        tuned = sel["tuned"]
+        assert tuned["base"] == sel["chosen"] and f"{sel['chosen']}+threads1" in tuned["tried"]
+        assert "settings:" in sel["reasons"][sel["chosen"]]
+        best = json.loads((out / "best" / "candidate.json").read_text())
+        assert best["settings"] == tuned["settings"]
+        report = (out / "report.md").read_text()
+        assert "+threads1" not in report.split("## Candidates")[-1].split("\n## ")[0]
     for cid in ids:
         for stage in ("build", "verify", "bench"):
             assert (out / "candidates" / cid / f"{stage}.json").is_file(), f"{cid}/{stage}"
@@ -112,6 +145,14 @@ def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
     assert limits["top1_agreement"] == 0.80 and limits["kl_divergence_mean"] == 0.30
     # The reference's outputs were saved once and the candidates compared against them.
     assert (out / "candidates" / "hf-fp32" / "reference-outputs.full.npz").is_file()
+
+
+def test_optimize_says_its_default_time_budget_first(tiny_llama_dir, tmp_path):
+    proc = _run("optimize", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--candidates", "x")
+    assert proc.returncode == 2 and "unknown candidate" in proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[:2]
+    assert any("time budget: 5 min, the default for a model under 1B" in s for s in first), first
+    assert "--time-budget none" in proc.stdout
 
 
 def test_optimize_on_a_broken_folder_writes_nothing(tiny_llama_dir, tmp_path):

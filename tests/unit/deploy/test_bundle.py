@@ -210,12 +210,6 @@ def test_deploy_a_run_directory_serves_the_verified_recipe(tiny_llama_dir, tmp_p
         resolve_source(run)
 
 
-def test_embedding_models_are_refused_with_a_hint(tiny_bert_dir):
-    with pytest.raises(DeployError, match="embedding") as e:
-        resolve_source(tiny_bert_dir)
-    assert "load_best" in str(e.value)
-
-
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     import llmopt.deploy.bundle as b
 
@@ -250,3 +244,46 @@ def test_cli_deploy_json(tmp_path):
     d = json.loads(proc.stdout)
     assert d["ok"] and d["plan"]["engine"] == "vllm" and "start.sh" in d["files"]
     assert {c["status"] for c in d["checks"]} <= {"passed", "skipped"}
+
+
+def test_cli_deploy_takes_a_built_in_name(tmp_path, monkeypatch):
+    """`llmopt deploy smollm2-135m` works like every other command that takes a model, from any
+    directory (the name is not a folder there)."""
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmopt.cli.main",
+            "deploy",
+            "smollm2-135m",
+            "--target",
+            "cpu",
+            "--out",
+            "b",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["source"]["kind"] == "model" and d["source"]["model_dir"].endswith("smollm2-135m")
+    assert (tmp_path / "b" / "start.sh").is_file()
+
+
+def test_setup_installs_what_bench_serve_and_deploy_checks_need():
+    """The README's setup (without --dev) installs the client `llmopt bench serve` needs and the
+    tools `llmopt deploy` validates with, so neither is skipped after it."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[3]
+    setup = (root / "scripts" / "setup.sh").read_text()
+    extras = re.search(r'^extras="([^"$]+)', setup, re.M).group(1).split(",")
+    assert {"bench", "deploy-check", "serve"} <= set(extras)
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert set(extras) <= set(declared["optional-dependencies"])
+    assert any(d.startswith("httpx") for d in declared["optional-dependencies"]["bench"])

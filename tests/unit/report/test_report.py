@@ -568,3 +568,11 @@ def test_engines_table_names_each_engines_best_and_verdict(tmp_path: Path) -> No
     assert rows["torch"][1] == w4.id and "no candidate of this engine passed" in rows["torch"][-1]
     md, _ = write_report(root)
     assert "## Engines" in md.read_text()
+
+
+def test_recalibrated_threshold_in_the_checklist(emb_run: Path) -> None:
+    thr = {"threshold": 0.8123, "reference_threshold": 0.85, "agreement": 0.991}
+    write_json(emb_run / "best" / "launch.json", {"similarity_threshold": thr | {"x": 1}})
+    md = write_report(emb_run)[0].read_text()
+    assert "similarity threshold for the application: 0.8123 in place of 0.85" in md
+    assert "(decision agreement with the reference 99.10%; best/launch.json)" in md

@@ -88,6 +88,7 @@ def test_endpoint_lm_matches_reference(tiny_llama_dir):
     finally:
         server.shutdown()
     assert r.passed, r.to_dict()
+    assert "adds none" in r.inputs and r.inputs.endswith("sent as token ids")
     assert r.metric("perplexity").delta == pytest.approx(0.0, abs=1e-3)
     assert r.metric("top1_agreement").candidate == 1.0
     assert r.metric("greedy_match_length").candidate == 32.0
@@ -137,4 +138,5 @@ def test_text_prompt_fallback(tiny_llama_dir):
     finally:
         server.shutdown()
     assert ep.text_prompts and r.passed
+    assert r.inputs.endswith("sent as text decoded with the reference tokenizer")
     assert r.metric("perplexity").delta == pytest.approx(0.0, abs=1e-3)

@@ -6,7 +6,9 @@ activation dtype. The kernels are the ones PyTorch ships (no torchao on our host
 | layer       | CPU                                   | CUDA                                         |
 |-------------|---------------------------------------|----------------------------------------------|
 | Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton GEMV (rows <= 4), else dequant + mm   |
-| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | `_weight_int4pack_mm` (tinygemm, bf16)       |
+| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | `_weight_int4pack_mm` (tinygemm, bf16); with |
+|             |                                       | `INT4_TRITON` Triton, dequant fused (GEMV at |
+|             |                                       | rows <= 4, tl.dot GEMM above)                |
 | Fp8Linear   | refused (no fast FP8 matmul on CPU)   | `_scaled_mm` (row-wise scales, cc >= 8.9);   |
 |             |                                       | Triton GEMV, weight-only, for rows <= 4      |
 
@@ -29,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.engines.native.attention import launch
+
 __all__ = [
     "Int8Linear",
     "Int4Linear",
@@ -38,6 +42,10 @@ __all__ = [
     "quantize_fp8",
     "fp8_supported",
     "SMALL_M",
+    "int4_mm",
+    "INT4_TRITON",
+    "pack_int4",
+    "unpack_int4",
 ]
 
 log = logging.getLogger(__name__)
@@ -149,6 +157,20 @@ class Int4Linear(_QuantLinear):
         u = (q.to(torch.int32) + 8).contiguous()  # tinygemm dequant: (u - 8) * scale + zero
         scale = scale.float()
         zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float() * scale
+        # On CUDA the Triton kernels (`int4_mm`: fused dequant, weights read at 4 bits) when they
+        # pass their check on this GPU, in their own layout; tinygemm's layout otherwise.
+        self.triton_kernel = (
+            INT4_TRITON
+            and q.device.type == "cuda"
+            and int4_triton_supported(k, group)
+            and _triton_int4_available()
+        )
+        if self.triton_kernel:
+            self.register_buffer("weight", pack_int4(u))
+            self.register_buffer("scale", scale.to(dtype).contiguous())
+            zp = None if zero_point is None else zero.to(dtype).contiguous()
+            self.register_buffer("zero", zp)
+            return
         sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/g, N, 2)
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
         if q.device.type == "cpu":
@@ -160,6 +182,11 @@ class Int4Linear(_QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.triton_kernel:
+            y = int4_mm(
+                x.reshape(-1, self.in_features), self.weight, self.scale, self.zero, self.group
+            )
+            return self._finish(y, shape)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if x2.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -198,6 +225,9 @@ class Fp8Linear(_QuantLinear):
 
 
 TRITON_M = 4  # rows up to which the Triton int8 GEMV runs (decode batches)
+# The Triton int4 kernels (`int4_mm`) are opt-in: on the H200 they read int4 weights slower than
+# tinygemm at 1-4 rows (docs/benchmarks.md, issue 24), so CUDA keeps tinygemm by default.
+INT4_TRITON = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -285,3 +315,109 @@ def wo_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
     _KERNELS["gemv"][grid](x.contiguous(), w, scale, y, n, k)
     return y
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """(N, K) unsigned 4-bit codes (0..15) -> (N, K / 8) int32, code k in nibble k % 8 of word
+    k // 8 (the layout the Triton int4 kernels read: one 32-bit load brings 8 weights).
+
+    >>> u = torch.arange(16).repeat(2, 1) % 16
+    >>> p = pack_int4(u)
+    >>> p.shape, hex(p[0, 0].item() & 0xFFFFFFFF), hex(p[0, 1].item() & 0xFFFFFFFF)
+    (torch.Size([2, 2]), '0x76543210', '0xfedcba98')
+    """
+    n, k = u.shape
+    assert k % 8 == 0, f"in_features {k} is not a multiple of 8"
+    v = u.to(torch.int64).reshape(n, k // 8, 8) << (4 * torch.arange(8, device=u.device))
+    v = v.sum(-1)
+    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32).contiguous()
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: (N, K / 8) int32 -> (N, K) codes 0..15 (int32)."""
+    shifts = 4 * torch.arange(8, device=p.device, dtype=torch.int32)
+    return ((p[..., None] >> shifts) & 0xF).reshape(p.shape[0], -1)
+
+
+@functools.cache
+def _int4_kernels():
+    from llmopt.engines.native import triton_kernels as T  # heavy: triton, a GPU-host package
+
+    return T.int4_gemv, T.int4_gemm
+
+
+def int4_mm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ W^T, W[n, k] = (u - 8) * scale[n, k // group] (+ zero[n, ...]),
+    u the codes `pack_int4` packed into `packed` (N, K / 8). Triton: a GEMV for M <= TRITON_M,
+    a tl.dot GEMM above."""
+    import triton
+
+    if "int4" not in _KERNELS:  # created eagerly (`_triton_int4_available`) before compiling
+        _KERNELS["int4"] = _int4_kernels()
+    gemv, gemm = _KERNELS["int4"]
+    m, k = x.shape
+    n = packed.shape[0]
+    x = x.contiguous()
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    z = scale if zero is None else zero  # an unread stand-in when there is no zero
+    if m <= TRITON_M:
+
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]), m)
+
+        launch(gemv, grid, x, packed, scale, z, y, n, K=k, G=group, HAS_ZERO=zero is not None)
+    else:
+
+        def grid2(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+
+        mb = 1 << max(4, (m - 1).bit_length())  # autotune per power-of-two row count
+        launch(
+            gemm,
+            grid2,
+            *(x, packed, scale, z, y, m, n, min(mb, 4096)),
+            K=k,
+            G=group,
+            HAS_ZERO=zero is not None,
+        )
+    return y
+
+
+def int4_triton_supported(k: int, group: int) -> bool:
+    """Shapes the Triton int4 kernels take: groups dividing the 128-wide K tile, K in words."""
+    return group in (16, 32, 64, 128) and k % 8 == 0 and k % group == 0
+
+
+@functools.cache
+def _triton_int4_available() -> bool:
+    """Triton importable, a CUDA GPU present, and both int4 kernels right on it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        _KERNELS.setdefault("int4", _int4_kernels())
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(96, 512, device="cuda", generator=g)
+        q, s = quantize_int4(w, 128)
+        packed = pack_int4((q.to(torch.int32) + 8).cuda())
+        deq = (q.float().reshape(96, -1, 128) * s[..., None]).reshape(96, 512)
+        for m in (2, 24):
+            x = torch.randn(m, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+            ref = x.float() @ deq.t()
+            got = int4_mm(x, packed, s.to(torch.bfloat16).contiguous(), None, 128)
+            err = float((got.float() - ref).norm() / ref.norm())
+            if err > 1e-2:
+                raise RuntimeError(f"relative error {err:.2e} at {m} rows")
+        return True
+    except Exception as e:  # a Triton/driver mismatch must not take the engine down
+        log.warning("Triton int4 kernels disabled on this GPU (%s); int4 uses tinygemm", e)
+        return False

@@ -15,7 +15,9 @@ Two attention paths:
 - `prefill` (every sequence starts at position 0): SDPA with `is_causal` on the fresh keys/values
   (flash attention on GPU); the keys/values are also written to the cache.
 - `paged` (decode, or a chunk after earlier tokens): gather each sequence's blocks, mask key
-  positions past the query's, grouped-query attention without repeating K/V. A chunk of T > 1
+  positions past the query's, grouped-query attention without repeating K/V. On CUDA a decode
+  step (one query per sequence) instead runs the flash-decoding Triton kernel of `attention.py`,
+  which reads the blocks in place (`Attention.decode_kernel`, set by `setup_cache`). A chunk of T > 1
   queries may start at any position (right-padded rows too); a long one runs its queries in
   slices so the fp32 scores stay under `Attention.max_score_elems`.
 """
@@ -28,15 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.engines.native import attention
 from llmopt.engines.native.config import NativeConfig
 
 __all__ = ["Transformer", "rope_inv_freq"]
 
 
-def rope_inv_freq(cfg: NativeConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies (head_dim / 2,) in fp32, with linear or Llama-3 scaling."""
+def rope_inv_freq(cfg: NativeConfig, theta: float | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies (head_dim / 2,) in fp32, with linear or Llama-3 scaling; with
+    `theta`, plain frequencies of that base (Gemma 3's local layers)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    base = cfg.rope_theta if theta is None else theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if theta is not None:
+        return inv
     sc = cfg.rope_scaling
     if sc.get("rope_type") == "linear":
         return inv / float(sc["factor"])
@@ -79,9 +86,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: NativeConfig):
+    def __init__(self, cfg: NativeConfig, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = cfg.attention_scale  # None: 1/sqrt(head_dim)
+        self.window = window  # a local layer sees the last `window` positions only
+        self.softcap = cfg.attn_softcap
         b = cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=b)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
@@ -90,12 +100,21 @@ class Attention(nn.Module):
         # q/k/v fused into one matmul after loading (`weights.fuse_projections_`): one large GEMV
         # reads weights at a higher share of bandwidth than three small ones.
         self.qkv_proj: nn.Module | None = None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.gemma) if cfg.qk_norm else None
+        self.full_qk_norm = cfg.qk_norm_full  # OLMo 2: one norm over all heads of q (of k)
+        if cfg.qk_norm_full:
+            self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
         # (rows, n_kv, hd) each, set by Transformer.setup_cache. Buffers, so torch.compile and
         # CUDA graphs see fixed addresses that are updated in place.
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        # Decode (T == 1) through attention.paged_decode: a plain attribute, decided eagerly in
+        # Transformer.setup_cache (CUDA, the kernel checked on this GPU, attention.ENABLED), so
+        # the compiled step sees a constant. `decode_sms`: the GPU's multiprocessor count.
+        self.decode_kernel = False
+        self.decode_sms = 0
 
     # The paged path's fp32 scores (B, heads, T, S) at most this many elements at once (512 MiB):
     # a prefill chunk of T > 1 tokens over a long context runs its queries in slices.
@@ -108,22 +127,46 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, self.hd)
         k = k.reshape(B, T, self.n_kv, self.hd)
         v = v.reshape(B, T, self.n_kv, self.hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write this step's keys/values into their cache rows.
         self.k_cache.index_copy_(0, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
         self.v_cache.index_copy_(0, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
-        if prefill:
+        if (
+            not prefill
+            and T == 1
+            and self.decode_kernel
+            and self.window is None
+            and not self.softcap
+        ):
+            # (the Triton kernel has neither a sliding window nor soft-capping)
+            out = attention.paged_decode(
+                q[:, 0],
+                self.k_cache,
+                self.v_cache,
+                block_tables,
+                pos[:, 0],
+                block_size,
+                sms=self.decode_sms,
+            )
+        elif prefill and (self.window is not None or self.softcap):
+            # SDPA has neither a window nor soft-capping: the keys were just written to the
+            # cache, so the paged path computes the same causal attention with both.
+            out = self._paged(q, pos, block_tables, block_size)
+        elif prefill:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 is_causal=True,
                 enable_gqa=self.n_heads != self.n_kv,
+                scale=self.scale,
             ).transpose(1, 2)
         else:
             out = self._paged(q, pos, block_tables, block_size)
@@ -157,9 +200,14 @@ class Attention(nn.Module):
         # Grouped-query attention as plain batched matmuls over (B, n_kv): the g query heads of a
         # KV head become g * T rows, so K/V are neither repeated nor broadcast-expanded.
         qg = q.view(B, T, self.n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, g * T, hd)
-        scores = (qg @ kc.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, n_kv, g*T, S)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(hd)
+        scores = (qg @ kc.transpose(-1, -2)).float() * scale  # (B, n_kv, g*T, S)
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         keys = torch.arange(S, device=q.device)
         visible = keys.view(1, 1, 1, 1, S) <= pos.view(B, 1, 1, T, 1)  # (B, 1, 1, T, S)
+        if self.window is not None:
+            visible &= keys.view(1, 1, 1, 1, S) > pos.view(B, 1, 1, T, 1) - self.window
         scores = scores.view(B, self.n_kv, g, T, S).masked_fill(~visible, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.n_kv, g * T, S)
         out = (p @ vc).view(B, self.n_kv, g, T, hd)
@@ -185,14 +233,33 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: NativeConfig):
+    def __init__(self, cfg: NativeConfig, local: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.local = local
+        self.self_attn = Attention(cfg, cfg.local_window if local else None)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+        self.post_norms = cfg.post_norms
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:  # Gemma 2/3: before and after both attention and MLP
+            self.pre_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+            self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+        if cfg.post_norms:  # OLMo 2: the outputs of attention and MLP are normalized
+            self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
 
     def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
+        if self.sandwich:
+            h = self.input_layernorm(x)
+            a = self.self_attn(h, cos, sin, rows, pos, block_tables, block_size, prefill)
+            x = x + self.post_attention_layernorm(a)
+            m = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(m)
+        if self.post_norms:
+            a = self.self_attn(x, cos, sin, rows, pos, block_tables, block_size, prefill)
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, rows, pos, block_tables, block_size, prefill)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -207,19 +274,32 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        local = set(cfg.local_layers)
+        self.model.layers = nn.ModuleList(Block(cfg, i in local) for i in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.block_size = 0
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Gemma 3's local layers rotate with their own base (None: the same as the others).
+        local_theta = cfg.local_rope_theta if cfg.local_layers else None
+        inv_local = None if local_theta is None else rope_inv_freq(cfg, local_theta)
+        self.register_buffer("inv_freq_local", inv_local, persistent=False)
 
     def setup_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
         """Allocate the KV block pool: num_blocks * block_size token rows per layer."""
         self.block_size = block_size
         shape = (num_blocks * block_size, self.cfg.n_kv_heads, self.cfg.head_dim)
+        kernel = (
+            torch.device(device).type == "cuda"
+            and self.cfg.head_dim >= 16  # tl.dot's smallest K
+            and attention.ENABLED
+            and attention.decode_attention_available()
+        )
+        sms = attention.sm_count(torch.device(device)) if kernel else 0
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.decode_kernel, layer.self_attn.decode_sms = kernel, sms
 
     def forward(
         self,
@@ -241,14 +321,24 @@ class Transformer(nn.Module):
         rows = block_tables.gather(1, pos // bs) * bs + pos % bs  # (B, T) cache rows
         freqs = pos.unsqueeze(-1).float() * self.inv_freq  # (B, T, hd/2)
         cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)
+        cos_l, sin_l = cos, sin
+        if self.inv_freq_local is not None:
+            fl = pos.unsqueeze(-1).float() * self.inv_freq_local
+            cos_l, sin_l = fl.cos().unsqueeze(2), fl.sin().unsqueeze(2)
         x = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             x = x * torch.tensor(math.sqrt(self.cfg.dim), dtype=x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
         for layer in self.model.layers:
-            x = layer(x, cos, sin, rows, pos, block_tables, bs, prefill)
+            c, s = (cos_l, sin_l) if layer.local else (cos, sin)
+            x = layer(x, c, s, rows, pos, block_tables, bs, prefill)
         x = self.model.norm(x)
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index]
         elif last_only:
             x = x[:, -1]
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits

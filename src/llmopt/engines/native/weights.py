@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from llmopt.engines.native import linear as L
-from llmopt.engines.native.config import NativeConfig
+from llmopt.engines.native.config import HF_HINT, NativeConfig, UnsupportedModel
 from llmopt.engines.native.model import Transformer, rope_inv_freq
 
 __all__ = ["load_model", "random_model", "quantize_model_", "fuse_projections_", "QUANT_MODES"]
@@ -79,11 +79,34 @@ def fuse_projections_(model: Transformer) -> None:
         _fuse(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
 
 
+def fold_multipliers_(model: Transformer) -> None:
+    """Fold Granite's residual multiplier into each block's output projections (o_proj,
+    down_proj) and 1 / logits_scaling into the final norm's weight, in place (dense weights only:
+    a quantized checkpoint's codes are not rescaled here)."""
+    cfg = model.cfg
+    r, s = cfg.residual_multiplier, cfg.logits_scaling
+    outs = [m for b in model.model.layers for m in (b.self_attn.o_proj, b.mlp.down_proj)]
+    if (r != 1.0 or s != 1.0) and not all(type(m) is nn.Linear for m in outs):
+        raise UnsupportedModel(
+            "a quantized checkpoint with residual/logits multipliers (Granite) is not "
+            "implemented natively",
+            hint=HF_HINT,
+        )
+    with torch.no_grad():
+        if r != 1.0:
+            for m in outs:
+                m.weight.mul_(r)
+        if s != 1.0:
+            model.model.norm.weight.div_(s)
+
+
 def _finish(model: Transformer, device) -> Transformer:
     cfg = model.cfg
     if cfg.tie_embeddings or model.lm_head.weight.is_meta:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    if cfg.local_layers and cfg.local_rope_theta is not None:
+        model.inv_freq_local = rope_inv_freq(cfg, cfg.local_rope_theta).to(device)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"weights missing from the checkpoint: {left[:5]}")
@@ -164,6 +187,7 @@ def load_model(
     for h in handles:
         for k in h.keys():  # noqa: SIM118 (safe_open handles are not mappings)
             tensors[k] = h
+    _split_fused(tensors, cfg)
     linears = set(_linear_names(model))
     for name in linears:
         if f"{name}.weight" not in tensors and not _is_quantized(name, tensors):
@@ -184,10 +208,40 @@ def load_model(
         if p.is_meta and name in tensors:
             _set_param(model, name, tensors[name].get_tensor(name).to(device=device, dtype=dtype))
     model = _finish(model, device)
+    fold_multipliers_(model)
     fuse_projections_(model)
     if quant:
         quantize_model_(model, quant, ignore, group)
     return model
+
+
+class _Rows:
+    """Rows `start:end` of a stored tensor, read like a safetensors handle (`get_tensor`)."""
+
+    def __init__(self, handle: Any, key: str, start: int, end: int):
+        self.handle, self.key, self.start, self.end = handle, key, start, end
+
+    def get_tensor(self, _name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.key)[self.start : self.end]
+
+
+def _split_fused(tensors: dict[str, Any], cfg: NativeConfig) -> None:
+    """Checkpoints that store q/k/v and gate/up fused (Phi-3: `qkv_proj`, `gate_up_proj`) as the
+    separate tensors the model is built from (`fuse_projections_` joins them again after)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    parts = {
+        "self_attn.qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "mlp.gate_up_proj": (("gate_proj", cfg.intermediate), ("up_proj", cfg.intermediate)),
+    }
+    for key in [k for k in tensors if k.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
+        base, fused = key.removesuffix(".weight").rsplit(".", 2)[0], key.split(".")[-3:-1]
+        start = 0
+        for name, rows in parts[".".join(fused)]:
+            tensors[f"{base}.{fused[0]}.{name}.weight"] = _Rows(
+                tensors[key], key, start, start + rows
+            )
+            start += rows
+        del tensors[key]
 
 
 def _is_quantized(name: str, tensors) -> bool:

@@ -48,6 +48,58 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    # fused qkv_proj / gate_up_proj in the checkpoint, split on load
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"sliding_window": None, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # post-attention / post-feedforward norms only, q/k norms over all heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 2}),
+    # interleaved local (window 8) / global layers, pre/post norms, soft-capped scores and logits
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
+    # 5 local : 1 global layers with their own RoPE bases, q/k norms
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 6,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
+    # embedding / attention / residual multipliers and logits scaling
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.05,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
 
 
@@ -55,7 +107,7 @@ def _hf_model(family: str, out: Path):
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, cfg_name)(**BASE, **extra)
+    config = getattr(transformers, cfg_name)(**{**BASE, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # random biases/norms, so a mix-up of them cannot go unnoticed
@@ -697,3 +749,23 @@ def test_choices_sharing_a_prompt_score_it_once(tiny_llama_dir, monkeypatch):
     got = {ev.seq_id: ev.prompt_logprobs for ev in gen.step()}
     assert len(calls) == 2  # one for the three identical prompts, one for the other
     assert got["a"] == got["b"] == got["c"] == alone and got["other"] != alone
+
+
+def test_gemma3_local_window_and_rope_base_are_exercised(tmp_path):
+    # The family check above passes only if the window and the local RoPE base are honoured:
+    # without them, the same 24-token prompt gives clearly different logits.
+    hf = _hf_model("gemma3", tmp_path)
+    native = load_model(tmp_path, "cpu", torch.float32)
+    assert native.cfg.local_layers == (0, 1, 2, 3, 4) and native.cfg.local_window == 8
+    assert native.cfg.local_rope_theta == 10000.0 and native.cfg.rope_theta == 1e6
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    pos, tables = torch.arange(24).expand(1, 24), torch.tensor([[1, 2]])
+    Generator(native, max_batch=1, max_seq_len=96)  # allocates the KV cache
+    with torch.inference_mode():
+        ref = hf(ids).logits
+        good = native(ids, pos, tables, prefill=True, last_only=False)
+        for layer in native.model.layers:
+            layer.self_attn.window = None
+        no_window = native(ids, pos, tables, prefill=True, last_only=False)
+    torch.testing.assert_close(good, ref, atol=2e-4, rtol=1e-4)
+    assert (no_window - ref).abs().max() > 0.05

@@ -1,0 +1,213 @@
+"""Decode attention that reads the paged KV cache in place: a flash-decoding Triton kernel.
+
+One decode step has one query per sequence. The torch path (`model.Attention._paged`) gathers
+every block of each sequence's table into a contiguous copy (table width, not context length),
+then runs two batched matmuls and a softmax: four passes over the keys/values and several
+launches per layer. This kernel reads each key/value row once, straight from the block pool:
+
+- split-K over the context: program (b, kv_head, split) walks `SPLIT` token positions of
+  sequence b, up to its own length (position + 1), not the table's width, with an online
+  softmax, and writes a partial output and its log-sum-exp; a second kernel combines the splits.
+  The number of splits is chosen from the shapes alone (batch x KV heads against the number of
+  multiprocessors), so a CUDA graph replays the same grid whatever the lengths.
+- grouped-query attention: the `G` query heads of one KV head are the rows of one `tl.dot`
+  (padded to 16), so each key/value row is read once for all of them.
+
+`paged_decode` is called inside the compiled decode step (Dynamo traces user-defined Triton
+kernels), on CUDA only; the CPU keeps the torch path. `decode_attention_available()` says
+whether it runs here (Triton importable, a CUDA GPU, and one check against the torch reference
+passed), and `ENABLED` turns it off (benchmarks compare the two paths in one process).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+
+import torch
+
+__all__ = [
+    "ENABLED",
+    "decode_attention_available",
+    "num_splits",
+    "paged_decode",
+    "reference",
+    "launch",
+    "sm_count",
+]
+
+log = logging.getLogger(__name__)
+
+ENABLED = True  # set False to run the torch gather path on CUDA too (benchmarks, A/B checks)
+_KERNELS: dict = {}
+_SM_COUNT: dict = {}
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET_CONFIG = 0  # which autotune config the interpreter runs (tests walk them)
+
+
+def num_splits(batch: int, n_kv: int, max_tokens: int, sms: int, min_tokens: int = 64) -> int:
+    """Splits of the context per (sequence, KV head): enough programs to give every
+    multiprocessor about two, but no split shorter than `min_tokens` positions of the table.
+
+    >>> num_splits(1, 8, 4096, 132)   # batch 1: 8 programs alone would leave 124 SMs idle
+    33
+    >>> num_splits(64, 8, 4096, 132)  # 512 programs already fill the chip
+    1
+    >>> num_splits(1, 8, 128, 132)    # a short table: at most 2 splits of 64
+    2
+    """
+    want = math.ceil(2 * sms / max(1, batch * n_kv))
+    return max(1, min(want, math.ceil(max_tokens / min_tokens)))
+
+
+def reference(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int) -> torch.Tensor:
+    """The same attention in plain torch, in fp32: q (B, H, D), caches (rows, n_kv, D),
+    block_tables (B, nb), ctx_lens (B,) keys visible per sequence. Returns (B, H, D) fp32."""
+    b, h, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = h // n_kv
+    out = torch.empty(b, h, d, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        n = int(ctx_lens[i])
+        t = torch.arange(n, device=q.device)
+        rows = block_tables[i, t // block_size] * block_size + t % block_size
+        k = k_cache[rows].float().repeat_interleave(g, dim=1)  # (n, H, D)
+        v = v_cache[rows].float().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) / math.sqrt(d)
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch an autotuned Triton kernel; under Triton's interpreter (TRITON_INTERPRET=1, the CPU
+    tests), whose autotuner needs a GPU driver, launch the jitted function with the config
+    `INTERPRET_CONFIG` picks instead."""
+    if not _INTERPRET:
+        kernel[grid](*args, **kwargs)
+        return
+    cfg = kernel.configs[INTERPRET_CONFIG % len(kernel.configs)]
+    g = grid(cfg.kwargs) if callable(grid) else grid
+    kernel.fn[g](*args, **kwargs, **cfg.kwargs)
+
+
+@functools.cache
+def _kernels():
+    from llmopt.engines.native import triton_kernels as T  # heavy: triton, a GPU-host package
+
+    return T.decode_split, T.decode_combine
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def sm_count(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    pos: torch.Tensor,
+    block_size: int,
+    sms: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged keys/values, read in place.
+
+    q (B, H, D) (any strides with a unit last one); k_cache/v_cache (rows, n_kv, D) contiguous,
+    bf16/fp16/fp32 or float8 (upcast to q's dtype as read); block_tables (B, nb) int64;
+    pos (B,) the query's position (keys 0..pos are visible). Returns (B, H, D) in q's dtype.
+    """
+    if "decode" not in _KERNELS:  # created eagerly (`decode_attention_available`) before compiling
+        _KERNELS["decode"] = _kernels()
+    split_kernel, combine_kernel = _KERNELS["decode"]
+    bsz, h, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = h // n_kv
+    max_tokens = block_tables.shape[1] * block_size
+    sms = sms if sms is not None else (sm_count(q.device) if q.is_cuda else 132)
+    splits = num_splits(bsz, n_kv, max_tokens, sms)
+    split = math.ceil(max_tokens / splits)
+    splits = math.ceil(max_tokens / split)
+    out = torch.empty(bsz, h, d, device=q.device, dtype=q.dtype)
+    if splits > 1:
+        po = torch.empty(bsz * h * splits, d, device=q.device, dtype=torch.float32)
+        pl = torch.empty(bsz * h * splits, device=q.device, dtype=torch.float32)
+    else:  # the split kernel writes `out` directly; distinct stand-ins, as no argument aliases
+        po = torch.empty(1, device=q.device, dtype=torch.float32)
+        pl = torch.empty(1, device=q.device, dtype=torch.float32)
+    bd = _pow2(d)
+    launch(
+        split_kernel,
+        (bsz, n_kv, splits),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        pos,
+        po,
+        pl,
+        out,
+        1.0 / math.sqrt(d),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        block_tables.stride(0),
+        pos.stride(0),
+        bsz,
+        H=h,
+        G=g,
+        BLOCK_H=max(16, _pow2(g)),
+        D=d,
+        BLOCK_D=bd,
+        PAGE=block_size,
+        SPLIT=split,
+        NUM_SPLITS=splits,
+        DYNAMIC=not _INTERPRET,
+    )
+    if splits > 1:
+        combine_kernel[(bsz, h)](
+            po,
+            pl,
+            out,
+            H=h,
+            D=d,
+            BLOCK_D=bd,
+            NUM_SPLITS=splits,
+            BLOCK_S=_pow2(splits),
+        )
+    return out
+
+
+@functools.cache
+def decode_attention_available() -> bool:
+    """Triton importable, a CUDA GPU present, and the kernel matches `reference` on it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    try:  # one eager check on this GPU; on failure decode keeps the torch gather path
+        _KERNELS["decode"] = _kernels()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        kc = torch.randn(8 * 16, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+        vc = torch.randn(8 * 16, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+        q = torch.randn(2, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+        tables = torch.tensor([[3, 5, 1], [7, 2, 0]], device="cuda")
+        pos = torch.tensor([40, 17], device="cuda")
+        ref = reference(q, kc, vc, tables, pos + 1, 16)
+        err = float((paged_decode(q, kc, vc, tables, pos, 16).float() - ref).norm() / ref.norm())
+        if err > 2e-2:
+            raise RuntimeError(f"relative error {err:.2e}")
+        return True
+    except Exception as e:  # a Triton/driver mismatch must not take the engine down
+        log.warning("Triton decode attention disabled on this GPU (%s): gather path", e)
+        return False

@@ -1,0 +1,37 @@
+"""The search budget: median estimates, a floor of screens that always run, cut messages that
+name the budget which would allow the rest."""
+
+from __future__ import annotations
+
+import time
+
+from llmopt.optimize.budget import SCREEN_FLOOR, Budget, format_duration, parse_duration, typical
+
+
+def test_a_contended_measurement_does_not_set_the_estimate():
+    # Three screens, one timed while another process held both cores.
+    assert typical([40.0, 42.0, 560.0], 100.0) == 42.0
+    assert typical([], 100.0) == 100.0
+
+
+def test_the_floor_screens_the_cheapest_even_when_the_estimate_says_no():
+    # 15 minutes, 562 s gone, a contended reference estimates 1150 s per screen.
+    b = Budget(900.0, started=time.monotonic() - 562)
+    assert not b.fits(1150)
+    assert b.floor_allows(0) and b.floor_allows(SCREEN_FLOOR - 1)
+    assert not b.floor_allows(SCREEN_FLOOR)
+    # ... but never past the reserve kept for selection and the report.
+    assert not Budget(900.0, started=time.monotonic() - 890).floor_allows(0)
+    assert not Budget(1.0).floor_allows(0)  # a budget smaller than the reserve screens nothing
+    assert Budget(None).floor_allows(0)
+
+
+def test_the_cut_message_names_a_budget_that_allows_the_rest():
+    b = Budget(900.0, started=time.monotonic() - 562)
+    msg = b.exhausted("the build and screen", 1150, 2300)
+    assert msg.startswith("time budget exhausted: the build and screen needs ~1150 s")
+    suggested = msg.split("--time-budget ")[1].split()[0]
+    # The suggestion really is enough: elapsed + the rest + the reserve fit in it.
+    fresh = Budget(parse_duration(suggested), started=time.monotonic() - 562)
+    assert fresh.fits(2300)
+    assert format_duration(59) == "1m" and format_duration(3601) == "1h1m"
