@@ -53,7 +53,8 @@ def serve(
         typer.Option(
             "--api-key",
             envvar="LLMOPT_API_KEY",
-            help="Require `Authorization: Bearer KEY` on /v1 (env LLMOPT_API_KEY).",
+            help="Require `Authorization: Bearer KEY` on /v1. Prefer the environment variable "
+            "LLMOPT_API_KEY: a flag is visible to every user of the machine in `ps`.",
         ),
     ] = None,
     max_num_seqs: Annotated[
@@ -134,7 +135,11 @@ def serve(
     ] = 4 * 1024 * 1024,
     drain_timeout: Annotated[
         float,
-        typer.Option("--drain-timeout", help="On SIGTERM, seconds to finish in-flight requests."),
+        typer.Option(
+            "--drain-timeout",
+            help="On SIGTERM or SIGINT, seconds in-flight requests get to finish; those still "
+            "running then end with an error (streams: an error event and [DONE]).",
+        ),
     ] = 30.0,
     embed_batch_window_ms: Annotated[
         float,
@@ -145,6 +150,16 @@ def serve(
     embed_max_batch: Annotated[
         int, typer.Option("--embed-max-batch", help="Embeddings: most texts per forward pass.")
     ] = 64,
+    embed_max_inputs: Annotated[
+        int,
+        typer.Option("--embed-max-inputs", help="Embeddings: most inputs per request (400)."),
+    ] = 2048,
+    embed_max_tokens: Annotated[
+        int,
+        typer.Option(
+            "--embed-max-tokens", help="Embeddings: most tokens per request, all inputs (400)."
+        ),
+    ] = 300_000,
     decode_batch_sizes: Annotated[
         str | None,
         typer.Option(
@@ -192,6 +207,8 @@ def serve(
         drain_timeout_s=drain_timeout,
         embed_batch_window_ms=embed_batch_window_ms,
         embed_max_batch=embed_max_batch,
+        embed_max_inputs=embed_max_inputs,
+        embed_max_tokens=embed_max_tokens,
         device=device,
         threads=threads,
         decode_batch_sizes=_int_list(decode_batch_sizes, "--decode-batch-sizes"),
@@ -236,6 +253,11 @@ def serve(
     settings = resolve_settings(model, requested, recipe, **common)
     with console.status(f"loading {model}") if sys.stderr.isatty() else nullcontext():
         ctx = load_context(model, settings, recipe, engine=own)
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv):
+        sys.stderr.write(
+            "warning: --api-key is visible to every user of this machine (`ps`); "
+            "set LLMOPT_API_KEY in the environment instead\n"
+        )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         sys.stderr.write(f"warning: listening on {host} without --api-key\n")
     if ctx.effective:

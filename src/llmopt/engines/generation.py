@@ -27,7 +27,30 @@ __all__ = [
     "PromptLogprob",
     "GeneratorSpec",
     "BatchGenerator",
+    "TEMPERATURE_FLOOR",
+    "SEED_MIN",
+    "SEED_MAX",
+    "check_seed",
 ]
+
+# A temperature below this samples as greedy (vLLM's `_SAMPLING_EPS`): dividing fp32 logits by
+# a smaller one overflows to inf, and the softmax of inf is NaN.
+TEMPERATURE_FLOOR = 1e-5
+
+# The seeds a torch.Generator takes (`manual_seed`); a request's choices draw from seed, seed+1...
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def check_seed(seed: int | None) -> None:
+    """ValueError unless `seed` is None or a seed a random generator takes (SEED_MIN..SEED_MAX).
+
+    >>> check_seed(2**64)
+    Traceback (most recent call last):
+    ...
+    ValueError: seed 18446744073709551616 is out of range (-9223372036854775808..18446744073709551615)
+    """
+    if seed is not None and not SEED_MIN <= int(seed) <= SEED_MAX:
+        raise ValueError(f"seed {seed} is out of range ({SEED_MIN}..{SEED_MAX})")
 
 
 class OutOfBlocks(RuntimeError):
@@ -63,10 +86,13 @@ class TokenEvent:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | None
+    finish_reason: str | None = None  # "stop" | "length" | "error" | None
     # First event only, when SamplingParams.prompt_logprobs is set: one entry per prompt token,
     # None for the first (nothing precedes it), else (logprob, top-N [(token id, logprob)]).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # Set (with finish_reason "error") when this sequence alone failed in this step (NaN or inf
+    # logits in its row): the generator has stopped it; the others in the batch go on.
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +167,8 @@ class BatchGenerator(Protocol):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Admit a sequence (ValueError: refused; OutOfBlocks: no room now)."""
+        """Admit a sequence (ValueError: refused; OutOfBlocks: no room now). All or nothing:
+        when it raises, the generator holds nothing for `seq_id` (no blocks, no state)."""
         ...
 
     def step(self, prefill_budget: int | None = None) -> list[TokenEvent]:

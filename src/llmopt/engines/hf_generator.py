@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from llmopt.engines.generation import PromptLogprob, SamplingParams, TokenEvent
+from llmopt.engines.generation import PromptLogprob, SamplingParams, TokenEvent, check_seed
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool
 from llmopt.engines.native.generator import EngineTime
@@ -175,8 +175,10 @@ class HFGenerator:
             )
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
-        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
+        # What can fail runs before the blocks are taken (add is all or nothing).
+        check_seed(params.seed)
         rng = sampling.make_rng(params, self.device)
+        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
         self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
 
     def remove(self, seq_id: Hashable) -> list[int]:
@@ -303,6 +305,10 @@ class HFGenerator:
     def _emit(self, key: Hashable, logits: torch.Tensor) -> TokenEvent:
         s = self.seqs[key]
         ((token, logprob, top),) = sampling.sample_rows(logits, [s.params], [s.rng])
+        if token < 0:  # NaN/inf logits: this sequence fails (sample_rows marks the row)
+            s.finish = "error"
+            why = "numerical fault: NaN or inf in the logits of this sequence"
+            return TokenEvent(key, -1, float("nan"), [], "error", error=why)
         s.ids.append(token)
         p = s.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):

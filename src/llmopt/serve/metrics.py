@@ -90,6 +90,12 @@ class ServeMetrics:
             "llmopt_kv_cache_free_blocks", "KV-cache blocks not allocated.", registry=r
         )
         self.kv_total = Gauge("llmopt_kv_cache_blocks", "KV-cache blocks in total.", registry=r)
+        self.kv_leaked = Gauge(
+            "llmopt_kv_cache_leaked_blocks",
+            "KV-cache blocks allocated to no running sequence (the block invariant: always 0; "
+            "/health degrades otherwise).",
+            registry=r,
+        )
         self.tokens_per_s = Gauge(
             "llmopt_tokens_per_second", "Generated tokens/s over the last 5 s.", registry=r
         )
@@ -159,6 +165,7 @@ class ServeMetrics:
         self.kv_usage.set(st.kv_usage)
         self.swapped.set(st.swapped)
         self.swap_used.set(st.swap_used_bytes)
+        self.kv_leaked.set(getattr(st, "leaked_blocks", 0))
         if st.engine_time is not None:  # cumulative: the counters advance by the difference
             for f, counter in self.engine_time.items():
                 value = float(getattr(st.engine_time, f))

@@ -9,9 +9,12 @@ engine when it batches, else the native `torch` engine) behind the scheduler; em
 on the candidate's engine or the `hf` engine (`llmopt.engines.load_runner`), behind the dynamic
 batcher.
 
-Shutdown: the first SIGTERM/SIGINT starts draining: new `/v1` requests get 503, `/health` says
-"draining" (503, so load balancers stop routing here), and the server exits once the requests in
-flight have finished or `drain_timeout_s` has passed. A second signal exits at once.
+Shutdown: the first SIGTERM or SIGINT (the same) starts draining: new `/v1` requests get 503,
+`/health` says "draining" (503, so load balancers stop routing here), and the server exits once
+the requests in flight have finished or `drain_timeout_s` (`--drain-timeout`) has passed. At the
+end of the window every generation still running is cut with an error the client can see: a
+stream gets an in-band error event (code `shutting_down`) and `data: [DONE]`, a non-streamed
+request a 503. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from llmopt.engines.generation import GeneratorSpec
 from llmopt.rundir.best import Best
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.embeddings import EmbedBatcher
+from llmopt.serve.api.protocol import APIError
 from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.engine.loop import EngineLoop
 from llmopt.serve.engine.process import EngineProcess
@@ -238,6 +242,26 @@ def _embedding_context(
     return ServerContext(settings, name, "embedding", tok, metrics, int(limit), embedder=batcher)
 
 
+# After the drain window, how long the cut requests get to send their last event.
+CUT_GRACE_S = 2.0
+
+
+def cut_generations(ctx: ServerContext) -> int:
+    """End every open generation with a 503 `shutting_down` error (in-band for streams, which
+    then send `[DONE]`); returns how many were cut."""
+    err = APIError(
+        503,
+        f"the server shut down: the drain window ({ctx.settings.drain_timeout_s:g} s, "
+        "--drain-timeout) ended before this request finished; retry on another replica",
+        type="service_unavailable",
+        code="shutting_down",
+    )
+    gens = list(ctx.generations)
+    for g in gens:
+        g.cut(err)
+    return len(gens)
+
+
 def _make_server(config: Any, ctx: ServerContext) -> Any:
     import uvicorn
 
@@ -265,6 +289,11 @@ def _make_server(config: Any, ctx: ServerContext) -> Any:
                 await asyncio.sleep(0.05)
             if ctx.inflight_http:
                 log.warning("drain timeout: %d requests still in flight", ctx.inflight_http)
+                cut_generations(ctx)
+                # Let the cut streams write their error event and [DONE] before closing.
+                grace = time.monotonic() + CUT_GRACE_S
+                while ctx.inflight_http > 0 and time.monotonic() < grace:
+                    await asyncio.sleep(0.02)
             self.should_exit = True
 
     return DrainingServer(config)

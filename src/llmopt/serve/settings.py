@@ -49,7 +49,11 @@ class ServeSettings:
         max_body_bytes: largest request body accepted (413 beyond).
         drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
         embed_batch_window_ms: embeddings: how long the batcher waits for more requests.
-        embed_max_batch: embeddings: most texts per forward pass.
+        embed_max_batch: embeddings: most texts per forward pass (a larger request is split
+            into forwards of this size, interleaved with other requests').
+        embed_max_inputs: embeddings: most inputs in one request (400 beyond; OpenAI's 2048).
+        embed_max_tokens: embeddings: most tokens in one request, all inputs together (400
+            beyond; OpenAI's 300,000).
         decode_batch_sizes: batch sizes the decode step runs at (a batch is padded up to the next
             one); on CUDA each is a compiled graph. None: 1, 4, 16, ... up to max_num_seqs on
             CUDA (fewer compiles), 1, 2, 4, ... on the CPU.
@@ -83,6 +87,8 @@ class ServeSettings:
     drain_timeout_s: float = 30.0
     embed_batch_window_ms: float = 5.0
     embed_max_batch: int = 64
+    embed_max_inputs: int = 2048
+    embed_max_tokens: int = 300_000
     decode_batch_sizes: tuple[int, ...] | None = None
     warmup_tokens: int = 1024
     recipe: str = "fp32"
@@ -114,6 +120,8 @@ class ServeSettings:
             raise ValueError("max-body-bytes must be at least 1024")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty; pass a real key or leave it out")
+        if self.embed_max_batch < 1 or self.embed_max_inputs < 1 or self.embed_max_tokens < 1:
+            raise ValueError("embed-max-batch, embed-max-inputs and embed-max-tokens must be >= 1")
         if self.warmup_tokens < 0:
             raise ValueError("warmup-tokens must be >= 0 (0: no warm-up)")
         if self.decode_batch_sizes is not None and not all(

@@ -77,6 +77,17 @@ class BlockPool:
     def table(self, seq_id: Hashable) -> list[int]:
         return self.tables[seq_id]
 
+    def scrub(self, blocks: Sequence[int]) -> None:
+        """Zero `blocks` in every layer's keys and values. After a numerical fault a block may
+        hold NaN; attention masks the positions a sequence must not see by giving them zero
+        weight, and 0 x NaN is NaN, so a block reused with stale NaN (or scratch block 0) would
+        poison whoever reads it next."""
+        if not self.views or not blocks:
+            return
+        idx = torch.tensor(list(blocks), device=self.views[0].device)
+        for view in self.views:
+            view.index_fill_(0, idx, 0)
+
     # -- the blocks' contents: preemption by swap ------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token holds across all layers."""

@@ -51,7 +51,13 @@ from typing import Any
 
 import torch
 
-from llmopt.engines.generation import OutOfBlocks, PromptLogprob, SamplingParams, TokenEvent
+from llmopt.engines.generation import (
+    OutOfBlocks,
+    PromptLogprob,
+    SamplingParams,
+    TokenEvent,
+    check_seed,
+)
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool
 from llmopt.engines.native.compiled import CompiledSteps, wait
@@ -70,6 +76,7 @@ class _Seq:
     finish: str | None = None
     done: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
     plp: list | None = None  # prompt log-probabilities gathered so far, chunk by chunk
+    faulty: bool = False  # its logits went NaN/inf: its blocks may hold NaN
 
 
 @dataclass
@@ -157,6 +164,23 @@ def plan_prefill(
         if group:
             forwards.append(group)
     return forwards
+
+
+def _check_params(p: SamplingParams, vocab: int) -> None:
+    """ValueError for sampling parameters that would fail (or poison) a step of the batch."""
+    if p.max_tokens < 1:
+        raise ValueError(f"max_tokens {p.max_tokens} must be >= 1")
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise ValueError(f"temperature {p.temperature} must be a finite number >= 0")
+    if not 0 < p.top_p <= 1:  # False for NaN too
+        raise ValueError(f"top_p {p.top_p} must lie in (0, 1]")
+    if p.top_k < 0:
+        raise ValueError(f"top_k {p.top_k} must be >= 0 (0: off)")
+    if not 0 <= p.logprobs <= vocab:
+        raise ValueError(f"logprobs {p.logprobs} must lie in 0..{vocab} (the vocabulary)")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= vocab:
+        raise ValueError(f"prompt_logprobs {p.prompt_logprobs} must lie in 0..{vocab}")
+    check_seed(p.seed)
 
 
 class Generator:
@@ -261,15 +285,28 @@ class Generator:
             )
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
-        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
+        vocab = int(self.model.cfg.vocab_size)
+        if not all(0 <= int(t) < vocab for t in prompt_ids):
+            bad = [t for t in prompt_ids if not 0 <= int(t) < vocab][:5]
+            raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad}")
+        # Everything that can fail runs before the blocks are taken (add is all or nothing).
+        _check_params(params, vocab)
         rng = sampling.make_rng(params, self.device)
+        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
         self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
 
     def remove(self, seq_id: Hashable) -> list[int]:
-        """Forget a sequence and free its blocks; returns its prompt + generated token ids."""
-        s = self.seqs.pop(seq_id)
-        self.pool.release(seq_id)
-        return s.ids
+        """Forget a sequence and free its blocks; returns its prompt + generated token ids.
+        Blocks held under `seq_id` are freed even when no sequence was recorded for it (what a
+        failed admission may leave); KeyError when it holds nothing at all."""
+        s = self.seqs.pop(seq_id, None)
+        if s is not None and s.faulty:  # its KV (and scratch block 0) may hold NaN
+            self.pool.scrub([0, *self.pool.tables.get(seq_id, [])])
+        if seq_id in self.pool.tables:
+            self.pool.release(seq_id)
+        elif s is None:
+            raise KeyError(seq_id)
+        return s.ids if s is not None else []
 
     # --- swapping (preemption that keeps the KV cache) ---------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -466,7 +503,7 @@ class Generator:
         self.time.decode_s += time.perf_counter() - t0
         self.time.decode_steps += 1
         params = [self.seqs[k].params for k in keys]
-        if any(p.logprobs or p.temperature > 0 for p in params):
+        if any(p.logprobs or sampling.sampled(p) for p in params):
             return self._emit_rows(keys, logits[:b].clone())
         # All greedy without alternatives: argmax and its logprob came out of the same graph.
         toks, lps = best[:b].tolist(), best_lp[:b].tolist()
@@ -480,6 +517,10 @@ class Generator:
 
     def _append(self, key: Hashable, token: int, logprob: float, top) -> TokenEvent:
         s = self.seqs[key]
+        if token < 0 or math.isnan(logprob):  # NaN/inf logits in this row: it alone fails
+            s.finish, s.faulty = "error", True
+            why = "numerical fault: NaN or inf in the logits of this sequence"
+            return TokenEvent(key, -1, float("nan"), [], "error", error=why)
         s.ids.append(token)
         p = s.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.engines.generation import PromptLogprob, SamplingParams
+from llmopt.engines.generation import TEMPERATURE_FLOOR, PromptLogprob, SamplingParams
 
 __all__ = [
     "NUCLEUS_K",
     "make_rng",
+    "sampled",
     "greedy",
     "nucleus",
     "sample_rows",
@@ -30,10 +31,15 @@ NUCLEUS_K = 256
 PROMPT_LOGPROB_CHUNK = 1 << 24
 
 
+def sampled(params: SamplingParams) -> bool:
+    """Whether a sequence draws at random: a temperature below `TEMPERATURE_FLOOR` is greedy."""
+    return params.temperature >= TEMPERATURE_FLOOR
+
+
 def make_rng(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """The random generator a sampled sequence draws from (None for greedy): seeded with
     `params.seed`, else from torch's global generator."""
-    if params.temperature <= 0:
+    if not sampled(params):
         return None
     rng = torch.Generator(device=device)
     rng.manual_seed(params.seed if params.seed is not None else torch.seed())
@@ -87,11 +93,21 @@ def sample_rows(
     depend on the others: a seeded sequence draws from its own generator and gets the same tokens
     in any batch; unseeded rows draw together from torch's global generator.
     Returns (token, logprob of it under the unmodified logits, top-N [(token, logprob)]) per row.
+    A row whose logits hold NaN or +inf (or whose filtered probabilities do not sum to a positive
+    number) gets token -1 and logprob NaN: that sequence failed; the other rows are unaffected
+    (the bad row is neutralized before the batched softmax and draw, which would otherwise raise
+    for the whole batch).
     """
     B, V = logits.shape
     dev, inf = logits.device, float("-inf")
+    bad = (
+        torch.isnan(logits).any(-1)
+        | torch.isposinf(logits).any(-1)
+        | torch.isneginf(logits).all(-1)
+    )
+    logits = torch.where(bad[:, None], torch.zeros((), dtype=logits.dtype, device=dev), logits)
     tokens = torch.argmax(logits, -1)  # greedy rows keep these
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    rows = [i for i, p in enumerate(params) if sampled(p)]
     if rows:
         idx = torch.tensor(rows, device=dev)
         temps = torch.tensor([params[i].temperature for i in rows], device=dev)
@@ -107,6 +123,9 @@ def sample_rows(
         if any(q < 1.0 for q in top_p):
             x = nucleus(x, torch.tensor(top_p, device=dev, dtype=x.dtype)[:, None])
         probs = torch.softmax(x, -1)
+        lost = ~torch.isfinite(probs).all(-1) | ~(probs.sum(-1) > 0)
+        probs = torch.where(lost[:, None], torch.full_like(probs, 1.0 / V), probs)
+        bad = bad.index_copy(0, idx, bad[idx] | lost)
         draws = torch.empty(len(rows), dtype=torch.long, device=dev)
         free = [j for j, i in enumerate(rows) if rngs[i] is None]
         if free:
@@ -128,8 +147,8 @@ def sample_rows(
         for j, (r_ids, r_vals) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True)):
             k = params[want[j]].logprobs
             top[want[j]] = list(zip(r_ids[:k], r_vals[:k], strict=True))
-    picks = zip(tokens.tolist(), chosen.tolist(), strict=True)
-    return [(t, lp, top[i]) for i, (t, lp) in enumerate(picks)]
+    picks = zip(tokens.tolist(), chosen.tolist(), bad.tolist(), strict=True)
+    return [(-1, float("nan"), []) if b else (t, lp, top[i]) for i, (t, lp, b) in enumerate(picks)]
 
 
 def prompt_logprobs(

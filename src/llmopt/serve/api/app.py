@@ -4,7 +4,10 @@ The guard (pure ASGI middleware, so it also covers streamed responses to their e
 - refuses new `/v1` requests with 503 while the server drains on shutdown;
 - checks `Authorization: Bearer <key>` when the server has an API key (401);
 - bounds the request body (413), also for bodies sent without Content-Length;
+- refuses text that is not Unicode (a lone surrogate such as `"\\ud800"`, which JSON can
+  spell but UTF-8 cannot) with 400 naming the field, for every endpoint alike;
 - counts requests in flight (what draining waits for);
+- turns an unexpected error into a 500 with OpenAI's body (the connection stays usable);
 - when a request ends for any reason, closes its generations, so a sequence never outlives
   the request that started it (its KV blocks are freed).
 """
@@ -12,7 +15,9 @@ The guard (pure ASGI middleware, so it also covers streamed responses to their e
 from __future__ import annotations
 
 import hmac
+import json
 import logging
+import re
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -53,8 +58,9 @@ async def _send_error(
     type: str,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> None:
-    resp = json_response(error_body(message, type, None, code), status, headers)
+    resp = json_response(error_body(message, type, param, code), status, headers)
     await resp({"type": "http"}, _no_receive, send)
 
 
@@ -109,6 +115,19 @@ class Guard:
                 chunks.append(chunk)
                 more = msg.get("more_body", False)
             body = b"".join(chunks)
+        if _SURROGATE.search(body):
+            where = _surrogate_field(body)
+            if where is not None:
+                ctx.metrics.rejected.labels("bad_text").inc()
+                return await _send_error(
+                    send,
+                    400,
+                    f"{where or 'the body'}: text holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                    "which is not a Unicode character; send valid UTF-8 text",
+                    "invalid_request_error",
+                    "invalid_text",
+                    param=where or None,
+                )
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -119,9 +138,26 @@ class Guard:
             return await receive()  # after the body: waits for http.disconnect
 
         scope.setdefault("state", {})["llmopt_generations"] = gens = []
+        started = False
+
+        async def tracked(msg: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
         ctx.inflight_http += 1
         try:
-            await self.app(scope, replay, send)
+            await self.app(scope, replay, tracked)
+        except Exception as e:
+            # Answered here, not re-raised: re-raising makes the server drop the connection
+            # (a keep-alive client's next request would fail). After the headers, nothing can
+            # be said; the stream is cut.
+            log.exception("unhandled error")
+            if started:
+                raise
+            await _send_error(
+                send, 500, f"internal error: {type(e).__name__}", "server_error", "internal_error"
+            )
         finally:
             ctx.inflight_http -= 1
             for g in gens:
@@ -137,6 +173,40 @@ class Guard:
             "invalid_request_error",
             "request_too_large",
         )
+
+
+# A JSON escape of a lone UTF-16 surrogate: a high one not followed by a low one, or a low one
+# not preceded by a high one (a pair, as `ensure_ascii` clients spell every emoji, is fine). A
+# match may still be a false alarm (an escaped backslash before "u..."): the body is then parsed
+# to see.
+_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+def _surrogate_field(body: bytes) -> str | None:
+    """The dotted path of the first string in the JSON `body` that is not valid Unicode ("" for
+    the body itself), or None when every string is (or the body is not JSON: the app says so)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    stack: list[tuple[list[str], Any]] = [([], doc)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str | dict):
+            keys = [x] if isinstance(x, str) else list(x)
+            for k in keys:  # object keys count too
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return ".".join(path)
+        if isinstance(x, dict):
+            stack.extend(([*path, k], v) for k, v in reversed(x.items()))
+        elif isinstance(x, list):
+            stack.extend(([*path, str(i)], v) for i, v in reversed(list(enumerate(x))))
+    return None
 
 
 def _authorized(header: bytes, key: str) -> bool:
@@ -178,7 +248,9 @@ def create_app(ctx: ServerContext) -> Any:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
+            # Its loc holds a character position, not a field: param is null.
+            pos = f" (at character {loc[0]})" if loc else ""
+            msg, param = f"the request body is not valid JSON{pos}", None
         else:
             msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
         return json_response(error_body(msg, "invalid_request_error", param), 400)
@@ -201,6 +273,8 @@ def create_app(ctx: ServerContext) -> Any:
             extra["engine"] = ctx.engine.describe()
             if not extra["engine"]["alive"]:  # nothing can be served: route elsewhere
                 status = "engine_dead"
+            elif extra["engine"].get("leaked_blocks") and status == "ok":
+                status = "degraded"  # KV capacity lost for good: restart when convenient
         body = HealthResponse(
             status=status,
             model=ctx.served_name,

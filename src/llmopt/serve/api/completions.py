@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from llmopt.engines.generation import SEED_MAX
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.generation import Delta, Generation, merge
 from llmopt.serve.api.protocol import APIError, ChatRequest, CompletionRequest, new_id, now
@@ -59,13 +60,17 @@ def _start(
     logprobs: int,
     prompt_logprobs: int | None = None,
 ) -> list[Generation]:
-    ctx.admit(len(prompts) * req.n, request.url.path)
+    ctx.admit(len(prompts) * req.n, request.url.path, "n" if req.n > 1 else "prompt")
     stops = req.stop_list()
     deadline = time.monotonic() + ctx.settings.request_timeout_s
     gens = []
     for ids in prompts:
         for j in range(req.n):
+            # Choice j draws from seed + j; past the top of the range a random generator
+            # takes, it wraps around (2**64 - 1 with n=2: choices 2**64 - 1 and 0).
             seed = None if req.seed is None else req.seed + j
+            if seed is not None and seed > SEED_MAX:
+                seed -= 2**64
             params = ctx.sampling_params(req, max_tokens, logprobs, seed, prompt_logprobs)
             gens.append(
                 Generation(ctx, ids, params, stops, req.priority, deadline, _registry(request))
@@ -216,8 +221,7 @@ def _echo_logprobs(ctx: ServerContext, ids: list[int], plp: list[Any] | None) ->
 
 def _chat_logprobs(ctx: ServerContext, deltas: list[Delta], k: int) -> ChatLogprobs:
     def entry(t: int, v: float) -> dict[str, Any]:
-        s = ctx.token_text(t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+        return {"token": ctx.token_text(t), "logprob": v, "bytes": ctx.token_bytes(t)}
 
     content = []
     for d in deltas:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmopt.engines.generation import SamplingParams
+from llmopt.engines.generation import TEMPERATURE_FLOOR, SamplingParams
 from llmopt.serve.api.protocol import APIError
 from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.metrics import ServeMetrics
@@ -42,6 +42,13 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     _latency_ema: float = 0.0
     _token_text: dict[int, str] = field(default_factory=dict)
+    _token_bytes: dict[int, list[int]] = field(default_factory=dict)
+    _byte_level: bool | None = None
+    # When each accepted request (generation or embedding) started, oldest first (insertion
+    # order): Retry-After's latency estimate before any request has finished.
+    started: dict[int, float] = field(default_factory=dict)
+    # The open Generations (`serve.api.generation`): cut when the drain window ends.
+    generations: set[Any] = field(default_factory=set)
 
     # -- checks that become 400/404/429 -------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -87,9 +94,20 @@ class ServerContext:
                 code="context_length_exceeded",
             )
 
-    def admit(self, n: int, endpoint: str) -> None:
-        """Take `n` places in the bounded queue, or answer 429 with Retry-After."""
+    def admit(self, n: int, endpoint: str, param: str | None = None) -> None:
+        """Take `n` places in the bounded queue, or answer 429 with Retry-After (400 when `n`
+        alone is more than the server ever takes: waiting would never help)."""
         cap = self.settings.capacity
+        if n > cap:
+            self.metrics.rejected.labels("too_many_sequences").inc()
+            raise APIError(
+                400,
+                f"this request needs {n} sequences (prompts x n); the server takes at most "
+                f"{cap} at a time (max-num-seqs {self.settings.max_num_seqs} + max-queue "
+                f"{self.settings.max_queue}): send fewer prompts or a smaller n per request",
+                param=param,
+                code="too_many_sequences",
+            )
         if self.outstanding + n > cap:
             self.metrics.rejected.labels("capacity").inc()
             retry = self.retry_after()
@@ -104,11 +122,14 @@ class ServerContext:
             )
 
     def retry_after(self) -> int:
-        # About one request latency per full batch queued ahead, at least 1 s.
+        """Seconds until the queue ahead has drained (1..60): one request latency per full batch
+        in flight. The latency is the running average of finished requests, and never less than
+        the age of the oldest request in flight (before any has finished, that is all we know)."""
         waves = max(1.0, self.outstanding / self.settings.max_num_seqs)
-        return (
-            int(min(60, max(1, math.ceil(self._latency_ema * waves)))) if self._latency_ema else 1
-        )
+        oldest = next(iter(self.started.values()), None)
+        age = time.monotonic() - oldest if oldest is not None else 0.0
+        latency = max(self._latency_ema, age)
+        return int(min(60, max(1, math.ceil(latency * waves))))
 
     def note_latency(self, seconds: float) -> None:
         a = 0.2
@@ -126,12 +147,26 @@ class ServerContext:
             s = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    def check_ids(self, ids: list[int]) -> list[int]:
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's logprob `bytes`): for a byte-level BPE token or a
+        byte-fallback piece (`<0xE2>`) the raw bytes, even when they are part of a character
+        (its decoded text is then U+FFFD, whose bytes would be wrong); else its text in UTF-8."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            if self._byte_level is None:
+                self._byte_level = _is_byte_level(self.tokenizer)
+            raw = _raw_token_bytes(self.tokenizer, token_id, self._byte_level)
+            if raw is None:
+                raw = self.token_text(token_id).encode("utf-8")
+            b = self._token_bytes[token_id] = list(raw)
+        return b
+
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = len(self.tokenizer)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise APIError(
-                400, f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}", param="prompt"
+                400, f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}", param=param
             )
         return ids
 
@@ -143,10 +178,12 @@ class ServerContext:
         seed: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        # The engine stops at the model's EOS ids itself unless ignore_eos.
+        # The engine stops at the model's EOS ids itself unless ignore_eos. A temperature below
+        # the floor is greedy (as vLLM does): dividing logits by it overflows to inf.
+        temperature = float(req.temperature)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(req.temperature),
+            temperature=0.0 if temperature < TEMPERATURE_FLOOR else temperature,
             top_p=float(req.top_p),
             top_k=int(req.top_k),
             seed=seed,
@@ -154,3 +191,45 @@ class ServerContext:
             logprobs=int(logprobs),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character BPE vocabularies spell
+    it with (printable Latin-1 bytes as themselves, the others shifted past U+0100)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer spells tokens in GPT-2's byte alphabet (a ByteLevel decoder)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def _raw_token_bytes(tokenizer: Any, token_id: int, byte_level: bool) -> bytes | None:
+    """A token's bytes from its vocabulary spelling, or None when the spelling does not say."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    except Exception:
+        return None
+    if not isinstance(piece, str):
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if byte_level and piece and all(c in _BYTE_DECODER for c in piece):
+        return bytes(_BYTE_DECODER[c] for c in piece)
+    return None

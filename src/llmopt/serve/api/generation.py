@@ -56,6 +56,8 @@ class Generation:
         self.deadline = deadline
         self.seq_id, self._q = ctx.engine.submit(prompt_ids, params, priority)
         ctx.outstanding += 1
+        ctx.started[id(self)] = time.monotonic()
+        ctx.generations.add(self)
         ctx.metrics.queue_depth.set(ctx.outstanding)
         ctx.metrics.prompt_tokens.inc(len(prompt_ids))
         if registry is not None:
@@ -83,6 +85,8 @@ class Generation:
                 if isinstance(item, ValueError):
                     self._engine_done = True  # refused at admission: it holds no blocks
                     raise APIError(400, f"the engine refused the request: {item}")
+                if isinstance(item, APIError):  # cut by the server (the drain window ended)
+                    raise item
                 if isinstance(item, BaseException):
                     self._engine_done = True  # the engine loop already dropped it
                     raise APIError(
@@ -94,6 +98,12 @@ class Generation:
                     return
         finally:
             self.close()
+
+    def cut(self, error: APIError) -> None:
+        """End this choice with `error` (delivered after the events already queued): the
+        stream reports it in-band and ends with `[DONE]`; close() then aborts the sequence."""
+        if self._open:
+            self._q.put_nowait(error)
 
     def ready(self) -> bool:
         """Whether an event is waiting (the stream can take it without waiting)."""
@@ -136,6 +146,8 @@ class Generation:
         if not self._engine_done:
             ctx.engine.abort(self.seq_id)
         ctx.outstanding -= 1
+        ctx.started.pop(id(self), None)
+        ctx.generations.discard(self)
         ctx.metrics.queue_depth.set(ctx.outstanding)
         end = time.monotonic()
         if self.outcome == "ok":

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmopt.engines.generation import SEED_MAX, SEED_MIN
 from llmopt.serve.api.protocol_responses import ErrorResponse, error_body
 
 __all__ = [
@@ -72,7 +73,7 @@ class _Sampling(_Req):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # vLLM extension; 0 = off
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -199,6 +200,13 @@ class EmbeddingRequest(_Req):
     dimensions: int | None = None
     user: str | None = None
 
+    def count(self) -> int:
+        """How many inputs the request holds."""
+        x = self.input
+        if isinstance(x, str) or (x and all(isinstance(v, int) for v in x)):
+            return 1
+        return len(x)
+
     def texts(self, tokenizer: Any) -> list[str]:
         x = self.input
         if isinstance(x, str):
@@ -210,8 +218,16 @@ class EmbeddingRequest(_Req):
         else:
             items = list(x)
         texts = []
+        vocab = len(tokenizer)
         for it in items:
             if isinstance(it, list):  # token ids: decode them (the runner tokenizes text)
+                bad = [i for i in it if not 0 <= i < vocab]
+                if bad:
+                    raise APIError(
+                        400,
+                        f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}",
+                        param="input",
+                    )
                 texts.append(tokenizer.decode(it, skip_special_tokens=True))
             else:
                 texts.append(it)

@@ -263,10 +263,11 @@ class ModelList(WireModel):
 
 class HealthResponse(SparseWireModel):
     """`/health`: `settings` holds each scheduler/KV-cache setting as `{"value", "source"}`;
-    `engine` (where the engine runs, whether it is alive) is sent only with a native engine."""
+    `engine` (where the engine runs, whether it is alive, its last error, `leaked_blocks`) is
+    sent only with a native engine. "degraded": KV blocks leaked (the block invariant broke)."""
 
     omit_unset: ClassVar[frozenset[str]] = frozenset({"engine"})
-    status: Literal["ok", "draining", "engine_dead"]
+    status: Literal["ok", "draining", "engine_dead", "degraded"]
     model: str
     task: str
     in_flight: int

@@ -59,6 +59,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="llmopt-engine", daemon=True)
         self.error: BaseException | None = None  # last engine error (shown by /health)
+        self.leaked_blocks = 0  # the block invariant after the last step (shown by /health)
         metrics.kv_total.set(self.sched.capacity_blocks)
         self._publish()
 
@@ -80,6 +81,7 @@ class EngineLoop:
             "mode": "thread",
             "alive": True,
             "last_error": None if self.error is None else repr(self.error),
+            "leaked_blocks": self.leaked_blocks,
         }
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -134,6 +136,9 @@ class EngineLoop:
                 log.exception("engine step failed; failing the requests in flight")
                 self.error = e
                 out = [(s, e) for s in self.sched.fail_all()]
+            for _, x in out:
+                if isinstance(x, BaseException) and not isinstance(x, ValueError):
+                    self.error = x  # a sequence's own fault too: /health shows the last one
             tokens = sum(not isinstance(x, BaseException) for _, x in out)
             if tokens:
                 self.metrics.count_generated(tokens)
@@ -144,7 +149,9 @@ class EngineLoop:
                 self._loop.call_soon_threadsafe(_deliver, out)
 
     def _publish(self) -> None:
-        self.metrics.publish(self.sched.stats())
+        st = self.sched.stats()
+        self.leaked_blocks = st.leaked_blocks
+        self.metrics.publish(st)
 
 
 def _deliver(out: list[tuple[Sequence, Any]]) -> None:

@@ -71,7 +71,9 @@ class EngineProcess:
         swap_space_bytes: int = 0,
     ):
         self.metrics = metrics
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the engine process died (nothing served)
+        self.last_error: str | None = None  # the last failed step or sequence (still serving)
+        self.leaked_blocks = 0  # the block invariant after the last step
         self._ids = itertools.count(1)
         self._sinks: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,7 +132,8 @@ class EngineProcess:
             "mode": "process",
             "pid": self._proc.pid,
             "alive": self.error is None and self._proc.is_alive(),
-            "last_error": None if self.error is None else str(self.error),
+            "last_error": str(self.error) if self.error is not None else self.last_error,
+            "leaked_blocks": self.leaked_blocks,
         }
 
     # -- called on the event loop -------------------------------------------------------------
@@ -179,7 +182,10 @@ class EngineProcess:
                 break
             if kind == "stopped":
                 return
-            events, stats, tokens, preempted = payload
+            events, stats, tokens, preempted, step_error = payload
+            if step_error is not None:
+                self.last_error = step_error
+            self.leaked_blocks = int(getattr(stats, "leaked_blocks", 0))
             m = self.metrics
             if tokens:
                 m.count_generated(tokens)
@@ -263,16 +269,22 @@ def _engine_main(conn: Any, spec: GeneratorSpec, warmup: dict, sched_kwargs: dic
         except (EOFError, OSError):
             return  # the parent is gone
         before = sched.preemptions_total
+        step_error = None
         try:
             out = sched.step()
         except Exception as e:  # an engine bug fails its requests, not the server
             logging.getLogger(__name__).exception("engine step failed")
             err = ("error", type(e).__name__, str(e))
             out = [(s, err) for s in sched.fail_all()]
+            step_error = f"{type(e).__name__}: {e}"
+        for _, x in out:
+            if isinstance(x, BaseException) and not isinstance(x, ValueError):
+                step_error = f"{type(x).__name__}: {x}"  # a sequence's own fault
         events = [(s.seq_id, _wire(x)) for s, x in out]
         tokens = sum(not isinstance(x, tuple) for _, x in events)
+        stats, preempted = sched.stats(), sched.preemptions_total - before
         try:
-            conn.send(("step", (events, sched.stats(), tokens, sched.preemptions_total - before)))
+            conn.send(("step", (events, stats, tokens, preempted, step_error)))
         except (OSError, ValueError):
             return
 

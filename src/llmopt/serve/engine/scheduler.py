@@ -48,9 +48,14 @@ from typing import Any
 from llmopt.engines.generation import BatchGenerator, OutOfBlocks, SamplingParams
 from llmopt.serve.engine.swap import swap_pays as swap_verdict
 
-__all__ = ["Sequence", "Scheduler", "SchedulerStats"]
+__all__ = ["Sequence", "Scheduler", "SchedulerStats", "SequenceFault"]
 
 log = logging.getLogger(__name__)
+
+
+class SequenceFault(RuntimeError):
+    """This sequence alone failed in an engine step (NaN or inf in its logits); the engine has
+    dropped it and the rest of the batch goes on."""
 
 
 @dataclass(eq=False)
@@ -104,6 +109,8 @@ class SchedulerStats:
     swapped: int = 0  # preempted sequences whose KV cache waits in host memory
     swap_used_bytes: int = 0
     engine_time: Any = None  # the generator's cumulative EngineTime, where it keeps one
+    # KV blocks allocated but held by no running sequence (the block invariant: 0 always).
+    leaked_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -209,15 +216,42 @@ class Scheduler:
             swapped,
             self.swap_used_bytes,
             getattr(self.gen, "time", None),
+            self.leaked_blocks(),
         )
+
+    def leaked_blocks(self) -> int:
+        """KV blocks allocated but not held by any running sequence: the block invariant (free
+        + held by the running = capacity; nothing held with nothing running) says 0."""
+        held = sum(len(self.gen.blocks_of(sid)) for sid in self.running)
+        return self.capacity_blocks - int(self.gen.free_blocks) - held
+
+    def check_invariants(self) -> list[str]:
+        """What is wrong with the scheduler's books (empty: nothing): leaked KV blocks, swap
+        space counted but not held, a sequence both queued and running."""
+        problems = []
+        leaked = self.leaked_blocks()
+        if leaked:
+            problems.append(
+                f"{leaked} KV blocks allocated to no running sequence "
+                f"({self.gen.free_blocks} free of {self.capacity_blocks}, "
+                f"{len(self.running)} running)"
+            )
+        swap = sum(s.swapped.nbytes for s in self._queued.values() if s.swapped is not None)
+        if swap != self.swap_used_bytes:
+            problems.append(f"swap space counted {self.swap_used_bytes} B, held {swap} B")
+        both = set(self.running) & set(self._queued)
+        if both:
+            problems.append(f"sequences both running and queued: {sorted(both)[:5]}")
+        return problems
 
     # -- one iteration ------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, Any]]:
         """Admit, run one engine step, handle finishes and preemption.
 
-        Returns (sequence, TokenEvent) pairs, and (sequence, ValueError) for sequences the engine
-        refused at admission. A finished sequence (event.finish_reason set) is already removed
-        from the engine.
+        Returns (sequence, TokenEvent) pairs, (sequence, ValueError) for sequences the engine
+        refused at admission (another exception where admitting it failed otherwise), and
+        (sequence, SequenceFault) for a sequence that alone failed in the step. A finished or
+        failed sequence is already removed from the engine, and holds nothing.
         """
         out: list[tuple[Sequence, Any]] = self._admit()
         if not self.running:
@@ -234,6 +268,13 @@ class Scheduler:
             seq = self.running.get(ev.seq_id)
             if seq is None:  # not ours any more (cannot happen single-threaded; be safe)
                 log.warning("event for unknown sequence %s dropped", ev.seq_id)
+                continue
+            if getattr(ev, "error", None):  # this sequence alone failed: drop it, keep the rest
+                self.gen.remove(ev.seq_id)
+                del self.running[ev.seq_id]
+                seq.status = "failed"
+                log.warning("sequence %s failed: %s", ev.seq_id, ev.error)
+                out.append((seq, SequenceFault(ev.error)))
                 continue
             seq.generated += 1
             if ev.finish_reason is not None:
@@ -307,11 +348,15 @@ class Scheduler:
             try:
                 self.gen.add(seq.seq_id, seq.tokens, seq.engine_params())
             except self.OutOfBlocks:
+                self._forget(seq.seq_id)
                 break
-            except ValueError as e:
+            except Exception as e:  # refused (ValueError) or failed: this request alone
+                self._forget(seq.seq_id)
                 heapq.heappop(heap)
                 del self._queued[seq.seq_id]
                 seq.status = "failed"
+                if not isinstance(e, ValueError):
+                    log.warning("the engine failed to admit sequence %s: %r", seq.seq_id, e)
                 failed.append((seq, e))
                 continue
             heapq.heappop(heap)
@@ -321,6 +366,19 @@ class Scheduler:
             budget -= n
             prefilled = True
         return failed
+
+    def _forget(self, seq_id: int) -> None:
+        """After a failed `add`: make sure the engine holds nothing for `seq_id` (the protocol
+        says add is all or nothing; an engine that breaks it must not leak blocks for good)."""
+        try:
+            self.gen.blocks_of(seq_id)
+        except Exception:
+            return  # holds nothing: the usual case
+        log.warning("the engine kept blocks of refused sequence %s; freeing them", seq_id)
+        try:
+            self.gen.remove(seq_id)
+        except Exception:
+            log.exception("remove(%s) failed after a refused add", seq_id)
 
     def _swap_in(self, seq: Sequence, heap: list) -> bool:
         reserve = len(self.running) + self.watermark if self.running else 0
