@@ -18,9 +18,8 @@ import pytest
 from llmopt.core.errors import EngineUnavailableError, LlmoptError
 from llmopt.core.recipes import get_recipe
 from llmopt.core.settings import EngineSettings
-from llmopt.engines import get_engine
+from llmopt.engines import get_engine, vllm_env
 from llmopt.engines import vllm as vllm_mod
-from llmopt.engines import vllm_env
 from llmopt.engines.vllm import VllmServer, link_model, server_config
 from llmopt.hardware.target import Target
 from llmopt.model.info import inspect_model
