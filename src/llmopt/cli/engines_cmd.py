@@ -65,6 +65,7 @@ def engines_install(
         engine_dir,
         install_vllm,
         plan_install,
+        vllm_status,
     )
 
     if engine != "vllm":
@@ -95,7 +96,8 @@ def engines_install(
         for cmd in plan.commands(venv, py):
             console.print("  " + " ".join(cmd), highlight=False, soft_wrap=True)
         return
-    console.print(f"installing into {venv} (pip's output: {engine_dir() / 'install.log'})")
+    if force or vllm_status().get("version") != f"{plan.package} {plan.version}":
+        console.print(f"installing into {venv} (pip's output: {engine_dir() / 'install.log'})")
     marker = install_vllm(plan, python=py, force=force, progress=console.print)
     console.print(f"vLLM {marker['imported_version']} ready: {marker['python']}")
 
