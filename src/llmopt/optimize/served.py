@@ -28,7 +28,7 @@ from typing import Any
 
 from llmopt.assets.text import evaluation_text, token_windows
 from llmopt.bench.loadgen import LoadSpec, Workload, run_load
-from llmopt.bench.timing import environment
+from llmopt.bench.timing import environment, machine_probe
 from llmopt.core.atomic import read_json
 from llmopt.core.schema import BenchResult, summarize
 from llmopt.engines import load_runner
@@ -109,6 +109,9 @@ def bench_served(run: RunDir, cid: str, fidelity: str, ctx) -> dict[str, Any]:
         engine.server(cdir.artifact, info, recipe, cand.settings, log=log) as srv,
     ):
         load_s = time.perf_counter() - t0
+        # As the in-process bench: the machine probed before and after the timed block, so that
+        # side-by-side rounds compare numbers only from a machine that stayed alike.
+        probe_before = machine_probe()
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.write_text(json.dumps({"prompt": prompt, "max_tokens": new}) + "\n")
         work = Workload(output_len=new, prompts_file=prompts, ignore_eos=True)
@@ -137,6 +140,7 @@ def bench_served(run: RunDir, cid: str, fidelity: str, ctx) -> dict[str, Any]:
                 # b requests decode together: their rates add up (one value per wave of b).
                 waves = [sum(rates[i : i + b]) for i in range(0, len(rates) - b + 1, b)]
                 metrics[f"decode_tokens_per_s_b{b}"] = summarize(waves or [sum(rates)], "tokens/s")
+        probe = {"before": probe_before, "after": machine_probe()}
         peak = srv.peak_rss_bytes()
         server_cmd = srv.config.command
     if "decode_tokens_per_s" not in metrics:
@@ -169,7 +173,7 @@ def bench_served(run: RunDir, cid: str, fidelity: str, ctx) -> dict[str, Any]:
             "threads": cand.settings.threads,
             "server": server_cmd,
         },
-        env=environment(),
+        env={**environment(), "probe": probe},
         notes=notes + [f"request errors: {e}" for e in sorted(set(errors))[:3]],
         fidelity=z.fidelity_record(fidelity, StageProfile.BENCH_FIELDS),
     ).to_dict()
