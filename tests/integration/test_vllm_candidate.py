@@ -72,7 +72,7 @@ def test_vllm_candidate_is_built_verified_benchmarked_and_stopped(vllm_home, tmp
         ],
         capture_output=True,
         text=True,
-        timeout=3000,
+        timeout=4500,
         check=False,
         env=os.environ | {"LLMOPT_HOME": str(vllm_home)},
     )
