@@ -113,6 +113,8 @@ def external_command(
         cfg = _planned(engine, info, folder, settings, threads)
     argv = cfg.argv
     if engine == "vllm":
+        # `llmopt engines install vllm` does the plan's manual install steps (and says so).
+        cfg.notes = [n for n in cfg.notes if not n.startswith("install with")]
         argv = _set_flag(argv, "--served-model-name", settings.served_name or info.name)
         argv = _vllm_overrides(argv, settings)
     if missing_note:
