@@ -66,6 +66,9 @@ def test_vllm_candidate_is_built_verified_benchmarked_and_stopped(vllm_home, tmp
             "--search",
             "exhaustive",
             "--no-deploy",
+            # The default budget of a small model (300 s) is less than two vLLM CPU starts.
+            "--time-budget",
+            "75m",
             "--out",
             str(run),
             "--json",
