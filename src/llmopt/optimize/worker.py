@@ -39,6 +39,7 @@ from llmopt.engines import get_engine, load_runner
 from llmopt.hardware.runtime import peak_rss_bytes, rss_bytes
 from llmopt.model.info import ModelInfo
 from llmopt.optimize.profiles import StageProfile, StageSettings
+from llmopt.optimize.served import bench_served, verify_served
 from llmopt.rundir.paths import CandidateDir, RunDir
 from llmopt.verify.embedding import (
     RetrievalSpec,
@@ -121,6 +122,8 @@ def verify(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
 def _verify(run: RunDir, cid: str, fidelity: str) -> dict[str, Any]:
 
     meta, info, cand, engine, recipe = _context(run, cid)
+    if engine.served:  # its own server process (vLLM): verified over HTTP
+        return verify_served(run, cid, fidelity, _context)
     s = stage_settings(meta, fidelity)
     # Fail fast on a broken artifact (NaN/Inf weights, zero or missing quantization scales).
     raise_on_problems(check_weights(run.candidate(cid).artifact), cid)
@@ -214,6 +217,8 @@ def _verify_embedding(
 def bench(run: RunDir, cid: str, fidelity: str = "full") -> dict[str, Any]:
 
     meta, info, cand, engine, recipe = _context(run, cid)
+    if engine.served:  # its own server process (vLLM): benchmarked with the load generator
+        return bench_served(run, cid, fidelity, _context)
     z = stage_settings(meta, fidelity).sizes
     before = rss_bytes()
     t0 = time.perf_counter()

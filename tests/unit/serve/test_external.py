@@ -85,3 +85,39 @@ def test_embedders_are_refused(tiny_bert_dir, monkeypatch):
     monkeypatch.setattr(external, "_check_installed", lambda engine: None)
     with pytest.raises(ValueError, match="embedding model"):
         external.external_command("vllm", str(tiny_bert_dir), ServeSettings())
+
+
+def test_dry_run_builds_the_command_without_the_engine(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(external, "vllm_python", lambda: None)
+    monkeypatch.setattr(external.shutil, "which", lambda name: None)
+    cfg = external.external_command(
+        "vllm",
+        str(tiny_llama_dir),
+        ServeSettings(port=9125, max_num_seqs=3, sources={"max_num_seqs": "flag"}),
+        dry_run=True,
+    )
+    assert cfg.argv[0] == "python" and "--max-num-seqs" in cfg.argv
+    assert cfg.argv[cfg.argv.index("--max-num-seqs") + 1] == "3"  # the flag given wins
+    assert any("llmopt engines install vllm" in n for n in cfg.notes)
+    with pytest.raises(EngineUnavailableError, match="not installed"):
+        external.external_command("vllm", str(tiny_llama_dir), ServeSettings())
+
+
+def test_a_run_that_chose_vllm_is_served_as_measured(tiny_llama_dir, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    art = tmp_path / "artifact"
+    art.mkdir()
+    settings = {"device": "cpu", "threads": 1, "max_batch": 4, "block_size": 32}
+    cand = Candidate("vllm-fp32", "vllm", "fp32", settings)
+    (tmp_path / "model.json").write_text(json.dumps(inspect_model(tiny_llama_dir).to_dict()))
+    write_best(run / "best", cand, art, tmp_path / "model.json", {})
+    (run / "run.json").write_text("{}")
+    assert external.chosen_external_engine(str(run)) == "vllm"
+    monkeypatch.setattr(external, "vllm_python", lambda: "/engines/vllm/venv/bin/python")
+    argv = external.external_command("vllm", str(run), ServeSettings(port=9126)).argv
+    assert argv[:3] == ["/engines/vllm/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == str((run / "best" / "artifact").resolve())
+    assert argv[argv.index("--max-num-seqs") + 1] == "4"
+    assert argv[argv.index("--block-size") + 1] == "32"
+    assert argv[argv.index("--port") + 1] == "9126"
+    assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
