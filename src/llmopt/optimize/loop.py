@@ -31,7 +31,7 @@ from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import Objective
 from llmopt.optimize.paired import MAX_ROUNDS, PAIR_ROUNDS, paired_ratios, round_order
-from llmopt.optimize.predict import ValueModel, predicted_miss, screen_order
+from llmopt.optimize.predict import SCREEN_TOLERANCE, ValueModel, predicted_miss, screen_order
 from llmopt.rundir.paths import RunDir
 
 __all__ = ["SearchState", "run_search", "MODES"]
@@ -178,9 +178,26 @@ def run_search(
     # contention does not set it). The cheapest SCREEN_FLOOR are screened whatever it says.
     observed: dict[bool, list[float]] = {False: [], True: []}
     started = 0
-    # Screening stops while there is still time to fully verify the survivors (halving keeps 2).
+    # Screening stops while there is still time to fully verify the survivors (halving keeps 2)
+    # and to compare them side by side (rung 3). Before any screen that is the reference's own
+    # times; after, the estimates of the screened candidates that could still win, each scaled
+    # by how its screen compared with the reference's.
     keep = min(2, len(others))
-    reserve = keep * _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
+    ref_full_est = _full_estimate(run, ref.id, ref_full_s, ref_screen_s)
+    screen_scores: dict[str, float] = {}  # passed the screen's quality limit -> screen score
+
+    def reserve_now() -> float:
+        ranked = sorted(screen_scores, key=lambda i: -screen_scores[i])
+        top = screen_scores[ranked[0]] if ranked else None
+        alive = [i for i in ranked if not cannot_improve(screen_scores[i], top)][:keep]
+        full = sum(_full_estimate(run, i, ref_full_s, ref_screen_s) for i in alive)
+        full += max(0, (1 if ranked else keep) - len(alive)) * ref_full_est
+        pair = PAIR_ROUNDS * (
+            _pair_estimate(run, ref.id) + sum(_pair_estimate(run, i) for i in alive)
+        )
+        return full + pair
+
+    reserve = reserve_now()
     # Cheap candidates first, then RTN at the calibrated ones' bits: their screens decide what
     # is worth the expensive ones' time (`llmopt.optimize.predict`).
     values = ValueModel()
@@ -229,7 +246,13 @@ def run_search(
                 screened[r["cid"]] = (recipe_of[r["cid"]], float(v["quality_drop"]))
                 sc = _score(run, r["cid"], ref.id, "screen", obj, ctx)
                 values.observe(engine_of[r["cid"]], recipe_of[r["cid"]], sc)
+                if (
+                    sc is not None
+                    and float(v["quality_drop"]) <= SCREEN_TOLERANCE * max_quality_drop
+                ):
+                    screen_scores[r["cid"]] = sc
         queue = ordered(queue)  # what this wave measured re-ranks the rest
+        reserve = reserve_now()
     built = [c for c in others if run.candidate(c.id).done("build")]
 
     entries = [ScreenEntry(ref.id, 0.0, True, 1.0, reference=True)]
@@ -384,10 +407,13 @@ def _paired_rung(
 
 def _pair_estimate(run: RunDir, cid: str) -> float:
     """Seconds one side-by-side bench of `cid` takes: half its full bench (a round times half
-    the decode steps once, where the full bench repeats them), else 30 s."""
-    steps = _step_seconds(run, cid, "full")
-    full = steps.get(f"{cid}/bench")
-    return 0.5 * full if full else 30.0
+    the decode steps once, where the full bench repeats them), else 1.5 x its screen bench
+    (one repeat, but of every batch size), else 30 s."""
+    full = _step_seconds(run, cid, "full").get(f"{cid}/bench")
+    if full:
+        return 0.5 * full
+    screen = _step_seconds(run, cid, "screen").get(f"{cid}/bench@screen")
+    return 1.5 * screen if screen else 30.0
 
 
 def _step_seconds(run: RunDir, cid: str, rung: str) -> dict[str, float]:
