@@ -30,7 +30,13 @@ from llmopt.optimize.budget import Budget, typical
 from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
 from llmopt.optimize.objective import Objective
-from llmopt.optimize.paired import MAX_ROUNDS, PAIR_ROUNDS, paired_ratios, round_order
+from llmopt.optimize.paired import (
+    MAX_ROUNDS,
+    PAIR_ROUNDS,
+    pair_estimate,
+    paired_ratios,
+    round_order,
+)
 from llmopt.optimize.predict import SCREEN_TOLERANCE, ValueModel, predicted_miss, screen_order
 from llmopt.rundir.paths import RunDir
 
@@ -193,7 +199,7 @@ def run_search(
         full = sum(_full_estimate(run, i, ref_full_s, ref_screen_s) for i in alive)
         full += max(0, (1 if ranked else keep) - len(alive)) * ref_full_est
         pair = PAIR_ROUNDS * (
-            _pair_estimate(run, ref.id) + sum(_pair_estimate(run, i) for i in alive)
+            pair_estimate(run, ref.id) + sum(pair_estimate(run, i) for i in alive)
         )
         return full + pair
 
@@ -232,8 +238,8 @@ def run_search(
                 st.cut_one(
                     c.id,
                     budget.exhausted(
-                        f"the build and screen (keeping time for {keep} full verification"
-                        f"{'s' if keep > 1 else ''})",
+                        "the build and screen (keeping time to fully verify and compare "
+                        "the best so far)",
                         est + reserve,
                         est * (len(queue) + 1) + reserve,
                         executor.parallel,
@@ -381,7 +387,7 @@ def _paired_rung(
     if not finalists:
         return
     ids = [ref_id, *finalists]
-    per = {i: _pair_estimate(run, i) for i in ids}
+    per = {i: pair_estimate(run, i) for i in ids}
     for r in range(1, MAX_ROUNDS + 1):
         if r > PAIR_ROUNDS:
             pr = paired_ratios(run, finalists, ref_id, obj, ctx)
@@ -403,17 +409,6 @@ def _paired_rung(
     st.paired = {i: p.to_dict() for i, p in res.items()}
     for i, p in res.items():
         st.events.append(f"{i}: {p.note or 'no side-by-side round finished'}")
-
-
-def _pair_estimate(run: RunDir, cid: str) -> float:
-    """Seconds one side-by-side bench of `cid` takes: half its full bench (a round times half
-    the decode steps once, where the full bench repeats them), else 1.5 x its screen bench
-    (one repeat, but of every batch size), else 30 s."""
-    full = _step_seconds(run, cid, "full").get(f"{cid}/bench")
-    if full:
-        return 0.5 * full
-    screen = _step_seconds(run, cid, "screen").get(f"{cid}/bench@screen")
-    return 1.5 * screen if screen else 30.0
 
 
 def _step_seconds(run: RunDir, cid: str, rung: str) -> dict[str, float]:

@@ -16,6 +16,7 @@ instead of as a speed-up.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "paired_ratios",
     "round_order",
     "probe_ms",
+    "pair_estimate",
     "PAIR_ROUNDS",
     "MAX_ROUNDS",
     "PROBE_TOLERANCE",
@@ -49,6 +51,24 @@ def round_order(ids: list[str], r: int) -> list[str]:
     (['ref', 'a', 'b'], ['b', 'a', 'ref'])
     """
     return list(ids) if r % 2 else list(reversed(ids))
+
+
+def pair_estimate(run: RunDir, cid: str) -> float:
+    """Seconds one side-by-side bench of `cid` takes: half its full bench (a round times half
+    the decode steps once, where the full bench repeats them), else 1.5 x its screen bench
+    (one repeat, but of every batch size), else 30 s."""
+
+    def step(rung: str, key: str) -> float | None:
+        f = run.candidate(cid).task_file(rung)
+        if not f.exists():
+            return None
+        return (json.loads(f.read_text()).get("step_seconds") or {}).get(key)
+
+    full = step("full", f"{cid}/bench")
+    if full:
+        return 0.5 * full
+    screen = step("screen", f"{cid}/bench@screen")
+    return 1.5 * screen if screen else 30.0
 
 
 def probe_ms(bench: BenchResult) -> list[float]:

@@ -29,7 +29,7 @@ from llmopt.engines import get_engine
 from llmopt.optimize.budget import Budget
 from llmopt.optimize.executor import LocalExecutor, Task
 from llmopt.optimize.objective import Objective
-from llmopt.optimize.paired import PAIR_ROUNDS, paired_ratios, round_order
+from llmopt.optimize.paired import PAIR_ROUNDS, pair_estimate, paired_ratios, round_order
 from llmopt.optimize.space import settings_suffix
 from llmopt.rundir.paths import RunDir
 
@@ -125,7 +125,7 @@ def tune(
     variants = [_variant(run, base, c) for c in changes]
     ids = [base.id, *(v.id for v in variants)]
     executor = LocalExecutor(progress)
-    per = 30.0 * len(ids)  # one round; no full bench of the variants to scale from
+    per = len(ids) * pair_estimate(run, base.id)  # one round (a variation runs as its base)
     for r in range(1, PAIR_ROUNDS + 1):
         done = all(run.candidate(i).done("bench", f"tune{r}") for i in ids)
         if not done and not budget.fits(per):
