@@ -37,7 +37,7 @@ import torch
 
 from llmopt.engines.generation import PromptLogprob, SamplingParams, TokenEvent, check_seed
 from llmopt.engines.native import sampling
-from llmopt.engines.native.blocks import BlockPool
+from llmopt.engines.native.blocks import BlockPool, PooledGenerator
 from llmopt.engines.native.generator import EngineTime
 
 __all__ = ["HFGenerator"]
@@ -99,7 +99,7 @@ def _move_cache(cache: Any, device: torch.device | str) -> int:
     return total
 
 
-class HFGenerator:
+class HFGenerator(PooledGenerator):
     """Continuous batching at step granularity over a transformers causal LM (see the module
     docstring for what is and is not batched)."""
 
@@ -139,42 +139,10 @@ class HFGenerator:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self.time = EngineTime()
 
-    # --- capacity -------------------------------------------------------------------------
-    @property
-    def free_blocks(self) -> int:
-        return self.pool.free
-
-    @property
-    def running(self) -> list[Hashable]:
-        return list(self.seqs)
-
-    def blocks_needed(self, n_tokens: int) -> int:
-        return self.pool.blocks_needed(n_tokens)
-
-    def blocks_of(self, seq_id: Hashable) -> list[int]:
-        return list(self.pool.table(seq_id))
-
-    def finished(self, seq_id: Hashable) -> bool:
-        return self.seqs[seq_id].finish is not None
-
-    def prefill_pending(self, seq_id: Hashable) -> int:
-        s = self.seqs[seq_id]
-        return 0 if s.prefilled else len(s.ids) - s.done
-
+    # (capacity: `PooledGenerator`)
     # --- lifecycle ------------------------------------------------------------------------
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} is already running")
-        if n == 0:
-            raise ValueError("empty prompt")
-        if n + params.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of this generator ({self.max_seq_len} tokens)"
-            )
-        if len(self.seqs) >= self.max_batch:
-            raise ValueError(f"batch full ({self.max_batch} sequences)")
+        n = self.check_admission(seq_id, prompt_ids, params.max_tokens)
         # What can fail runs before the blocks are taken (add is all or nothing).
         check_seed(params.seed)
         rng = sampling.make_rng(params, self.device)

@@ -23,7 +23,7 @@ import torch
 
 from llmopt.engines.generation import OutOfBlocks
 
-__all__ = ["BlockPool", "block_views"]
+__all__ = ["BlockPool", "PooledGenerator", "block_views"]
 
 
 class BlockPool:
@@ -128,3 +128,56 @@ def block_views(layers, block_size: int) -> list[torch.Tensor]:
         for layer in layers
         for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache)
     ]
+
+
+class PooledGenerator:
+    """What every generator over a `BlockPool` answers the scheduler with, and the admission
+    checks they share (the native engine's `Generator` and the hf engine's `HFGenerator`).
+
+    A subclass sets `pool` (a `BlockPool`), `seqs` (sequence id -> its state, with `finish`,
+    `prefilled`, `ids` and `done`), `max_seq_len` and `max_batch`.
+    """
+
+    pool: BlockPool
+    seqs: dict
+    max_seq_len: int
+    max_batch: int
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.free
+
+    @property
+    def running(self) -> list[Hashable]:
+        return list(self.seqs)
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        return self.pool.blocks_needed(n_tokens)
+
+    def blocks_of(self, seq_id: Hashable) -> list[int]:
+        return list(self.pool.table(seq_id))
+
+    def finished(self, seq_id: Hashable) -> bool:
+        return self.seqs[seq_id].finish is not None
+
+    def prefill_pending(self, seq_id: Hashable) -> int:
+        """Prompt tokens of `seq_id` still to prefill (0 once its first token is sampled)."""
+        s = self.seqs[seq_id]
+        return 0 if s.prefilled else len(s.ids) - s.done
+
+    def check_admission(self, seq_id: Hashable, prompt_ids: list[int], max_tokens: int) -> int:
+        """Refuse (ValueError) a sequence that cannot be admitted, before anything is taken;
+        returns its prompt length."""
+        n = len(prompt_ids)
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already running")
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n + max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"of this generator ({self.max_seq_len} tokens)"
+            )
+        if len(self.seqs) >= self.max_batch:
+            raise ValueError(f"batch full ({self.max_batch} sequences)")
+        return n

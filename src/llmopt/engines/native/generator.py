@@ -59,7 +59,7 @@ from llmopt.engines.generation import (
     check_seed,
 )
 from llmopt.engines.native import sampling
-from llmopt.engines.native.blocks import BlockPool
+from llmopt.engines.native.blocks import BlockPool, PooledGenerator
 from llmopt.engines.native.compiled import CompiledSteps, wait
 from llmopt.engines.native.model import Transformer
 
@@ -183,7 +183,7 @@ def _check_params(p: SamplingParams, vocab: int) -> None:
     check_seed(p.seed)
 
 
-class Generator:
+class Generator(PooledGenerator):
     """Runs many sequences of different lengths through one native model (a `BatchGenerator`).
 
     The pieces: `pool` (the KV blocks and each sequence's table, `blocks.py`), `steps` (the
@@ -247,44 +247,11 @@ class Generator:
         self.compile_seconds = 0.0
         self.time = EngineTime()
 
-    # --- capacity -------------------------------------------------------------------------
-    @property
-    def free_blocks(self) -> int:
-        return self.pool.free
-
-    @property
-    def running(self) -> list[Hashable]:
-        return list(self.seqs)
-
-    def blocks_needed(self, n_tokens: int) -> int:
-        return self.pool.blocks_needed(n_tokens)
-
-    def blocks_of(self, seq_id: Hashable) -> list[int]:
-        return list(self.pool.table(seq_id))
-
-    def finished(self, seq_id: Hashable) -> bool:
-        return self.seqs[seq_id].finish is not None
-
-    def prefill_pending(self, seq_id: Hashable) -> int:
-        """Prompt tokens of `seq_id` still to prefill (0 once its first token is sampled)."""
-        s = self.seqs[seq_id]
-        return 0 if s.prefilled else len(s.ids) - s.done
-
+    # (capacity: `PooledGenerator`)
     # --- lifecycle ------------------------------------------------------------------------
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
         """Admit a sequence: allocate blocks for its prompt; it is prefilled in the next step()."""
-        n = len(prompt_ids)
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} is already running")
-        if n == 0:
-            raise ValueError("empty prompt")
-        if n + params.max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"of this generator ({self.max_seq_len} tokens)"
-            )
-        if len(self.seqs) >= self.max_batch:
-            raise ValueError(f"batch full ({self.max_batch} sequences)")
+        n = self.check_admission(seq_id, prompt_ids, params.max_tokens)
         vocab = int(self.model.cfg.vocab_size)
         if not all(0 <= int(t) < vocab for t in prompt_ids):
             bad = [t for t in prompt_ids if not 0 <= int(t) < vocab][:5]
