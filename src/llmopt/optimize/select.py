@@ -209,6 +209,7 @@ def select(inp: SelectionInput) -> Selection:
             f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
             + (f"; {pr.note}" if pr and pr.note else "")
             + _vs_eager(chosen, candidates, bench, inp.screen_bench)
+            + _compile_payback(chosen, candidates, bench)
         )
         untrusted = [i for i, p in inp.paired.items() if i != chosen and not p.trusted]
         if untrusted and (pr is None or not pr.trusted):
@@ -232,7 +233,7 @@ def select(inp: SelectionInput) -> Selection:
             side = f"; {a.note}" if a and a.note else ""
             reasons[i] = (
                 f"kept: passes the gates, {obj.name} {ratio:.2f}x the chosen "
-                f"({_fmt(values[i], unit)}){tag}{side}"
+                f"({_fmt(values[i], unit)}){tag}{side}" + _compile_payback(i, candidates, bench)
             )
     full = [i for i in verify if i in bench]
     speed = {i: bench[i].primary_value for i in full}
@@ -319,6 +320,46 @@ def _vs_eager(
                 f"eager transformers, {where})"
             )
     return ""
+
+
+def _compile_payback(cid: str, candidates: list[Candidate], bench: dict[str, BenchResult]) -> str:
+    """For a compiled candidate whose eager twin (same engine, recipe and device, no compile)
+    was benchmarked too: how many generated tokens the compilation takes to pay back, from the
+    warm-up time it added and the time per token it saved (batch-1 decode).
+
+    Compiling costs seconds to minutes up front (each shape is a C++ build on the CPU); a
+    server that generates more tokens than this in its life gains, a short job does not.
+    """
+    c = next(o for o in candidates if o.id == cid)
+    if not c.settings.compile:
+        return ""
+    twin = next(
+        (
+            o.id
+            for o in candidates
+            if o.engine == c.engine
+            and o.recipe == c.recipe
+            and not o.settings.compile
+            and o.settings.device == c.settings.device
+            and o.id in bench
+        ),
+        None,
+    )
+    key = "decode_ms_per_token"
+    if twin is None or cid not in bench:
+        return ""
+    mine, theirs = bench[cid].metrics.get(key), bench[twin].metrics.get(key)
+    if not mine or not theirs:
+        return ""
+    extra_s = bench[cid].warmup_seconds - bench[twin].warmup_seconds
+    saved_ms = theirs.median - mine.median
+    if saved_ms <= 0:
+        return f"; compiled decode is no faster than {twin} here, so compiling never pays back"
+    tokens = max(0.0, extra_s) * 1000 / saved_ms
+    return (
+        f"; compiling pays back after ~{tokens:,.0f} generated tokens ({extra_s:.0f} s more "
+        f"warm-up than {twin}, {saved_ms:.2f} ms saved per token at batch 1)"
+    )
 
 
 def _noise(b: BenchResult, objective: str) -> float:

@@ -102,3 +102,29 @@ def test_select_says_what_the_engine_bought_over_eager_transformers():
     del screen["torch-bf16"]  # the chosen one has no screen numbers: no mixed-fidelity ratio
     at_screen = SelectionInput(cands, verify, bench, 0.01, screen_bench=screen)
     assert "hf-bf16" not in select(at_screen).reasons["torch-bf16"]
+
+
+def test_a_compiled_candidate_says_when_compiling_pays_back():
+    cands = [
+        Candidate("ref", "hf", "fp32", reference=True),
+        Candidate("torch-fp32", "torch", "fp32", {"device": "cpu"}),
+        Candidate("torch-fp32-compile", "torch", "fp32", {"device": "cpu", "compile": True}),
+    ]
+    verify = {c.id: _verify(c.id, 0.0) for c in cands}
+
+    def bench(cid, tok_s, warmup):
+        b = _bench(cid, [tok_s])
+        b.metrics["decode_ms_per_token"] = summarize([1000 / tok_s], "ms")
+        b.warmup_seconds = warmup
+        return b
+
+    # 20 ms -> 10 ms per token for 60 s more warm-up: pays back after 6,000 tokens.
+    benches = {
+        "ref": bench("ref", 20.0, 1.0),
+        "torch-fp32": bench("torch-fp32", 50.0, 2.0),
+        "torch-fp32-compile": bench("torch-fp32-compile", 100.0, 62.0),
+    }
+    sel = select(SelectionInput(cands, verify, benches, 0.01, "throughput"))
+    assert sel.chosen == "torch-fp32-compile"
+    assert "compiling pays back after ~6,000 generated tokens" in sel.reasons[sel.chosen]
+    assert "pays back" not in sel.reasons["torch-fp32"]
