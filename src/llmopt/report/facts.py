@@ -74,9 +74,20 @@ def summary_line(view: RunView) -> str:
     if value is not None and sel.objective != "throughput":
         shown = fmt_bytes(value) if sel.objective_unit == "bytes" else fmt_num(value)
         obj = f"best {sel.objective} ({shown} {sel.objective_unit}); ".replace(" bytes)", ")")
+    # The ratio the selection decided on: measured side by side with the reference when it was
+    # (one time window), not two numbers taken minutes apart.
+    pr = (sel.side_by_side or {}).get(chosen.id) or {}
+    if pr.get("trusted") and pr.get("ratio"):
+        n = len(pr.get("ratios") or [])
+        lead = (
+            f"{pr['ratio']:.2f}x the reference's {sel.objective} measured side by side "
+            f"({n} round{'s' if n != 1 else ''}, {pr['lo']:.2f}-{pr['hi']:.2f}x); "
+            f"{view.primary_metric} {speed}, "
+        )
+    else:
+        lead = f"{fmt_x(view.speedup(chosen))} the reference's {view.primary_metric} ({speed}), "
     return (
-        f"Chosen: {chosen.id} ({chosen.recipe} on {chosen.engine}): {obj}"
-        f"{fmt_x(view.speedup(chosen))} the reference's {view.primary_metric} ({speed}), "
+        f"Chosen: {chosen.id} ({chosen.recipe} on {chosen.engine}): {obj}{lead}"
         f"quality drop {drop} ({budget})."
     )
 

@@ -576,3 +576,17 @@ def test_recalibrated_threshold_in_the_checklist(emb_run: Path) -> None:
     md = write_report(emb_run)[0].read_text()
     assert "similarity threshold for the application: 0.8123 in place of 0.85" in md
     assert "(decision agreement with the reference 99.10%; best/launch.json)" in md
+
+
+def test_summary_quotes_the_side_by_side_ratio_the_selection_used(lm_run: Path) -> None:
+    from llmopt.report.facts import summary_line
+
+    sel = json.loads((lm_run / "selection.json").read_text())
+    assert "1.81x the reference's decode_tokens_per_s" in summary_line(load_run(lm_run))
+    sel["side_by_side"] = {
+        "hf-bf16": {"ratio": 1.5, "lo": 1.45, "hi": 1.55, "ratios": [1.45, 1.55], "trusted": True}
+    }
+    write_json(lm_run / "selection.json", sel)
+    line = summary_line(load_run(lm_run))
+    assert "1.50x the reference's throughput measured side by side (2 rounds, 1.45-1.55x)" in line
+    assert "1.81x" not in line
