@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ LLMOPT = [sys.executable, "-m", "llmopt.cli.main"]
 
 
 @pytest.fixture(scope="module")
-def vllm_home(llmopt_test_home) -> Path:
+def vllm_home(llmopt_test_home) -> Iterator[Path]:
+    link = None
     if not vllm_env.vllm_status(llmopt_test_home)["installed"]:
         default = Path.home() / ".cache" / "llmopt"
         if not vllm_env.vllm_status(default)["installed"]:
@@ -29,13 +31,19 @@ def vllm_home(llmopt_test_home) -> Path:
                 "vLLM is not installed in an llmopt-managed environment: "
                 "run `llmopt engines install vllm` (about 1.5 GB; minutes)"
             )
-        link = vllm_env.engine_dir(llmopt_test_home)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.exists():
-            link.symlink_to(vllm_env.engine_dir(default))
-    if vllm_env.vllm_status(llmopt_test_home).get("variant") == "gpu":
-        pytest.skip("the installed vLLM is the CUDA build; this test runs the CPU one")
-    return llmopt_test_home
+        target = vllm_env.engine_dir(llmopt_test_home)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            target.symlink_to(vllm_env.engine_dir(default))
+            link = target
+    try:
+        if vllm_env.vllm_status(llmopt_test_home).get("variant") == "gpu":
+            pytest.skip("the installed vLLM is the CUDA build; this test runs the CPU one")
+        yield llmopt_test_home
+    finally:
+        # Later tests of the session expect the home as it was: without vLLM.
+        if link is not None and link.is_symlink():
+            link.unlink()
 
 
 def _alive_servers(run: Path) -> list[str]:

@@ -17,7 +17,9 @@ from llmopt.serve import external
 from llmopt.serve.settings import ServeSettings
 
 
-def test_missing_engine_is_a_clear_error(tiny_llama_dir, monkeypatch):
+def test_missing_engine_is_a_clear_error(tiny_llama_dir, tmp_path, monkeypatch):
+    # A home of its own: another test may have linked a managed vLLM into the session's home.
+    monkeypatch.setenv("LLMOPT_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(external.shutil, "which", lambda name: None)
     monkeypatch.setattr(external.importlib.util, "find_spec", lambda name: None)
     for engine, hint in (("vllm", "pip install"), ("llamacpp", "llama-cpp-python")):
