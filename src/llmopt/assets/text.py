@@ -528,7 +528,9 @@ def token_windows(tokenizer, text: str, window: int = 512, count: int = 16) -> t
     body = window - len(prefix)
     if body < 2:
         raise ValueError(f"a window of {window} tokens leaves no room after the prefix {prefix}")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # verbose=False: the whole text is longer than the model's context on purpose (it is cut
+    # into windows below); transformers would warn about that length.
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n = min(count, len(ids) // body)
     if n == 0:
         raise ValueError(

@@ -108,7 +108,7 @@ def calibration_windows(tokenizer, config: CalibrationConfig) -> torch.Tensor:
     # Tokenizing megabytes costs seconds (minutes for byte-level vocabularies): read about four
     # times the characters the windows need (~4 characters per token), which still leaves a choice.
     text = text[: 16 * config.num_samples * config.seq_len]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n_windows = len(ids) // config.seq_len
     if n_windows == 0:
         raise CalibrationDataError(
