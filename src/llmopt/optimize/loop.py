@@ -47,6 +47,9 @@ SCREEN = [("verify", "screen"), ("bench", "screen")]
 FULL = [("verify", "full"), ("bench", "full")]
 
 
+SCREEN_STARTS = 2  # a served candidate's screen verify and screen bench each start its server
+
+
 @dataclass
 class SearchState:
     """What the search did: cut candidates with reasons, screen scores, task records, events."""
@@ -183,6 +186,8 @@ def run_search(
     # the others take seconds); their median is the estimate (`typical`: one screen timed under
     # contention does not set it). The cheapest SCREEN_FLOOR are screened whatever it says.
     observed: dict[bool, list[float]] = {False: [], True: []}
+    observed_served: dict[str, list[float]] = {}  # served engines' screens, by engine
+    by_id = {c.id: c for c in others}
     started = 0
     # Screening stops while there is still time to fully verify the survivors (halving keeps 2)
     # and to compare them side by side (rung 3). Before any screen that is the reference's own
@@ -222,6 +227,10 @@ def run_search(
             c = queue.pop(0)
             cls = _calibrated(c.recipe)
             est = typical(observed[cls] or observed[not cls], first_est)
+            if starts := start_s(c):
+                # A served engine's screen starts its server twice (verify, bench): its own
+                # screens, once timed, else the in-process estimate plus the starts.
+                est = typical(observed_served.get(c.engine, []), est + SCREEN_STARTS * starts)
             cd = run.candidate(c.id)
             finished = all(cd.done(s, f) for s, f in [("build", "full"), *SCREEN])
             if not finished and (why := predicted_miss(c.recipe, screened, max_quality_drop)):
@@ -230,7 +239,8 @@ def run_search(
             if (
                 finished
                 or budget.fits(est + reserve, executor.parallel)
-                or budget.floor_allows(started)
+                # The floor is for screens of seconds; a served engine's takes minutes.
+                or (budget.floor_allows(started) and not starts)
             ):
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
                 started += 1
@@ -247,7 +257,10 @@ def run_search(
                 )
         for r in run_tasks(wave):
             if r.get("ran") and r.get("seconds"):
-                observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
+                if start_s(by_id[r["cid"]]):
+                    observed_served.setdefault(engine_of[r["cid"]], []).append(r["seconds"])
+                else:
+                    observed[_calibrated(recipe_of[r["cid"]])].append(r["seconds"])
             if (v := run.candidate(r["cid"]).read("verify", "screen")) is not None:
                 screened[r["cid"]] = (recipe_of[r["cid"]], float(v["quality_drop"]))
                 sc = _score(run, r["cid"], ref.id, "screen", obj, ctx)
@@ -300,6 +313,13 @@ def run_search(
     return st
 
 
+def start_s(c: Candidate) -> float:
+    """The typical server start of the candidate's engine (0 for in-process engines)."""
+    from llmopt.engines import get_engine  # the registry imports every engine module
+
+    return get_engine(c.engine).start_seconds(c.settings.device)
+
+
 def _calibrated(recipe_name: str) -> bool:
     """Whether the recipe's build runs the calibration pipeline (`Recipe.calibrated`)."""
 
@@ -344,6 +364,8 @@ def _full_rung(
                 st.stopped_early = True
                 continue
             est = _full_estimate(run, c.id, ref_full_s, ref_screen_s)
+            if c.id not in st.screen_scores:  # no screen timed its server's start
+                est += SCREEN_STARTS * start_s(c)  # the full verify and bench start it too
             if not done and not budget.fits(est, executor.parallel):
                 rest = est * (len(queue) + 1)
                 st.cut_one(

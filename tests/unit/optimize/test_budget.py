@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import time
 
-from llmopt.optimize.budget import SCREEN_FLOOR, Budget, format_duration, parse_duration, typical
+from llmopt.optimize.budget import (
+    SCREEN_FLOOR,
+    Budget,
+    default_budget,
+    format_duration,
+    parse_duration,
+    typical,
+)
 
 
 def test_a_contended_measurement_does_not_set_the_estimate():
@@ -35,3 +42,16 @@ def test_the_cut_message_names_a_budget_that_allows_the_rest():
     fresh = Budget(parse_duration(suggested), started=time.monotonic() - 562)
     assert fresh.fits(2300)
     assert format_duration(59) == "1m" and format_duration(3601) == "1h1m"
+
+
+def test_served_engines_carry_their_server_start_into_estimates():
+    from llmopt.core.schema import Candidate
+    from llmopt.engines.vllm import START_S_CPU, START_S_GPU
+    from llmopt.optimize.loop import SCREEN_STARTS, start_s
+
+    vllm = Candidate("vllm-fp32", "vllm", "fp32")
+    gpu = Candidate("vllm-bf16", "vllm", "bf16", settings={"device": "cuda"})
+    assert start_s(vllm) == START_S_CPU and start_s(gpu) == START_S_GPU
+    assert start_s(Candidate("hf-fp32", "hf", "fp32")) == 0.0  # in-process: load is measured
+    # Two starts per screen: a vLLM screen on a CPU never fits the small-model default budget.
+    assert SCREEN_STARTS * start_s(vllm) > default_budget(135_000_000)[0]
