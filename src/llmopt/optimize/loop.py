@@ -209,6 +209,10 @@ def run_search(
         return full + pair
 
     reserve = reserve_now()
+
+    def beats_reference() -> bool:
+        return any(v > 1.0 for v in screen_scores.values())
+
     # Cheap candidates first, then RTN at the calibrated ones' bits: their screens decide what
     # is worth the expensive ones' time (`llmopt.optimize.predict`).
     values = ValueModel()
@@ -239,8 +243,10 @@ def run_search(
             if (
                 finished
                 or budget.fits(est + reserve, executor.parallel)
-                # The floor is for screens of seconds; a served engine's takes minutes.
-                or (budget.floor_allows(started) and not starts)
+                # The floor makes sure the search compares something. Once a screened candidate
+                # beats the reference it has, and the floor must not spend the time reserved to
+                # confirm that candidate; nor is it for a served engine's screen of minutes.
+                or (budget.floor_allows(started) and not starts and not beats_reference())
             ):
                 wave.append(Task(c.id, [("build", "full"), *SCREEN], "screen", ref.id))
                 started += 1
