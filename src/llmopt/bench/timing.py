@@ -17,7 +17,7 @@ from typing import Any
 
 from llmopt.hardware.host import cpu_name
 
-__all__ = ["device_sync", "time_repeated", "environment", "machine_probe"]
+__all__ = ["device_sync", "time_repeated", "environment", "machine_probe", "choose_threads"]
 
 
 def device_sync(device: str = "cpu") -> None:
@@ -114,6 +114,63 @@ def machine_probe(size: int = 192, iters: int = 40) -> dict[str, float | None]:
         out["loadavg_1m"] = None
     out["cpu_mhz"] = _cpu_mhz()
     return out
+
+
+def thread_probe(
+    counts: list[int], rounds: int = 3, size: int = 384, iters: int = 6
+) -> dict[int, float]:
+    """Milliseconds a fixed parallel workload (`iters` float32 matmuls of `size` x `size`) takes
+    at each thread count in `counts`, interleaved over `rounds` (A B A B ...), medians.
+
+    On free cores more threads finish sooner; on cores other work keeps busy an OpenMP team
+    waits at every barrier for its descheduled members and can run many times slower than one
+    thread (docs/benchmarks.md), which is what this measures.
+
+    >>> sorted(thread_probe([1], rounds=1, size=16, iters=1))
+    [1]
+    """
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    before = torch.get_num_threads()
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    try:
+        for _ in range(rounds):
+            for n in counts:
+                torch.set_num_threads(n)
+                a @ b  # the team of this size is up before the clock starts
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    a @ b
+                times[n].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        torch.set_num_threads(before)
+    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+
+
+def choose_threads(available: int, probe: Callable[[list[int]], dict[int, float]] | None = None):
+    """The thread count candidates run with when none is given: all `available` cores unless a
+    probe run now finds fewer threads faster (cores busy with other work). Returns
+    (threads, why) where `why` says what the probe measured when it chose fewer, else None.
+
+    >>> choose_threads(2, lambda c: {2: 9.0, 1: 12.0})
+    (2, None)
+    >>> choose_threads(2, lambda c: {2: 40.0, 1: 12.0})[0]
+    1
+    """
+    if available <= 1:
+        return available, None
+    counts = sorted({available, max(1, available // 2), 1}, reverse=True)
+    ms = (probe or thread_probe)(counts)
+    best = min(counts, key=lambda n: (ms[n], -n))
+    if best == available:
+        return available, None
+    return best, (
+        f"threads: {best} of {available}: a probe of this machine now ran {available} threads "
+        f"in {ms[available]:.1f} ms and {best} in {ms[best]:.1f} ms (other work is using the "
+        f"cores); --threads {available} to use them all anyway"
+    )
 
 
 def _cpu_mhz() -> float | None:

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmopt.bench.timing import choose_threads
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
 from llmopt.core.settings import EngineSettings
 from llmopt.deploy import resolve_source, write_bundle
+from llmopt.hardware.host import usable_cores
 from llmopt.hardware.target import Target, detect_target
 from llmopt.model.info import inspect_model
 from llmopt.optimize.budget import Budget, default_budget, parse_duration
@@ -129,6 +131,8 @@ def optimize(
     budget_s = None if time_budget == "auto" else parse_duration(time_budget)
     ctx = {"price_per_hour": price_per_hour}
     # inspect: the model and the machine; the run directory opens (or resumes) on them
+    if threads is None and target == "cpu":
+        threads = _threads_for(RunDir(out), progress)
     info, tgt = _inspect(model, target, threads)
     if time_budget == "auto":
         budget_s, why = default_budget(info.num_parameters)
@@ -189,6 +193,19 @@ def _check(max_quality_drop: float, gates: str, profile: str, search: str) -> No
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     if search not in MODES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(MODES)}")
+
+
+def _threads_for(run: RunDir, progress: Progress | None) -> int:
+    """Threads for a CPU run given none: a resumed run keeps the count it started with (its
+    identity and its measurements depend on it); a new one probes the machine now."""
+    if run.run_json.exists():
+        recorded = (read_json(run.run_json).get("settings") or {}).get("threads")
+        if isinstance(recorded, int) and recorded > 0:
+            return recorded
+    threads, why = choose_threads(usable_cores())
+    if why and progress:
+        progress("note", "", "", why)
+    return threads
 
 
 def _inspect(model: str | Path, target: str, threads: int | None):

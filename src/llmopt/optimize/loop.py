@@ -26,6 +26,7 @@ from typing import Any
 from llmopt.core.atomic import read_json
 from llmopt.core.recipes import get_recipe
 from llmopt.core.schema import BenchResult, Candidate, VerifyResult
+from llmopt.engines import get_engine
 from llmopt.optimize.budget import Budget, typical
 from llmopt.optimize.executor import Task, task_seconds
 from llmopt.optimize.halving import ScreenEntry, cannot_improve, screen
@@ -321,8 +322,6 @@ def run_search(
 
 def start_s(c: Candidate) -> float:
     """The typical server start of the candidate's engine (0 for in-process engines)."""
-    from llmopt.engines import get_engine  # the registry imports every engine module
-
     return get_engine(c.engine).start_seconds(c.settings.device)
 
 

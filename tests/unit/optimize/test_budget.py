@@ -55,3 +55,21 @@ def test_served_engines_carry_their_server_start_into_estimates():
     assert start_s(Candidate("hf-fp32", "hf", "fp32")) == 0.0  # in-process: load is measured
     # Two starts per screen: a vLLM screen on a CPU never fits the small-model default budget.
     assert SCREEN_STARTS * start_s(vllm) > default_budget(135_000_000)[0]
+
+
+def test_threads_resume_as_recorded_and_a_new_run_probes(tmp_path, monkeypatch):
+    from llmopt.core.atomic import write_json
+    from llmopt.optimize import job
+    from llmopt.rundir.paths import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    notes = []
+    monkeypatch.setattr(job, "usable_cores", lambda: 2)
+    monkeypatch.setattr(job, "choose_threads", lambda n: (1, f"threads: 1 of {n}: busy"))
+    # New run: the probe decides, and says why when it takes fewer than all.
+    assert job._threads_for(run, lambda *a: notes.append(a[-1])) == 1
+    assert notes == ["threads: 1 of 2: busy"]
+    # A resumed run keeps what it started with (part of its identity), whatever the probe says.
+    write_json(run.run_json, {"settings": {"threads": 2}})
+    assert job._threads_for(run, None) == 2
