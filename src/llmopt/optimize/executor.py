@@ -70,7 +70,8 @@ def _spawn(
     """
     cdir = run.candidate(cid)
     cdir.root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The worker ends itself when this process ends (worker._die_with_parent).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMOPT_STAGE_PARENT": str(os.getpid())}
     with open(cdir.log, "a", encoding="utf-8") as log:
         log.write(f"\n=== {stage} ({fidelity}) on {socket.gethostname()} pid {os.getpid()} ===\n")
         log.flush()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import signal
 import sys
 import time
 import traceback
@@ -312,11 +314,35 @@ def run_stage(run: RunDir, cid: str, stage: str, fidelity: str = "full") -> None
     write_json(cdir.stage_file(stage, fidelity), result)
 
 
+def _die_with_parent() -> None:
+    """End this stage when the run that started it ends, however it ends.
+
+    A SIGTERM becomes SystemExit, so `with` blocks unwind (temporary folders removed, a vLLM
+    server stopped) and no result or error file is written: a resumed run does the stage again.
+    On Linux the kernel also sends SIGTERM when the parent dies (PR_SET_PDEATHSIG), so killing
+    `llmopt optimize` (a job scheduler's timeout, `kill PID`) does not leave a stage running on.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if sys.platform.startswith("linux"):
+        import ctypes  # lazy: Linux only
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        parent = os.environ.get(PARENT_ENV)
+        if parent and os.getppid() != int(parent):  # it died before prctl took effect
+            sys.exit(128 + signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_ENV = "LLMOPT_STAGE_PARENT"  # the pid that started the stage (`executor._spawn`)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     assert len(argv) in (3, 4), (
         "usage: python -m llmopt.optimize.worker RUN_DIR CANDIDATE_ID STAGE [FIDELITY]"
     )
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Per-tensor loading bars from transformers would flood log.txt; the parent shows progress.
     from transformers.utils import logging as hf_logging
