@@ -4,6 +4,7 @@
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
 #   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
+#   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
@@ -119,6 +120,14 @@ PY
         2>&1 | tee "$OUT/real_weights.log" | tail -9
       SMOLLM2_DIR=$smol python3 -m pytest -q -p no:cacheprovider \
         tests/integration/test_native_real_weights_gpu.py 2>&1 | tail -3 ;;
+    encoder)  # issue 23 item 7: static-shape compiled embedders against HF eager bf16, side by
+      # side, batch 1 and 32. NOT YET RUN on the H200. Needs .devdata/minilm-tok (MiniLM's
+      # tokenizer files: `llmopt assets prepare minilm-l6`, then copy tokenizer*.json, vocab.txt,
+      # special_tokens_map.json) and .devdata/llmopt_home/data (the sentences).
+      python3 benchmarks/static_encoder.py --shape minilm --tokenizer "$PWD/.devdata/minilm-tok" \
+        --device "$DEV" --dtype bfloat16 --rounds 4 --out "$OUT/static_encoder_minilm.json" | tail -30
+      python3 benchmarks/static_encoder.py --shape qwen3-embedding --tokenizer "$TOK" \
+        --device "$DEV" --dtype bfloat16 --rounds 4 --out "$OUT/static_encoder_qwen3.json" | tail -30 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -69,6 +69,18 @@ class HFEngine(Engine):
             return "w8a16 on the hf engine is wired for causal LMs only so far"
         return None
 
+    def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:
+        """An embedder's static-shape compiled runs (`llmopt.engines.static_encoder`): a
+        candidate on CUDA, where CUDA graphs remove the launch cost that dominates small
+        encoders; opt-in on the CPU, where inductor compiles each length bucket for tens of
+        seconds."""
+        if info.task != "embedding" or recipe.weight_bits is not None:
+            return [{}]
+        if device == "cuda":
+            return [{}, {"compile": True}]
+        why = "static-shape compile on the CPU costs tens of seconds per length bucket (opt-in)"
+        return [{}, {"compile": True, "opt_in": why}]
+
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
         import torch
 
@@ -100,6 +112,10 @@ class HFEngine(Engine):
         device = settings.device
         model = _load_model(artifact, info.task, recipe).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(artifact)
+        if info.task == "embedding" and settings.compile:
+            from llmopt.engines.static_encoder import StaticShapeEncoder  # lazy: torch.compile
+
+            return StaticShapeEncoder(model, tokenizer, info, device, settings)
         if info.task == "embedding":
             return HFEmbeddingRunner(model, tokenizer, info, device, settings)
         return HFCausalLMRunner(model, tokenizer, device)
