@@ -113,6 +113,14 @@ class LlamaCppEngine(Engine):
             )
         return None
 
+    def tune_space(self, info: ModelInfo, recipe: str, device: str) -> list[dict[str, Any]]:
+        """Runtime variations of a chosen llama.cpp candidate (rung 4, `llmopt.optimize.tune`):
+        flash attention forced on and off against llama.cpp's own automatic choice. Both compute
+        the same attention, so no new verification is needed; which is faster depends on the
+        CPU, the context length and the batch. (A quantized KV cache changes what is computed:
+        that would be a verified candidate, not a runtime variation.)"""
+        return [{"flash_attn": True}, {"flash_attn": False}]
+
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
         from llmopt.engines.gguf_export import export_gguf  # heavy: torch
 

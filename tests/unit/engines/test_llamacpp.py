@@ -51,6 +51,22 @@ def test_f32_gguf_computes_what_transformers_computes(built):
     assert 15 < _sqnr(ref.logits(ids), q8.logits(ids)) < 50  # quantized, but the same model
 
 
+def test_flash_attention_variations_compute_the_same_attention(built):
+    """The tune rung measures them without a new verification: they must agree."""
+    from llmopt.core.schema import Candidate
+    from llmopt.optimize.tune import variations
+
+    src, info, art = built
+    cand = Candidate("c", "llamacpp", "fp32", {"device": "cpu", "threads": 1})
+    changes = [v for v in variations(cand, info) if "flash_attn" in v]
+    assert changes == [{"flash_attn": True}, {"flash_attn": False}]
+    ids = _ids(load_runner("hf", src, info, "fp32", {"threads": 1}))
+    on, off = (
+        load_runner("llamacpp", art["fp32"], info, "fp32", {"threads": 1, **c}) for c in changes
+    )
+    assert _sqnr(on.logits(ids), off.logits(ids)) > 50
+
+
 def test_batched_prefill_and_decode_match_full_sequence_logits(built):
     src, info, art = built
     runner = load_runner("llamacpp", art["gguf-q8_0"], info, "gguf-q8_0", {"threads": 1})
