@@ -132,6 +132,8 @@ def external_command(
         argv[argv.index("-m") + 1] = path
         argv = _set_flag(argv, "--alias", settings.served_name or info.name)  # the API model id
         cfg.notes = [n for n in cfg.notes if not n.startswith("needs a GGUF file")]  # it has one
+        if measured is not None and "flash_attn" in measured.options:  # the run measured it
+            argv = _set_flag(argv, "-fa", "on" if measured.options["flash_attn"] else "off")
         if shutil.which("llama-server") is None:  # _check_installed: llama-cpp-python is there
             argv = _llama_cpp_python_argv(argv, use_extra_bufts(measured or EngineSettings()))
             cfg.notes.append(
@@ -223,7 +225,10 @@ _LLAMA_CPP_PYTHON = {
     "-b": "--n_batch",
     "-ngl": "--n_gpu_layers",
     "-t": "--n_threads",
+    "-fa": "--flash_attn",
 }
+# llama-server's on/off values where llama-cpp-python's server takes a boolean.
+_BOOLEAN_VALUES = {"on": "true", "off": "false"}
 
 
 def _llama_cpp_python_argv(argv: list[str], extra_bufts: bool) -> list[str]:
@@ -237,7 +242,7 @@ def _llama_cpp_python_argv(argv: list[str], extra_bufts: bool) -> list[str]:
     out += [] if extra_bufts else ["--no-extra-bufts"]
     for k, v in flags.items():
         if k in _LLAMA_CPP_PYTHON:
-            out += [_LLAMA_CPP_PYTHON[k], v]
+            out += [_LLAMA_CPP_PYTHON[k], _BOOLEAN_VALUES.get(v, v)]
     return out
 
 

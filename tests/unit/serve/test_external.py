@@ -69,7 +69,9 @@ def test_a_run_that_chose_llamacpp_is_served_by_llamacpp(tiny_llama_dir, tmp_pat
     art = tmp_path / "artifact"
     art.mkdir()
     (art / "model.gguf").write_bytes(b"GGUF")
-    cand = Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0", {"threads": 1})
+    cand = Candidate(
+        "llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0", {"threads": 1, "flash_attn": False}
+    )
     (tmp_path / "model.json").write_text(json.dumps(inspect_model(tiny_llama_dir).to_dict()))
     write_best(run / "best", cand, art, tmp_path / "model.json", {})
     (run / "run.json").write_text("{}")  # what makes the folder a run directory
@@ -81,6 +83,10 @@ def test_a_run_that_chose_llamacpp_is_served_by_llamacpp(tiny_llama_dir, tmp_pat
     assert argv[argv.index("-m") + 1] == str(run / "best" / "artifact" / "model.gguf")
     assert argv[argv.index("-t") + 1] == "1"  # the threads it was measured with
     assert argv[argv.index("--alias") + 1] == "tiny-llama"  # the model id clients send
+    assert argv[argv.index("-fa") + 1] == "off"  # the settings rung's flash attention choice
+    monkeypatch.setattr(external.shutil, "which", lambda name: None)  # llama-cpp-python's server
+    argv = external.external_command("llamacpp", str(run), ServeSettings(port=9124)).argv
+    assert argv[argv.index("--flash_attn") + 1] == "false"
 
 
 def test_embedders_are_refused(tiny_bert_dir, monkeypatch):
