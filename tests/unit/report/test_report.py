@@ -684,3 +684,13 @@ def test_cli_final_table_agrees_with_the_report(lm_run: Path, monkeypatch) -> No
     text = console.export_text()
     assert "1.50x side by side (1.45-1.55x)" in text and "2.33x separate runs" in text
     assert summary_line(load_run(lm_run)) in text.replace("\n", " ")
+
+
+def test_the_compile_payback_and_the_budget_cut_are_in_the_report(lm_run: Path) -> None:
+    pay = "compiling pays back after ~6,000 generated tokens (60 s more warm-up, ...)"
+    why = "compile not tried: needs ~300 s, 12 s left (2 rounds with a compile of ~120 s each)"
+    _with_selection(lm_run, tuned={"note": f"settings: the defaults kept; {pay}", "payback": pay})
+    write_json(lm_run / "search.json", {"objective": "throughput", "events": [f"settings: {why}"]})
+    md, html = (p.read_text() for p in write_report(lm_run))
+    for text in (md, html):
+        assert "compiled decode" in text and pay.split(" (")[0] in text and why in text
