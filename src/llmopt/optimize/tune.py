@@ -178,12 +178,15 @@ def compile_cost(run: RunDir, base: Candidate) -> tuple[float, str]:
     )
 
 
-def compile_payback(run: RunDir, base_id: str, vid: str) -> str:
+def compile_payback(run: RunDir, base_id: str, vid: str, dropped: list[int] | None = None) -> str:
     """After how many generated tokens the compiled variation `vid` pays back its extra warm-up
     over `base_id`, from the side-by-side rounds: the mean extra warm-up over the mean batch-1
-    decode time saved per token, both measured in the same rounds. "" without a round."""
+    decode time saved per token, both measured in the same rounds. Rounds in `dropped` (the
+    machine's load changed during them) are left out, as from the ratios. "" without a round."""
     extra, saved = [], []
     for r in range(1, MAX_ROUNDS + 1):
+        if r in (dropped or []):
+            continue
         a, b = _bench_at(run, vid, f"tune{r}"), _bench_at(run, base_id, f"tune{r}")
         if a is None or b is None:
             continue
@@ -310,7 +313,8 @@ def tune(
     out = decide(base, variants, res)
     out.not_tried = not_tried
     compiled = [v for v, c in zip(variants, kept, strict=True) if _compiles(base, c)]
-    if compiled and (pay := compile_payback(run, base.id, compiled[0].id)):
+    dropped = res[compiled[0].id].dropped if compiled and compiled[0].id in res else []
+    if compiled and (pay := compile_payback(run, base.id, compiled[0].id, dropped)):
         out.payback = pay
         out.note += f"; {pay}"
     if not_tried:

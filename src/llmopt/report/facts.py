@@ -82,9 +82,10 @@ def summary_line(view: RunView) -> str:
     if r is None or r.basis == "reference":
         lead = f"{view.primary_metric} {speed}, "
     elif r.within_noise:
+        which = "confirmed" if r.unconfirmed else "measurable"
         lead = (
-            f"no measurable {r.metric} difference from the reference ({_how(r)}); chosen for "
-            f"{_why_within_noise(view, chosen)}; {view.primary_metric} {speed}, "
+            f"no {which} {r.metric} difference from the reference ({_how(r)}); "
+            f"{_why_within_noise(view, chosen, r)}; {view.primary_metric} {speed}, "
         )
     elif r.basis == "side by side":
         lead = (
@@ -115,16 +116,20 @@ def _how(r: Ratio) -> str:
     return f"{r.basis}"
 
 
-def _why_within_noise(view: RunView, cv: CandidateView) -> str:
-    """What the chosen candidate offers when its speed cannot be told from the reference's:
-    less memory, a smaller artifact, or only a higher median (said as such)."""
+def _why_within_noise(view: RunView, cv: CandidateView, r: Ratio) -> str:
+    """Why the chosen candidate won when its speed cannot be told from the reference's: the
+    separate runs' numbers it was ranked on (not confirmed side by side), and what else it
+    offers (less memory, a smaller artifact), or only a higher median (said as such)."""
     better = []
     rss, art = view.memory_ratio(cv), view.memory_ratio(cv, "artifact_bytes")
     if rss is not None and rss < 0.95:
         better.append(f"its smaller peak memory ({fmt_x(rss)} the reference's)")
     if art is not None and art < 0.95:
         better.append(f"its smaller artifact ({fmt_x(art)} the reference's)")
-    return " and ".join(better) or "its higher median, a difference within noise"
+    if r.unconfirmed:
+        also = f", and it has {' and '.join(better)}" if better else ""
+        return f"chosen on the separate runs' numbers{also}"
+    return "chosen for " + (" and ".join(better) or "its higher median, a difference within noise")
 
 
 def candidate_headers(view: RunView) -> list[str]:

@@ -128,6 +128,9 @@ def test_compiled_adopted_only_when_it_wins_every_round_and_its_payback_is_said(
     res = paired_ratios(run, [comp.id], BASE.id, THROUGHPUT, prefix="tune")
     assert decide(BASE, [comp], res).variant is None
     assert "never pays back" in compile_payback(run, BASE.id, comp.id)
+    # A round the machine disturbed counts for the payback no more than for the ratio.
+    assert "6,000 generated tokens" in compile_payback(run, BASE.id, comp.id, dropped=[2])
+    assert compile_payback(run, BASE.id, comp.id, dropped=[1, 2]) == ""
 
 
 @pytest.mark.slow
@@ -159,8 +162,11 @@ def test_a_real_run_measures_the_compiled_decode_side_by_side(tiny_llama_dir, tm
     compiled = BenchResult.from_dict(run.candidate(vid).read("bench", "tune1"))
     eager = BenchResult.from_dict(run.candidate("torch-fp32").read("bench", "tune1"))
     assert compiled.warmup_seconds > eager.warmup_seconds  # the compile happened in its warm-up
-    assert "pays back" in t["payback"], t
     assert not t["not_tried"]
+    if not t["tried"][vid]["trusted"]:  # a busy machine disturbed every round: no figure
+        assert t["payback"] == "" and "compile not comparable" in t["note"], t
+        return
+    assert "pays back" in t["payback"], t
     if res.selection.chosen == "torch-fp32":  # the report says it too
         facts = dict(search_facts(load_run(out)))
         assert "pays back" in facts["compiled decode"]

@@ -656,8 +656,9 @@ def test_unconfirmed_and_screen_ratios_are_labelled(lm_run: Path) -> None:
     _with_selection(lm_run, side_by_side={"hf-bf16": pr})
     view = load_run(lm_run)
     line = summary_line(view)
-    assert "no measurable throughput difference" in line
+    assert "no confirmed throughput difference" in line
     assert "1.81x in separate runs, not confirmed side by side" in line
+    assert "chosen on the separate runs' numbers, and it has its smaller peak memory" in line
     cell = _row(view, "hf-bf16")["throughput vs reference"]
     assert cell == "1.81x separate runs, not confirmed side by side"
     # A candidate the search cut at the screen: its screen score, labelled as such.
