@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from llmopt.report.facts import summary_line
+from llmopt.report.view import load_run
 
 if TYPE_CHECKING:
     from llmopt.model.info import ModelInfo
@@ -65,17 +69,28 @@ def render_inspect(info: ModelInfo) -> None:
 
 
 def render_selection(res: OptimizeResult) -> None:
+    """The final table: each candidate, the ratio to the reference the selection used
+    (labelled side by side / separate runs / screen, as in the report) and its verdict; then
+    the report's headline, so the terminal and the report say the same thing."""
     sel = res.selection
+    view = load_run(res.run_dir)
     t = Table(title=f"selection ({sel.objective}, max quality drop {sel.max_quality_drop:.2%})")
-    t.add_column("candidate")
-    t.add_column("verdict")
+    t.add_column("candidate", overflow="fold")
+    t.add_column(f"{sel.objective} vs reference", overflow="fold")
+    t.add_column("verdict", overflow="fold")
     for cid, why in sel.reasons.items():
         style = (
             "green"
             if cid == sel.chosen
             else ("red" if why.startswith(("failed", "dropped")) else "")
         )
-        t.add_row(f"[{style}]{cid}[/]" if style else cid, why)
+        cv = view.get(cid)
+        r = view.objective_ratio(cv) if cv is not None else None
+        t.add_row(
+            f"[{style}]{escape(cid)}[/]" if style else escape(cid),
+            r.cell if r else "n/a",
+            escape(why),
+        )
     console.print(t)
     if res.resumed:
         console.print(
@@ -97,6 +112,7 @@ def render_selection(res: OptimizeResult) -> None:
         f"chosen: [bold]{sel.chosen or 'none'}[/]"
         + (f"  (artifact in {res.run_dir / 'best'})" if sel.chosen else "")
     )
+    console.print(escape(summary_line(view)), highlight=False)
     console.print(f"report: [bold]{res.report_html}[/]\n        {res.report_md}")
 
 

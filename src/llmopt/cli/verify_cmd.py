@@ -34,26 +34,35 @@ def _fmt(x) -> str:
     return str(x)
 
 
+# The gate table fits an 80-column terminal with every number in full: numbers never wrap or
+# shorten (at most 10 characters each, `_fmt`), the CI is split over two lines at its comma,
+# and the metric name is the column that folds.
+# Headers are short so they take no more room than the numbers under them.
+_NUMBER_COLUMNS = ("ref", "candidate", "delta", "95% CI", "limit", "gate", "n")
+
+
 def render_report(report: VerifyReport) -> None:
     """Print the gate table, notes, integrity problems and layer attribution."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"verify {report.candidate}  vs  {report.reference}")
-    for col in (
-        "metric",
-        "reference",
-        "candidate",
-        "delta",
-        "95% CI of delta",
-        "threshold",
-        "status",
-        "n",
-    ):
-        t.add_column(col)
+    t = Table(
+        title=f"verify {report.candidate}  vs  {report.reference}",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        show_edge=False,
+    )
+    t.add_column("metric", overflow="fold", min_width=8)
+    for col in _NUMBER_COLUMNS:
+        if col == "gate":  # a word ("pass", "FAIL", "report"): it may fold, numbers may not
+            t.add_column(col, overflow="fold", min_width=4)
+        else:
+            t.add_column(col, no_wrap=True, justify="right")
     for r in gate_rows(report.result):
-        ci = "-" if r["ci"] is None else f"[{_fmt(r['ci'][0])}, {_fmt(r['ci'][1])}]"
+        ci = "-" if r["ci"] is None else f"[{_fmt(r['ci'][0])},\n {_fmt(r['ci'][1])}]"
         if r["noise"]:
-            ci += " noise"
+            ci += "\nnoise"
         style = {"pass": "green", "FAIL": "bold red"}.get(r["status"], "")
         t.add_row(
             r["metric"],

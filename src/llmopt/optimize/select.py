@@ -204,8 +204,14 @@ def select(inp: SelectionInput) -> Selection:
         vs = score[chosen] if ref in values else None
         vs_ref = f", {vs:.2f}x the reference" if vs and chosen != ref else ""
         pr = inp.paired.get(chosen)
+        best = f"best {obj.name}"
+        if pr and pr.trusted and pr.lo is not None and pr.hi is not None and pr.lo <= 1 <= pr.hi:
+            # Its rounds straddle the reference: no speed-up is claimed, and why it still won
+            # (a higher median, or less memory) is said by the report from the same numbers.
+            best = f"no measurable {obj.name} difference from the reference, highest median"
+            vs_ref = ""
         reasons[chosen] = (
-            f"chosen: best {obj.name} within the quality budget ({_fmt(values[chosen], unit)}"
+            f"chosen: {best} within the quality budget ({_fmt(values[chosen], unit)}"
             f"{vs_ref}; quality drop {verify[chosen].quality_drop:+.2%})"
             + (f"; {pr.note}" if pr and pr.note else "")
             + _vs_eager(chosen, candidates, bench, inp.screen_bench)

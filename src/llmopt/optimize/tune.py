@@ -11,6 +11,13 @@ shares, two OpenMP threads can run many times slower than one (docs/benchmarks.m
 memory-bound decode step may not gain from the second core at all. What this rung measures is
 this machine as it is during the run; the reason in `selection.json` says so.
 
+The native engine's compiled decode on the CPU is one of its variations: compiled, a decode
+step runs faster, but each decode shape costs a C++ build first. It is measured only when the
+budget affords its rounds with the compiles in them (`compile_cost`: what this run measured, else
+`COMPILE_PRIOR_S` per shape); otherwise the result says `compile not tried: needs ~N s, M s left`.
+Measured, it is adopted by the same rule as any variation (faster by `MARGIN` in every round) and
+the result says after how many generated tokens its warm-up pays back (`payback`).
+
 Each variation lives beside the candidates as `candidates/<id>+<setting>/` (its artifact hard
 links to the chosen one's, its candidate.json holds the settings), measured as
 `bench.tune<N>.json`; the report lists them under the chosen candidate, not as candidates.
@@ -23,20 +30,40 @@ import shutil
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from llmopt.core.atomic import write_json
-from llmopt.core.schema import Candidate
+from llmopt.core.atomic import read_json, write_json
+from llmopt.core.schema import BenchResult, Candidate
 from llmopt.engines import get_engine
 from llmopt.optimize.budget import Budget
 from llmopt.optimize.executor import LocalExecutor, Task
 from llmopt.optimize.objective import Objective
-from llmopt.optimize.paired import PAIR_ROUNDS, pair_estimate, paired_ratios, round_order
+from llmopt.optimize.paired import (
+    MAX_ROUNDS,
+    PAIR_ROUNDS,
+    pair_estimate,
+    paired_ratios,
+    round_order,
+)
+from llmopt.optimize.profiles import StageSettings
 from llmopt.optimize.space import settings_suffix
 from llmopt.rundir.paths import RunDir
 
-__all__ = ["TuneResult", "tune", "decide", "variations", "MARGIN", "VARIANT_SEP"]
+__all__ = [
+    "TuneResult",
+    "tune",
+    "decide",
+    "variations",
+    "compile_cost",
+    "compile_payback",
+    "MARGIN",
+    "VARIANT_SEP",
+    "COMPILE_PRIOR_S",
+]
 
 MARGIN = 0.03  # a variation must beat the default settings by this much in every round
 VARIANT_SEP = "+"  # candidates/<id>+<setting>: a tuning variation, not a planned candidate
+# Seconds to compile one decode shape on the CPU when the run has measured no compile: about a
+# minute per shape for SmolLM2-135M on 2 cores (docs/benchmarks.md), rounded to the safe side.
+COMPILE_PRIOR_S = 60.0
 
 
 @dataclass
@@ -55,6 +82,8 @@ class TuneResult:
     variant: str | None = None
     note: str = ""
     tried: dict[str, dict[str, Any]] = field(default_factory=dict)
+    not_tried: list[str] = field(default_factory=list)  # variations the budget left out, and why
+    payback: str = ""  # compiled vs the defaults: after how many tokens the compile pays back
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +111,104 @@ def variations(cand: Candidate, info: Any) -> list[dict[str, Any]]:
     extra = getattr(engine, "tune_space", None)
     if extra is not None and info is not None:
         out += [v for v in extra(info, cand.recipe, s.device) if v not in out]
-    return out
+    # A variation the candidate already runs with (a compiled candidate chosen) is no variation.
+    return [v for v in out if s.with_changes(**v) != s]
+
+
+def _compiles(base: Candidate, change: dict[str, Any]) -> bool:
+    return bool(change.get("compile")) and not base.settings.compile
+
+
+def _decode_shapes(run: RunDir) -> int:
+    """Decode shapes a side-by-side bench compiles: one per batch size it measures."""
+    try:
+        sizes = StageSettings.from_run_json(read_json(run.run_json)["settings"], "tune1").sizes
+        return len(set(sizes.bench_batch_sizes) | {1})
+    except (OSError, ValueError, KeyError, TypeError):
+        return 2
+
+
+def _bench_at(run: RunDir, cid: str, fidelity: str) -> BenchResult | None:
+    d = run.candidate(cid).read("bench", fidelity)
+    return BenchResult.from_dict(d) if d is not None else None
+
+
+_FIDELITIES = ("full", "screen", *(f"{k}{r}" for k in ("tune", "pair") for r in range(1, 5)))
+
+
+def compile_cost(run: RunDir, base: Candidate) -> tuple[float, str]:
+    """Seconds a compiled bench of `base` adds to an eager one, and where the figure comes from.
+
+    Measured where this run has it: the largest extra warm-up a compiled candidate of the same
+    engine and device showed over its eager twin (same settings but `compile`) benchmarked at
+    the same fidelity. Else the prior: `COMPILE_PRIOR_S` per decode shape the bench compiles.
+    """
+    cands = []
+    for cdir in run.candidates():
+        d = cdir.read("candidate")
+        if d is not None:
+            cands.append(Candidate.from_dict(d))
+
+    def rest(c: Candidate) -> dict[str, Any]:
+        return {k: v for k, v in c.settings.to_dict().items() if k not in ("compile", "opt_in")}
+
+    measured: list[float] = []
+    for c in cands:
+        if c.engine != base.engine or not c.settings.compile:
+            continue
+        twins = [
+            o
+            for o in cands
+            if o.engine == c.engine
+            and o.recipe == c.recipe
+            and not o.settings.compile
+            and rest(o) == rest(c)
+        ]
+        for fid in _FIDELITIES:
+            mine = _bench_at(run, c.id, fid)
+            theirs = next((b for o in twins if (b := _bench_at(run, o.id, fid))), None)
+            if mine is not None and theirs is not None:
+                measured.append(mine.warmup_seconds - theirs.warmup_seconds)
+    if measured:
+        return max(0.0, max(measured)), "the most extra warm-up a compiled bench took in this run"
+    shapes = _decode_shapes(run)
+    return (
+        COMPILE_PRIOR_S * shapes,
+        f"no compile measured in this run: {COMPILE_PRIOR_S:.0f} s per decode shape x {shapes}",
+    )
+
+
+def compile_payback(run: RunDir, base_id: str, vid: str, dropped: list[int] | None = None) -> str:
+    """After how many generated tokens the compiled variation `vid` pays back its extra warm-up
+    over `base_id`, from the side-by-side rounds: the mean extra warm-up over the mean batch-1
+    decode time saved per token, both measured in the same rounds. Rounds in `dropped` (the
+    machine's load changed during them) are left out, as from the ratios. "" without a round."""
+    extra, saved = [], []
+    for r in range(1, MAX_ROUNDS + 1):
+        if r in (dropped or []):
+            continue
+        a, b = _bench_at(run, vid, f"tune{r}"), _bench_at(run, base_id, f"tune{r}")
+        if a is None or b is None:
+            continue
+        ma, mb = a.metrics.get("decode_ms_per_token"), b.metrics.get("decode_ms_per_token")
+        if ma is None or mb is None:
+            continue
+        extra.append(a.warmup_seconds - b.warmup_seconds)
+        saved.append(mb.median - ma.median)
+    if not saved:
+        return ""
+    extra_s, saved_ms = sum(extra) / len(extra), sum(saved) / len(saved)
+    n = len(saved)
+    rounds = f"{n} round{'s' if n > 1 else ''} side by side"
+    if saved_ms <= 0:
+        return (
+            f"compiled decode is no faster than the defaults ({rounds}): compiling never pays back"
+        )
+    tokens = max(0.0, extra_s) * 1000 / saved_ms
+    return (
+        f"compiling pays back after ~{tokens:,.0f} generated tokens ({extra_s:.0f} s more warm-up, "
+        f"{saved_ms:.2f} ms saved per token at batch 1; {rounds})"
+    )
 
 
 def _variant(run: RunDir, base: Candidate, change: dict[str, Any]) -> Candidate:
@@ -118,17 +244,54 @@ def tune(
     events: list[str] | None = None,
 ) -> TuneResult | None:
     """Measure `base`'s runtime variations side by side with its default settings; None when
-    there is nothing to tune (no variation, the memory objective, or no budget for a round)."""
+    there is nothing to tune (no variation, the memory objective). A compile the budget cannot
+    afford is left out and said so (`TuneResult.not_tried`)."""
     changes = variations(base, info)
     if not changes or obj.name == "memory":
         return None
-    variants = [_variant(run, base, c) for c in changes]
+    bench_s = pair_estimate(run, base.id)  # one bench of the base (a variation runs as its base)
+    cost, basis = compile_cost(run, base) if any(_compiles(base, c) for c in changes) else (0, "")
+    not_tried: list[str] = []
+    plain = [c for c in changes if not _compiles(base, c)]
+    rounds_s = PAIR_ROUNDS * (1 + len(plain)) * bench_s  # the base and the other variations
+    kept = list(plain)
+    for c in changes:
+        if not _compiles(base, c):
+            continue
+        done = all(
+            run.candidate(_variant_id(base, c)).done("bench", f"tune{r}")
+            for r in range(1, PAIR_ROUNDS + 1)
+        )
+        need = 0.0 if done else PAIR_ROUNDS * (bench_s + cost)
+        if budget.fits(rounds_s + need):
+            kept.append(c)
+            rounds_s += need
+            continue
+        left = max(0.0, (budget.left or 0.0) - budget.reserve_s - rounds_s)
+        why = (
+            f"compile not tried: needs ~{need:.0f} s, {left:.0f} s left "
+            f"({PAIR_ROUNDS} rounds with a compile of ~{cost:.0f} s each: {basis})"
+        )
+        not_tried.append(why)
+        if events is not None:
+            events.append(f"settings: {why}")
+    if not kept:
+        return TuneResult(
+            base.id,
+            base.settings.to_dict(),
+            note="settings: " + "; ".join(not_tried),
+            not_tried=not_tried,
+        )
+    variants = [_variant(run, base, c) for c in kept]
     ids = [base.id, *(v.id for v in variants)]
     executor = LocalExecutor(progress)
-    per = len(ids) * pair_estimate(run, base.id)  # one round (a variation runs as its base)
     for r in range(1, PAIR_ROUNDS + 1):
-        done = all(run.candidate(i).done("bench", f"tune{r}") for i in ids)
-        if not done and not budget.fits(per):
+        todo = [i for i in ids if not run.candidate(i).done("bench", f"tune{r}")]
+        # one round: a bench of each (a variation runs as its base), plus each compile in it
+        per = len(todo) * bench_s + sum(
+            cost for v, c in zip(variants, kept, strict=True) if _compiles(base, c) and v.id in todo
+        )
+        if todo and not budget.fits(per):
             if events is not None:
                 events.append(f"settings: round {r} not run (needs ~{per:.0f} s)")
             break
@@ -138,7 +301,30 @@ def tune(
                 [Task(cid, [("bench", f"tune{r}")], f"tune{r}", None, budget.deadline)],
             )
     res = paired_ratios(run, [v.id for v in variants], base.id, obj, ctx, prefix="tune")
-    return decide(base, variants, res) if res else None
+    if not res:
+        if not not_tried:
+            return None
+        return TuneResult(
+            base.id,
+            base.settings.to_dict(),
+            note="settings: " + "; ".join(not_tried),
+            not_tried=not_tried,
+        )
+    out = decide(base, variants, res)
+    out.not_tried = not_tried
+    compiled = [v for v, c in zip(variants, kept, strict=True) if _compiles(base, c)]
+    dropped = res[compiled[0].id].dropped if compiled and compiled[0].id in res else []
+    if compiled and (pay := compile_payback(run, base.id, compiled[0].id, dropped)):
+        out.payback = pay
+        out.note += f"; {pay}"
+    if not_tried:
+        out.note += "; " + "; ".join(not_tried)
+    return out
+
+
+def _variant_id(base: Candidate, change: dict[str, Any]) -> str:
+    """The id of `base`'s variation `change` (as `_variant` names its folder)."""
+    return base.id + VARIANT_SEP + settings_suffix(change).lstrip("-")
 
 
 def decide(base: Candidate, variants: list[Candidate], res: dict[str, Any]) -> TuneResult:

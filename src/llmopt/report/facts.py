@@ -10,6 +10,7 @@ from llmopt.report.view import (
     QUALITY_ORDER,
     SPEED_ORDER,
     CandidateView,
+    Ratio,
     RunView,
     fmt_bytes,
     fmt_num,
@@ -74,22 +75,61 @@ def summary_line(view: RunView) -> str:
     if value is not None and sel.objective != "throughput":
         shown = fmt_bytes(value) if sel.objective_unit == "bytes" else fmt_num(value)
         obj = f"best {sel.objective} ({shown} {sel.objective_unit}); ".replace(" bytes)", ")")
-    # The ratio the selection decided on: measured side by side with the reference when it was
-    # (one time window), not two numbers taken minutes apart.
-    pr = (sel.side_by_side or {}).get(chosen.id) or {}
-    if pr.get("trusted") and pr.get("ratio"):
-        n = len(pr.get("ratios") or [])
+    # The ratio the selection decided on (side by side with the reference where it was: one
+    # time window, not two numbers taken minutes apart), the same number the candidates table
+    # shows in the chosen row.
+    r = view.objective_ratio(chosen)
+    if r is None or r.basis == "reference":
+        lead = f"{view.primary_metric} {speed}, "
+    elif r.within_noise:
+        which = "confirmed" if r.unconfirmed else "measurable"
         lead = (
-            f"{pr['ratio']:.2f}x the reference's {sel.objective} measured side by side "
-            f"({n} round{'s' if n != 1 else ''}, {pr['lo']:.2f}-{pr['hi']:.2f}x); "
+            f"no {which} {r.metric} difference from the reference ({_how(r)}); "
+            f"{_why_within_noise(view, chosen, r)}; {view.primary_metric} {speed}, "
+        )
+    elif r.basis == "side by side":
+        lead = (
+            f"{fmt_x(r.value)} the reference's {r.metric} measured side by side "
+            f"({r.rounds} round{'s' if r.rounds != 1 else ''}, {r.lo:.2f}-{r.hi:.2f}x); "
             f"{view.primary_metric} {speed}, "
         )
     else:
-        lead = f"{fmt_x(view.speedup(chosen))} the reference's {view.primary_metric} ({speed}), "
+        lead = f"{fmt_x(r.value)} the reference's {r.metric} ({_how(r)}; {speed}), "
     return (
         f"Chosen: {chosen.id} ({chosen.recipe} on {chosen.engine}): {obj}{lead}"
         f"quality drop {drop} ({budget})."
     )
+
+
+def _how(r: Ratio) -> str:
+    """How a ratio was measured, with what puts it within noise."""
+    if r.basis == "side by side":
+        n = f"{r.rounds} round{'s' if r.rounds != 1 else ''}"
+        return f"{fmt_x(r.value)} side by side, {n} spanning {r.lo:.2f}-{r.hi:.2f}x"
+    if r.unconfirmed:
+        return (
+            f"{fmt_x(r.value)} in separate runs, not confirmed side by side: the machine's load "
+            "changed during every round"
+        )
+    if r.within_noise and r.noise is not None:
+        return f"{fmt_x(r.value)} in separate runs, within their run-to-run spread of {fmt_pct(r.noise)}"
+    return f"{r.basis}"
+
+
+def _why_within_noise(view: RunView, cv: CandidateView, r: Ratio) -> str:
+    """Why the chosen candidate won when its speed cannot be told from the reference's: the
+    separate runs' numbers it was ranked on (not confirmed side by side), and what else it
+    offers (less memory, a smaller artifact), or only a higher median (said as such)."""
+    better = []
+    rss, art = view.memory_ratio(cv), view.memory_ratio(cv, "artifact_bytes")
+    if rss is not None and rss < 0.95:
+        better.append(f"its smaller peak memory ({fmt_x(rss)} the reference's)")
+    if art is not None and art < 0.95:
+        better.append(f"its smaller artifact ({fmt_x(art)} the reference's)")
+    if r.unconfirmed:
+        also = f", and it has {' and '.join(better)}" if better else ""
+        return f"chosen on the separate runs' numbers{also}"
+    return "chosen for " + (" and ".join(better) or "its higher median, a difference within noise")
 
 
 def candidate_headers(view: RunView) -> list[str]:
@@ -107,7 +147,7 @@ def candidate_headers(view: RunView) -> list[str]:
         "quality drop",
         "gate",
         f"{p} median (p90)",
-        "speedup",
+        f"{view.objective} vs reference",
         "peak RSS (vs ref)",
         "artifact",
         "status",
@@ -133,11 +173,14 @@ def candidate_cells(view: RunView, cv: CandidateView) -> list[str]:
         st = cv.bench.metrics.get(view.primary_metric or "")
         if st is not None:
             speed = f"{fmt_num(st.median)} ({fmt_num(st.p90)})"
-        speedup = fmt_x(view.speedup(cv))
         rss = f"{fmt_bytes(cv.bench.peak_rss_bytes)} ({fmt_x(view.memory_ratio(cv))})"
         artifact = fmt_bytes(cv.bench.artifact_bytes)
     elif cv.build and "artifact_bytes" in cv.build:
         artifact = fmt_bytes(cv.build["artifact_bytes"])
+    # The ratio the selection used, labelled with how it was measured (side by side, separate
+    # runs, screen): the chosen row's number is the headline's.
+    if (r := view.objective_ratio(cv)) is not None:
+        speedup = r.cell
     cid = cv.id + (" (reference)" if cv.reference else "")
     return [
         cid,
@@ -160,7 +203,7 @@ ENGINE_HEADERS = [
     "quality drop",
     "gate",
     "speed median",
-    "speedup",
+    "objective vs reference",
     "peak RSS",
     "artifact",
     "verdict",
@@ -209,7 +252,7 @@ def engine_rows(view: RunView) -> list[list[str]]:
                 cells["quality drop"],
                 cells["gate"],
                 cells[next(h for h in cells if h.endswith("median (p90)"))],
-                cells["speedup"],
+                cells[f"{view.objective} vs reference"],
                 cells["peak RSS (vs ref)"],
                 cells["artifact"],
                 verdict,

@@ -48,6 +48,12 @@ def search_facts(view: RunView) -> list[list[str]]:
     for name, sizes in (s.get("fidelities") or {}).items():
         rows.append([f"fidelity {name}", fmt_value("", sizes)])
     rows += [["event", e] for e in s.get("events") or []]
+    # Rung 4: the chosen one's runtime settings, and what compiling its decode costs and saves.
+    tuned = (view.selection.tuned if view.selection else None) or {}
+    if tuned.get("note"):
+        rows.append(["settings (rung 4)", str(tuned["note"])])
+    if tuned.get("payback"):
+        rows.append(["compiled decode", str(tuned["payback"])])
     if s.get("stopped_early"):
         rows.append(["early stop", "yes: the objective could not improve further"])
     return rows

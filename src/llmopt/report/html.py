@@ -170,8 +170,11 @@ def _summary(view: RunView) -> str:
     out = [f"<section class='card summary {'chosen' if chosen else 'none'}'>"]
     out.append(f"<div class='headline'>{escape(summary_line(view))}</div>")
     if chosen is not None:
+        # The selection's own ratio (the headline's), said how it was measured.
+        r = view.objective_ratio(chosen)
+        how = "" if r is None else (" within noise" if r.within_noise else f" {r.basis}")
         stats: list[tuple[str, str]] = [
-            (fmt_x(view.speedup(chosen)), f"{view.primary_metric} vs reference"),
+            (fmt_x(r.value if r else None), f"{view.objective} vs reference{how}"),
             (fmt_num(view.speed(chosen)), f"{view.primary_metric} (median)"),
             (fmt_pct(chosen.verify.quality_drop if chosen.verify else None), "quality drop"),
         ]

@@ -20,6 +20,7 @@ __all__ = [
     "QUALITY_ORDER",
     "SPEED_ORDER",
     "CandidateView",
+    "Ratio",
     "RunView",
     "Status",
     "fmt_bytes",
@@ -79,6 +80,66 @@ class Status:
         if not self.reason or self.reason.startswith(f"{self.label}:"):  # selection's own wording
             return self.reason or self.label
         return f"{self.label}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A candidate's objective relative to the reference's (higher is better), and how it was
+    measured: the number the selection decided on, so every table and the headline quote it.
+
+    Attributes:
+        value: the ratio (2.0: twice as good as the reference on `metric`).
+        basis: "reference" (the reference itself), "side by side" (the finalists' mirrored
+            rounds, one time window), "separate runs" (two full-fidelity benchmarks taken
+            minutes apart) or "screen" (the search's cheap first rung).
+        metric: what was compared: the objective, or for a run that recorded no objective
+            values, the primary speed metric.
+        lo, hi: the spread of the side-by-side rounds.
+        rounds: side-by-side rounds behind `value`.
+        noise: separate runs: the larger run-to-run spread of the two benchmarks (a fraction).
+        unconfirmed: the side-by-side rounds were measured but none was comparable (the
+            machine's load changed during every one), so `value` rests on separate runs.
+    """
+
+    value: float
+    basis: str
+    metric: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    rounds: int = 0
+    noise: float | None = None
+    unconfirmed: bool = False
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the measurement cannot tell this candidate from the reference: the rounds'
+        spread includes 1.0, or separate runs differ by less than their own spread, or the
+        side-by-side comparison was not confirmed."""
+        if self.basis == "side by side":
+            return self.lo is not None and self.hi is not None and self.lo <= 1.0 <= self.hi
+        if self.basis == "separate runs":
+            return self.unconfirmed or (
+                self.noise is not None and abs(self.value - 1.0) <= self.noise
+            )
+        return False
+
+    @property
+    def cell(self) -> str:
+        """The table cell: "1.50x side by side (1.45-1.55x)", "1.81x separate runs", ...
+
+        >>> Ratio(1.5, "side by side", lo=1.45, hi=1.55, rounds=2).cell
+        '1.50x side by side (1.45-1.55x)'
+        >>> Ratio(1.2, "separate runs", unconfirmed=True).cell
+        '1.20x separate runs, not confirmed side by side'
+        """
+        if self.basis == "reference":
+            return "1.00x (reference)"
+        x = fmt_x(self.value)
+        if self.basis == "side by side":
+            return f"{x} side by side ({self.lo:.2f}-{self.hi:.2f}x)"
+        if self.unconfirmed:
+            return f"{x} separate runs, not confirmed side by side"
+        return f"{x} {self.basis}"
 
 
 @dataclass
@@ -210,6 +271,46 @@ class RunView:
             return None
         # Rates (per second) are better higher; times (seconds, ms) are better lower.
         return r / v if _is_time(name or "", cv.bench.metrics[name].unit) else v / r
+
+    def objective_ratio(self, cv: CandidateView) -> Ratio | None:
+        """`cv`'s objective relative to the reference's, as the selection measured it: side by
+        side where the rounds were comparable, else the full-fidelity values (separate runs),
+        else the screen's score; None when nothing was measured."""
+        sel, ref = self.selection, self.reference
+        if cv.reference:
+            return Ratio(1.0, "reference", self.objective)
+        pr = (sel.side_by_side or {}).get(cv.id) if sel else None
+        if pr and pr.get("trusted") and pr.get("ratio"):
+            n = len(pr.get("ratios") or [])
+            return Ratio(pr["ratio"], "side by side", self.objective, pr["lo"], pr["hi"], n)
+        unconfirmed = bool(pr and pr.get("rounds") and not pr.get("trusted"))
+        noise = self._noise(cv, ref) if ref is not None else None
+        values = sel.objective_values if sel else {}
+        if ref is not None and cv.id in values and ref.id in values:
+            a, b = values[cv.id], values[ref.id]
+            if a > 0 and b > 0:
+                x = a / b if sel.higher_is_better else b / a
+                return Ratio(
+                    x, "separate runs", self.objective, noise=noise, unconfirmed=unconfirmed
+                )
+        if (x := self.speedup(cv)) is not None:
+            metric = self.primary_metric or ""
+            return Ratio(x, "separate runs", metric, noise=noise, unconfirmed=unconfirmed)
+        if (x := self.screen_score(cv)) is not None:
+            return Ratio(x, "screen", self.objective)
+        return None
+
+    def _noise(self, cv: CandidateView, ref: CandidateView) -> float | None:
+        """The larger run-to-run spread of the primary metric of `cv`'s and `ref`'s benchmarks
+        (the selection's own noise measure); memory is measured once (0)."""
+        if self.objective == "memory":
+            return 0.0
+        spreads = [
+            s.spread
+            for c in (cv, ref)
+            if c.bench is not None and (s := c.bench.metrics.get(c.bench.primary)) is not None
+        ]
+        return max(spreads) if len(spreads) == 2 else None
 
     def memory_ratio(self, cv: CandidateView, attr: str = "peak_rss_bytes") -> float | None:
         """`attr` of the candidate's bench (peak_rss_bytes, artifact_bytes...) over the reference's."""

@@ -103,3 +103,69 @@ def test_cli_json_pass_and_fail(tiny_llama_dir, tmp_path, monkeypatch):
 def test_cli_needs_a_candidate():
     res = CliRunner().invoke(app, ["verify", "smollm2-135m"])
     assert res.exit_code != 0 and "CANDIDATE" in str(res.exception)
+
+
+def test_gate_table_shows_every_number_in_full_at_80_columns(monkeypatch):
+    from rich.console import Console
+
+    import llmopt.cli.verify_cmd as verify_cmd
+    from llmopt.core.schema import Metric, VerifyResult
+    from llmopt.verify.api import VerifyReport
+
+    metrics = [
+        Metric(
+            "perplexity",
+            12.345678,
+            12.401234,
+            False,
+            12.469135,
+            True,
+            4096,
+            ci_low=-0.0123456,
+            ci_high=0.0987654,
+            noise=True,
+        ),
+        Metric(
+            "top1_agreement",
+            1.0,
+            0.987654,
+            True,
+            0.9,
+            True,
+            4096,
+            ci_low=-0.0182345,
+            ci_high=-0.0071234,
+            noise=False,
+        ),
+        # The widest numbers `_fmt` writes, in every column at once, and a report-only gate.
+        Metric(
+            "kl_divergence_p99_over_all_tokens",
+            0.000123456,
+            -0.000923456,
+            False,
+            None,
+            None,
+            123456,
+            ci_low=-0.000812345,
+            ci_high=-0.000712345,
+            noise=False,
+        ),
+        Metric("greedy_match_first_divergence", None, 123456.0, True, -0.000123456, False, 32),
+    ]
+    result = VerifyResult("c", "causal-lm", metrics, False, 0.0045, seconds=12.3)
+    report = VerifyReport(
+        "/models/a/long/reference/folder", "/runs/x/candidates/y/artifact", result
+    )
+    console = Console(width=80, record=True, force_terminal=False)
+    monkeypatch.setattr(verify_cmd, "console", console)
+    verify_cmd.render_report(report)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text
+    fmt = verify_cmd._fmt
+    for m in metrics:
+        for x in (m.reference, m.candidate, m.delta, m.threshold, m.ci_low, m.ci_high):
+            if x is not None:
+                assert fmt(x) in text, fmt(x)
+        assert str(m.n) in text
+    assert fmt(-0.000923456) == "-9.23e-04" and "-0.001047" in text  # the delta, whole

@@ -149,3 +149,23 @@ def test_settings_adopted_only_when_they_win_every_round(tmp_path):
     res = rounds([{base.id: 50.0, one.id: 65.0}, {base.id: 60.0, one.id: 55.0}])
     t = decide(base, [one], res)
     assert t.variant is None and t.settings["threads"] == 2 and "defaults kept" in t.note
+
+
+def test_a_chosen_one_whose_rounds_straddle_the_reference_claims_no_speed_up(tmp_path):
+    cands = [Candidate("ref", "hf", "fp32", reference=True), Candidate("a", "hf", "bf16")]
+    full = {"ref": _bench("ref", 40.0), "a": _bench("a", 48.0)}
+    verify = {c.id: _verify(c.id, 0.001) for c in cands}
+    run = RunDir(tmp_path)
+    _write_round(run, 1, {"ref": 40.0, "a": 38.0}, {})
+    _write_round(run, 2, {"ref": 40.0, "a": 44.0}, {})
+    paired = paired_ratios(run, ["a"], "ref", THROUGHPUT)
+    sel = select(SelectionInput(cands, verify, full, 0.01, "throughput", paired=paired))
+    assert sel.chosen == "a"
+    why = sel.reasons["a"]
+    assert why.startswith("chosen: no measurable throughput difference from the reference")
+    assert "x the reference;" not in why and "0.95-1.10x" in why
+    # Rounds clear of 1.0: the ratio is stated.
+    _write_round(run, 1, {"ref": 40.0, "a": 48.0}, {})
+    paired = paired_ratios(run, ["a"], "ref", THROUGHPUT)
+    why = select(SelectionInput(cands, verify, full, 0.01, "throughput", paired=paired)).reasons
+    assert why["a"].startswith("chosen: best throughput") and "1.15x the reference" in why["a"]

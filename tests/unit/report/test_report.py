@@ -590,3 +590,108 @@ def test_summary_quotes_the_side_by_side_ratio_the_selection_used(lm_run: Path) 
     line = summary_line(load_run(lm_run))
     assert "1.50x the reference's throughput measured side by side (2 rounds, 1.45-1.55x)" in line
     assert "1.81x" not in line
+
+
+def _with_selection(root: Path, **changes) -> None:
+    sel = json.loads((root / "selection.json").read_text())
+    sel["objective_values"] = {"hf-fp32": 41.0, "hf-bf16": 74.25, "hf-w8a16": 95.5}
+    sel.update(changes)
+    write_json(root / "selection.json", sel)
+
+
+def _row(view, cid: str) -> dict[str, str]:
+    from llmopt.report.facts import candidate_cells, candidate_headers
+
+    return dict(zip(candidate_headers(view), candidate_cells(view, view.get(cid)), strict=True))
+
+
+def test_chosen_row_and_headline_quote_the_same_side_by_side_ratio(lm_run: Path) -> None:
+    from llmopt.report.facts import summary_line
+
+    pr = {"ratio": 1.5, "lo": 1.45, "hi": 1.55, "ratios": [1.45, 1.55], "trusted": True}
+    _with_selection(lm_run, side_by_side={"hf-bf16": pr})
+    view = load_run(lm_run)
+    line = summary_line(view)
+    chosen = _row(view, "hf-bf16")["throughput vs reference"]
+    # The headline's number is the chosen row's, labelled with how it was measured, and not the
+    # batch-1 decode ratio of the two separate full benchmarks (74.25 / 41 = 1.81x).
+    assert chosen == "1.50x side by side (1.45-1.55x)"
+    assert "1.50x the reference's throughput measured side by side" in line
+    assert "1.81x" not in line and "1.81x" not in chosen
+    assert _row(view, "hf-fp32")["throughput vs reference"] == "1.00x (reference)"
+    # No side-by-side rounds for this one: its ratio is from the objective values, said so.
+    assert _row(view, "hf-w8a16")["throughput vs reference"] == "2.33x separate runs"
+    md, html = (p.read_text() for p in write_report(lm_run))
+    for text in (md, html):
+        assert "1.50x side by side (1.45-1.55x)" in text and "throughput vs reference" in text
+    assert "throughput vs reference side by side" in html  # the summary card's label
+
+
+def test_a_choice_inside_the_noise_says_so(lm_run: Path) -> None:
+    from llmopt.report.facts import summary_line
+
+    pr = {"ratio": 1.02, "lo": 0.97, "hi": 1.08, "ratios": [0.97, 1.08], "trusted": True}
+    _with_selection(lm_run, side_by_side={"hf-bf16": pr})
+    view = load_run(lm_run)
+    line = summary_line(view)
+    assert "no measurable throughput difference from the reference" in line
+    assert "1.02x side by side, 2 rounds spanning 0.97-1.08x" in line
+    assert "chosen for its smaller peak memory (0.67x the reference's)" in line
+    assert "the reference's throughput measured" not in line and "faster" not in line
+    assert _row(view, "hf-bf16")["throughput vs reference"] == "1.02x side by side (0.97-1.08x)"
+    assert "throughput vs reference within noise" in write_report(lm_run)[1].read_text()
+    # Same memory as the reference: only the higher median is left, and the line says that.
+    b = json.loads((lm_run / "candidates/hf-bf16/bench.json").read_text())
+    ref = json.loads((lm_run / "candidates/hf-fp32/bench.json").read_text())
+    b["peak_rss_bytes"], b["artifact_bytes"] = ref["peak_rss_bytes"], ref["artifact_bytes"]
+    write_json(lm_run / "candidates/hf-bf16/bench.json", b)
+    assert "its higher median, a difference within noise" in summary_line(load_run(lm_run))
+
+
+def test_unconfirmed_and_screen_ratios_are_labelled(lm_run: Path) -> None:
+    from llmopt.report.facts import summary_line
+
+    # Rounds measured but none comparable: the separate runs' ratio, not claimed as a speed-up.
+    pr = {"ratio": None, "lo": None, "hi": None, "ratios": [], "rounds": 2, "trusted": False}
+    _with_selection(lm_run, side_by_side={"hf-bf16": pr})
+    view = load_run(lm_run)
+    line = summary_line(view)
+    assert "no confirmed throughput difference" in line
+    assert "1.81x in separate runs, not confirmed side by side" in line
+    assert "chosen on the separate runs' numbers, and it has its smaller peak memory" in line
+    cell = _row(view, "hf-bf16")["throughput vs reference"]
+    assert cell == "1.81x separate runs, not confirmed side by side"
+    # A candidate the search cut at the screen: its screen score, labelled as such.
+    cut = Candidate("hf-w4a16", "torch", "w4a16")
+    _cand(lm_run, cut)
+    write_json(lm_run / "search.json", {"objective": "throughput", "screen_scores": {cut.id: 0.9}})
+    assert _row(load_run(lm_run), cut.id)["throughput vs reference"] == "0.90x screen"
+
+
+def test_cli_final_table_agrees_with_the_report(lm_run: Path, monkeypatch) -> None:
+    from rich.console import Console
+
+    import llmopt.cli.render as render
+    from llmopt.core.schema import Selection
+    from llmopt.optimize.job import OptimizeResult
+    from llmopt.report.facts import summary_line
+
+    pr = {"ratio": 1.5, "lo": 1.45, "hi": 1.55, "ratios": [1.45, 1.55], "trusted": True}
+    _with_selection(lm_run, side_by_side={"hf-bf16": pr})
+    sel = Selection.from_dict(json.loads((lm_run / "selection.json").read_text()))
+    console = Console(width=200, record=True)
+    monkeypatch.setattr(render, "console", console)
+    render.render_selection(OptimizeResult(lm_run, sel, False))
+    text = console.export_text()
+    assert "1.50x side by side (1.45-1.55x)" in text and "2.33x separate runs" in text
+    assert summary_line(load_run(lm_run)) in text.replace("\n", " ")
+
+
+def test_the_compile_payback_and_the_budget_cut_are_in_the_report(lm_run: Path) -> None:
+    pay = "compiling pays back after ~6,000 generated tokens (60 s more warm-up, ...)"
+    why = "compile not tried: needs ~300 s, 12 s left (2 rounds with a compile of ~120 s each)"
+    _with_selection(lm_run, tuned={"note": f"settings: the defaults kept; {pay}", "payback": pay})
+    write_json(lm_run / "search.json", {"objective": "throughput", "events": [f"settings: {why}"]})
+    md, html = (p.read_text() for p in write_report(lm_run))
+    for text in (md, html):
+        assert "compiled decode" in text and pay.split(" (")[0] in text and why in text

@@ -101,6 +101,16 @@ class NativeEngine(Engine):
             return [{}, {"compile": True, "opt_in": why}]
         return [{}]
 
+    def tune_space(self, info: ModelInfo, recipe: str, device: str) -> list[dict[str, Any]]:
+        """Runtime settings worth measuring on the chosen candidate (`llmopt.optimize.tune`):
+        on the CPU, the compiled decode. Compiling changes how fast the same weights run, not
+        what they compute, so it needs no verification of its own, only side-by-side rounds;
+        the tune rung tries it when the budget affords the compiles. On CUDA the default
+        already compiles."""
+        if device == "cpu" and (recipe in DENSE or recipe in QUANTIZED):
+            return [{"compile": True}]
+        return []
+
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
         if recipe.name in DENSE or recipe.name in QUANTIZED:
             facts = get_engine("hf").build(source, info, recipe, out)

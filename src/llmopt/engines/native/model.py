@@ -20,6 +20,17 @@ Two attention paths:
   which reads the blocks in place (`Attention.decode_kernel`, set by `setup_cache`). A chunk of T > 1
   queries may start at any position (right-padded rows too); a long one runs its queries in
   slices so the fp32 scores stay under `Attention.max_score_elems`.
+
+Local (sliding-window) layers can hold only their window (`setup_cache(local_blocks=...)` and
+`forward(local_tables=...)`): each sequence then owns a *ring* of `ring_blocks(block_size)` blocks
+in the local layers' own, smaller pool, and position p lives in ring block `(p // block_size) %
+R` (R the ring's length), so a block whose positions left the window is overwritten by the next
+ones instead of growing the table. A local layer then attends over the ring as it was before this
+call (each slot's position recomputed from the ring arithmetic, positions older than the window
+masked) together with this call's fresh keys, and writes the fresh keys' last R blocks' worth
+into the ring afterwards; so a prefill or a chunk longer than the window reads nothing its own
+writes overwrote. Without `local_tables` every layer indexes the one shared pool by the full
+block tables, as before.
 """
 
 from __future__ import annotations
@@ -120,7 +131,9 @@ class Attention(nn.Module):
     # a prefill chunk of T > 1 tokens over a long context runs its queries in slices.
     max_score_elems = 1 << 27
 
-    def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
+    def forward(
+        self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None
+    ):
         B, T, _ = x.shape
         if self.qkv_proj is not None:
             nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
@@ -135,6 +148,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ring is not None:  # a local layer over its window-sized ring (see the module doc)
+            out = self._ring(q, k, v, pos, ring, block_size)
+            return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
         # Write this step's keys/values into their cache rows.
         self.k_cache.index_copy_(0, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
         self.v_cache.index_copy_(0, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
@@ -193,7 +209,51 @@ class Attention(nn.Module):
             )
         return self._attend(q, pos, kc, vc)
 
-    def _attend(self, q, pos, kc, vc):
+    def _ring(self, q, k, v, pos, ring, block_size):
+        """Windowed attention over the ring (what earlier calls wrote) and this call's keys,
+        then the fresh keys written into the ring. `ring` is (tables (B, R), rows (B, T), keep
+        (B, T) bool): the ring block ids, each fresh position's ring row, and which fresh
+        positions to write (a row's last R blocks' worth of real tokens)."""
+        tables, rows, keep = ring
+        B, T, _, hd = q.shape
+        R = tables.shape[1]
+        kc = self.k_cache.view(-1, block_size, self.n_kv, hd)[tables].reshape(
+            B, R * block_size, self.n_kv, hd
+        )
+        vc = self.v_cache.view(-1, block_size, self.n_kv, hd)[tables].reshape(
+            B, R * block_size, self.n_kv, hd
+        )
+        # The position each ring slot holds: the latest block index <= the last one written
+        # (the chunk's start - 1) that maps to this slot; negative (never written) is masked.
+        last = pos[:, :1] - 1  # (B, 1)
+        cur = torch.div(last, block_size, rounding_mode="floor")
+        slot = torch.arange(R, device=q.device).view(1, R)
+        blk = cur - torch.remainder(cur - slot, R)  # (B, R)
+        offs = torch.arange(block_size, device=q.device).view(1, 1, block_size)
+        old = (blk.unsqueeze(-1) * block_size + offs).reshape(B, R * block_size)
+        old = torch.where((old >= 0) & (old <= last), old, torch.full_like(old, -(1 << 40)))
+        keypos = torch.cat([old, pos], dim=1)  # (B, S); never-written slots far in the past
+        kall = torch.cat([kc, k], dim=1).transpose(1, 2)  # (B, n_kv, S, hd)
+        vall = torch.cat([vc, v], dim=1).transpose(1, 2)
+        S = kall.shape[2]
+        step = T
+        if T > 1 and B * self.n_heads * T * S > self.max_score_elems:
+            step = max(1, self.max_score_elems // (B * self.n_heads * S))
+        out = torch.cat(
+            [
+                self._attend(q[:, a : a + step], pos[:, a : a + step], kall, vall, keypos)
+                for a in range(0, T, step)
+            ],
+            dim=1,
+        )
+        # Only after attending: a chunk longer than the ring would overwrite keys it reads.
+        idx = torch.where(keep, rows, torch.zeros_like(rows)).reshape(-1)  # the rest: scratch
+        sel = keep.reshape(-1).nonzero().squeeze(-1)
+        self.k_cache.index_copy_(0, idx[sel], k.reshape(-1, self.n_kv, hd)[sel])
+        self.v_cache.index_copy_(0, idx[sel], v.reshape(-1, self.n_kv, hd)[sel])
+        return out
+
+    def _attend(self, q, pos, kc, vc, keypos=None):
         B, T, _, hd = q.shape
         g = self.n_heads // self.n_kv
         S = kc.shape[2]
@@ -204,10 +264,12 @@ class Attention(nn.Module):
         scores = (qg @ kc.transpose(-1, -2)).float() * scale  # (B, n_kv, g*T, S)
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        keys = torch.arange(S, device=q.device)
-        visible = keys.view(1, 1, 1, 1, S) <= pos.view(B, 1, 1, T, 1)  # (B, 1, 1, T, S)
+        # Key positions: the gathered blocks' own (0..S-1), or as given (B, S) by the ring.
+        keys = torch.arange(S, device=q.device) if keypos is None else keypos
+        keys = keys.view(-1, 1, 1, 1, S)
+        visible = keys <= pos.view(B, 1, 1, T, 1)  # (B, 1, 1, T, S)
         if self.window is not None:
-            visible &= keys.view(1, 1, 1, 1, S) > pos.view(B, 1, 1, T, 1) - self.window
+            visible &= keys > pos.view(B, 1, 1, T, 1) - self.window
         scores = scores.view(B, self.n_kv, g, T, S).masked_fill(~visible, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype).view(B, self.n_kv, g * T, S)
         out = (p @ vc).view(B, self.n_kv, g, T, hd)
@@ -249,19 +311,20 @@ class Block(nn.Module):
             self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
 
-    def forward(self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool):
+    def forward(
+        self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None
+    ):
+        args = (rows, pos, block_tables, block_size, prefill, ring if self.local else None)
         if self.sandwich:
             h = self.input_layernorm(x)
-            a = self.self_attn(h, cos, sin, rows, pos, block_tables, block_size, prefill)
-            x = x + self.post_attention_layernorm(a)
+            x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, *args))
             m = self.mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(m)
         if self.post_norms:
-            a = self.self_attn(x, cos, sin, rows, pos, block_tables, block_size, prefill)
-            x = x + self.post_attention_layernorm(a)
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, *args))
             return x + self.post_feedforward_layernorm(self.mlp(x))
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, rows, pos, block_tables, block_size, prefill)
+        x = x + self.self_attn(h, cos, sin, *args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -285,10 +348,28 @@ class Transformer(nn.Module):
         inv_local = None if local_theta is None else rope_inv_freq(cfg, local_theta)
         self.register_buffer("inv_freq_local", inv_local, persistent=False)
 
-    def setup_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
-        """Allocate the KV block pool: num_blocks * block_size token rows per layer."""
+    def ring_blocks(self, block_size: int) -> int:
+        """Blocks a sequence's ring holds in the local layers: enough for the window ending at
+        any position (a window of W tokens spans at most ceil(W / block_size) + 1 blocks); 0
+        for a model without local layers."""
+        if not self.cfg.local_layers or not self.cfg.local_window:
+            return 0
+        return math.ceil(self.cfg.local_window / block_size) + 1
+
+    def setup_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device,
+        local_blocks: int | None = None,
+    ) -> None:
+        """Allocate the KV block pool: num_blocks * block_size token rows per layer; with
+        `local_blocks`, the local layers get a pool of their own of that many blocks (rings of
+        `ring_blocks(block_size)` per sequence, block 0 scratch), used through `local_tables`."""
         self.block_size = block_size
         shape = (num_blocks * block_size, self.cfg.n_kv_heads, self.cfg.head_dim)
+        local_shape = shape if local_blocks is None else (local_blocks * block_size, *shape[1:])
         kernel = (
             torch.device(device).type == "cuda"
             and self.cfg.head_dim >= 16  # tl.dot's smallest K
@@ -297,8 +378,9 @@ class Transformer(nn.Module):
         )
         sms = attention.sm_count(torch.device(device)) if kernel else 0
         for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            sh = local_shape if layer.local else shape
+            layer.self_attn.k_cache = torch.zeros(sh, dtype=dtype, device=device)
+            layer.self_attn.v_cache = torch.zeros(sh, dtype=dtype, device=device)
             layer.self_attn.decode_kernel, layer.self_attn.decode_sms = kernel, sms
 
     def forward(
@@ -309,8 +391,11 @@ class Transformer(nn.Module):
         prefill: bool = False,
         last_only: bool = True,
         last_index: torch.Tensor | None = None,
+        local_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens, pos: (B, T) int64; block_tables: (B, nb) int64 block ids.
+        """tokens, pos: (B, T) int64; block_tables: (B, nb) int64 block ids; local_tables:
+        (B, ring_blocks) the sequences' rings in the local layers' pool (None: the local layers
+        index the shared pool by `block_tables` like every other layer).
 
         `prefill=True` requires every sequence to start at position 0 in this call (right
         padding is fine: causal attention keeps real tokens from seeing it, and padding rows'
@@ -330,9 +415,18 @@ class Transformer(nn.Module):
             x = x * torch.tensor(math.sqrt(self.cfg.dim), dtype=x.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
+        ring = None
+        if local_tables is not None:
+            R = local_tables.shape[1]
+            lrows = local_tables.gather(1, torch.remainder(pos // bs, R)) * bs + pos % bs
+            # The fresh positions a ring keeps: a row's last R blocks' worth of real tokens
+            # (its padding, past `last_index`, is not written: it would wrap onto real ones).
+            end = pos[:, -1:] if last_index is None else pos.gather(1, last_index.view(-1, 1))
+            keep = (pos <= end) & (pos > end - R * bs)
+            ring = (local_tables, lrows, keep)
         for layer in self.model.layers:
             c, s = (cos_l, sin_l) if layer.local else (cos, sin)
-            x = layer(x, c, s, rows, pos, block_tables, bs, prefill)
+            x = layer(x, c, s, rows, pos, block_tables, bs, prefill, ring)
         x = self.model.norm(x)
         if last_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last_index]
