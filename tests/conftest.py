@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -233,3 +233,50 @@ def tiny_last_token_dir(_tiny_llama_master: Path, tmp_path: Path) -> Path:
     cfg["padding_side"] = "left"
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return out
+
+
+@pytest.fixture
+def tiny_llama_nan_dir(tiny_llama_dir: Path, tmp_path: Path) -> Path:
+    """The tiny Llama with token 5's input embedding set to NaN (its output head untied and
+    kept clean): a real forward over a prompt that holds token 5 gives NaN logits, any other
+    prompt runs as on the tiny Llama."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(shutil.copytree(tiny_llama_dir, tmp_path / "tiny-llama-nan"))
+    f = next(out.glob("*.safetensors"))
+    w = load_file(f)
+    key = next(k for k in w if "embed_tokens" in k)
+    w["lm_head.weight"] = w[key].clone()
+    w[key] = w[key].clone()
+    w[key][5] = float("nan")
+    save_file(w, f, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    return out
+
+
+@pytest.fixture
+def quick_optimize_args() -> Callable[..., list[str]]:
+    """`quick_optimize_args(model, out, time_budget)`: the `llmopt` arguments of a short but
+    complete `optimize` run (the CLI end-to-end test and the contention test run the same one):
+    two candidates besides the hf-fp32 reference, all built, verified and benched (exhaustive
+    search), loose gates."""
+
+    def args(model: Path, out: Path, time_budget: str) -> list[str]:
+        return [
+            "optimize",
+            str(model),
+            "--out",
+            str(out),
+            "--quick",
+            "--candidates",
+            "hf-bf16,hf-w8a16",
+            "--search",
+            "exhaustive",
+            "--gates",
+            "loose",
+            "--time-budget",
+            time_budget,
+        ]
+
+    return args

@@ -5,10 +5,6 @@ arithmetic of the recorded requests, and `bench compare` reads the runs."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -17,44 +13,16 @@ pytest.importorskip("fastapi")
 
 pytestmark = pytest.mark.integration
 
-MODEL = "minilm-l6"
+MODEL = "minilm-l6"  # what `minilm_server` (conftest.py) serves
 
 
-@pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    from llmopt.assets import prepare_builtin
-
-    prepare_builtin(MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("bench-embed") / "server.log"
-    cmd = [sys.executable, "-m", "llmopt.cli.main", "serve", MODEL, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
-def test_embeddings_load_records_every_request(embed_server):
+def test_embeddings_load_records_every_request(minilm_server):
     from llmopt.bench.loadgen import LoadSpec, Workload, run_load
     from llmopt.bench.serve_metrics import SLO
 
     w = Workload(input_len=12, endpoint="embeddings", batch_sizes=(1, 4))
     res = run_load(
-        embed_server,
+        minilm_server,
         LoadSpec("concurrency", 4, num_requests=12),
         w,
         slo=SLO(e2el_ms=60_000),
@@ -73,7 +41,7 @@ def test_embeddings_load_records_every_request(embed_server):
     assert m["ttft_ms"]["n"] == 12 and m["output_throughput"] == 0.0
 
 
-def test_cli_bench_serve_embeddings_then_compare(embed_server, tmp_path):
+def test_cli_bench_serve_embeddings_then_compare(minilm_server, tmp_path):
     from typer.testing import CliRunner
 
     from llmopt.cli.main import app
@@ -81,7 +49,7 @@ def test_cli_bench_serve_embeddings_then_compare(embed_server, tmp_path):
     outs = []
     for name in ("a", "b"):
         out = tmp_path / name
-        args = ["bench", "serve", "--url", embed_server, "--endpoint", "embeddings"]
+        args = ["bench", "serve", "--url", minilm_server, "--endpoint", "embeddings"]
         args += ["--values", "1,2", "--num-requests", "4", "--batch-sizes", "1,8"]
         args += ["--repeats", "2", "--percentiles", "50,99", "--out", str(out), "--label", name]
         r = CliRunner().invoke(app, args)

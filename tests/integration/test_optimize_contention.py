@@ -17,26 +17,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BUSY = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass"
 
 
-def test_a_neighbour_during_the_side_by_side_rounds(tiny_llama_dir, tmp_path):
+def test_a_neighbour_during_the_side_by_side_rounds(tiny_llama_dir, tmp_path, quick_optimize_args):
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "llmopt.cli.main",
-        "optimize",
-        str(tiny_llama_dir),
-        "--out",
-        str(out),
-        "--quick",
-        "--candidates",
-        "hf-bf16,hf-w8a16",
-        "--search",
-        "exhaustive",
-        "--gates",
-        "loose",
-        "--time-budget",
-        "none",
-    ]
+    cmd = [sys.executable, "-m", "llmopt.cli.main"]
+    cmd += quick_optimize_args(tiny_llama_dir, out, time_budget="none")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = out / "candidates" / "hf-fp32" / "bench.pair1.json"
     busy: list[subprocess.Popen] = []

@@ -4,11 +4,7 @@ base64), equal to the in-process runner, dynamic batching of concurrent requests
 from __future__ import annotations
 
 import base64
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -22,78 +18,37 @@ pytest.importorskip("prometheus_client")
 
 pytestmark = pytest.mark.integration
 
-MODEL = "minilm-l6"
-
-
-@pytest.fixture(scope="module")
-def embed_server(tmp_path_factory):
-    from llmopt.assets import prepare_builtin
-
-    prepare_builtin(MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve-embed") / "server.log"
-    # A 20 ms window so that requests sent together surely meet in one batch.
-    cmd = [
-        sys.executable,
-        "-m",
-        "llmopt.cli.main",
-        "serve",
-        MODEL,
-        "--port",
-        str(port),
-        "--embed-batch-window-ms",
-        "20",
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(10)
+MODEL = "minilm-l6"  # what `minilm_server` (conftest.py) serves
 
 
 def _client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def test_embeddings_match_in_process(embed_server):
+def test_embeddings_match_in_process(minilm_server):
     from llmopt.core.recipes import get_recipe
     from llmopt.engines import get_engine
     from llmopt.model.info import inspect_model
 
     texts = ["The cat sat on the mat.", "Stock markets fell sharply today."]
-    r = _client(embed_server).embeddings.create(model=MODEL, input=texts)
+    r = _client(minilm_server).embeddings.create(model=MODEL, input=texts)
     got = np.array([d.embedding for d in r.data], dtype=np.float32)
     assert got.shape == (2, 384) and [d.index for d in r.data] == [0, 1]
     assert r.usage.prompt_tokens > 0
     info = inspect_model(MODEL)
     ref = get_engine("hf").load(info.path, info, get_recipe("fp32"), EngineSettings()).embed(texts)
     np.testing.assert_allclose(got, ref, atol=1e-4)
-    b64 = _client(embed_server).embeddings.create(
+    b64 = _client(minilm_server).embeddings.create(
         model=MODEL, input=texts[0], encoding_format="base64"
     )
     vec = np.frombuffer(base64.b64decode(b64.data[0].embedding), dtype="<f4")
     np.testing.assert_allclose(vec, got[0], atol=1e-6)
 
 
-def test_concurrent_requests_are_batched(embed_server):
+def test_concurrent_requests_are_batched(minilm_server):
     def count() -> tuple[float, float]:
         n = s = 0.0
-        for line in httpx.get(embed_server + "/metrics").text.splitlines():
+        for line in httpx.get(minilm_server + "/metrics").text.splitlines():
             if line.startswith("llmopt_embedding_batch_size_count"):
                 n = float(line.split()[-1])
             if line.startswith("llmopt_embedding_batch_size_sum"):
@@ -101,7 +56,7 @@ def test_concurrent_requests_are_batched(embed_server):
         return n, s
 
     n0, s0 = count()
-    c = _client(embed_server)
+    c = _client(minilm_server)
     out, barrier = {}, threading.Barrier(12)
 
     def one(i: int) -> None:
@@ -119,8 +74,8 @@ def test_concurrent_requests_are_batched(embed_server):
     assert n1 - n0 < 12  # in fewer forward passes than requests: batched
 
 
-def test_embedding_server_errors(embed_server):
-    c = _client(embed_server)
+def test_embedding_server_errors(minilm_server):
+    c = _client(minilm_server)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as ei:

@@ -9,26 +9,11 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.options import (
-    ConcOpt,
-    CpuOpt,
-    GpuOpt,
-    GpusOpt,
-    InOpt,
+    SERVING_DEFAULTS,
     JsonOpt,
-    KvOpt,
-    MaxLenOpt,
-    OutOpt,
-    ParamsOpt,
-    PrecOpt,
-    RateOpt,
-    ThreadsOpt,
-    TpOpt,
-    TpotOpt,
-    TtftOpt,
-    UtilOpt,
+    ServingOptions,
     emit_json,
-    serving_target,
-    workload,
+    with_serving_options,
 )
 from llmopt.cli.render_ops import render_deploy
 from llmopt.deploy import resolve_source, write_bundle
@@ -36,6 +21,7 @@ from llmopt.deploy.source import run_target
 from llmopt.hardware.target import Target
 
 
+@with_serving_options
 def deploy(
     source: Annotated[
         str,
@@ -53,22 +39,7 @@ def deploy(
             "(what it measured on), else cuda."
         ),
     ] = None,
-    gpu: GpuOpt = None,
-    gpus: GpusOpt = None,
-    cpu: CpuOpt = False,
-    threads: ThreadsOpt = None,
-    params: ParamsOpt = None,
-    input_len: InOpt = 1024,
-    output_len: OutOpt = 256,
-    concurrency: ConcOpt = None,
-    rate: RateOpt = None,
-    ttft_ms: TtftOpt = None,
-    tpot_ms: TpotOpt = None,
-    max_model_len: MaxLenOpt = None,
-    precision: PrecOpt = None,
-    kv_dtype: KvOpt = "auto",
-    gpu_memory_utilization: UtilOpt = None,
-    tp: TpOpt = None,
+    serving: ServingOptions = SERVING_DEFAULTS,  # --gpu ... --tp
     image: Annotated[
         str | None, typer.Option(help="Container image name for compose and Kubernetes.")
     ] = None,
@@ -79,29 +50,22 @@ def deploy(
 ) -> None:
     """Write a ready-to-run bundle (container, compose, nginx, Kubernetes, start script), validated here."""
 
-    src = resolve_source(source, params=params)
+    o = serving
+    src = resolve_source(source, params=o.params)
     recorded = None
-    if src.kind == "run" and target is None and not (gpu or cpu):
+    if src.kind == "run" and target is None and not (o.gpu or o.cpu):
         recorded = run_target(src.model_dir)
     if recorded is not None:
         st = recorded
-        if threads:
-            st = Target.cpu_host(threads) if st.device == "cpu" else st
+        if o.threads:
+            st = Target.cpu_host(o.threads) if st.device == "cpu" else st
         sys.stderr.write(f"target: the run's own ({st.device}); pass --target/--gpu to change\n")
     else:
-        st = serving_target(target or "cuda", gpu, gpus, cpu, threads)
-    wl = workload(
-        input_len=input_len,
-        output_len=output_len,
-        concurrency=concurrency,
-        request_rate=rate,
-        ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms,
-        max_model_len=max_model_len,
-    )
-    kw = {"kv_dtype": kv_dtype, "utilization": gpu_memory_utilization, "tp": tp}
-    if precision:
-        kw["precision"] = precision
+        st = o.target(target or "cuda")
+    wl = o.workload()
+    kw = {"kv_dtype": o.kv_dtype, "utilization": o.gpu_memory_utilization, "tp": o.tp}
+    if o.precision:
+        kw["precision"] = o.precision
     res = write_bundle(src, out, st, wl, image=image, validate=not no_validate, **kw)
     emit_json(res.to_dict()) if as_json else render_deploy(res)
     if not res.ok:

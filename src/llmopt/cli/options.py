@@ -1,14 +1,20 @@
 """Typer options shared by several commands, defined once, and the JSON printer.
 
-The target and workload options (`--gpu`, `--input-len`, ...) are shared by `plan` and `deploy`;
-`serving_target` and `workload` turn them into the library's `Target` and `Workload`.
+The target, workload and layout options (`--gpu`, `--input-len`, `--tp`, ...) that `plan` and
+`deploy` both take are the fields of one `ServingOptions`; a command decorated with
+`with_serving_options` declares a `serving: ServingOptions` parameter and gets them as one
+typed object, whose `target` and `workload` are the library's `Target` and `Workload`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import sys
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
@@ -22,8 +28,9 @@ __all__ = [
     "ConfigModelArg",
     "JsonOpt",
     "emit_json",
-    "serving_target",
-    "workload",
+    "ServingOptions",
+    "SERVING_DEFAULTS",
+    "with_serving_options",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -109,19 +116,86 @@ StaticOpt = Annotated[
 ]
 
 
-def serving_target(
-    target: str, gpu: str | None, gpus: int | None, cpu: bool, threads: int | None
-) -> Target:
-    """The one Target of --gpu/--gpus, --cpu/--threads or --target (cuda: what doctor finds)."""
-    if gpu:
-        return Target.gpu_model(gpu, gpus or 1)
-    if cpu or target == "cpu":
-        return Target.cpu_host(threads)
-    if target != "cuda":
-        raise ValueError(f"unknown target {target!r}; use cpu or cuda (or --gpu NAME)")
-    return Target.from_doctor(run_doctor("cuda"), gpus)
+@dataclasses.dataclass(frozen=True)
+class ServingOptions:
+    """The options `plan` and `deploy` share, in their `--help` order (`with_serving_options`
+    turns each field into the option its annotation declares, with the field's default)."""
+
+    gpu: GpuOpt = None
+    gpus: GpusOpt = None
+    cpu: CpuOpt = False
+    threads: ThreadsOpt = None
+    params: ParamsOpt = None
+    input_len: InOpt = 1024
+    output_len: OutOpt = 256
+    concurrency: ConcOpt = None
+    rate: RateOpt = None
+    ttft_ms: TtftOpt = None
+    tpot_ms: TpotOpt = None
+    max_model_len: MaxLenOpt = None
+    precision: PrecOpt = None
+    kv_dtype: KvOpt = "auto"
+    gpu_memory_utilization: UtilOpt = None
+    tp: TpOpt = None
+
+    def target(self, target: str) -> Target:
+        """The one Target of --gpu/--gpus, --cpu/--threads or `target` (the command's
+        --target: cpu, or cuda: what doctor finds)."""
+        if self.gpu:
+            return Target.gpu_model(self.gpu, self.gpus or 1)
+        if self.cpu or target == "cpu":
+            return Target.cpu_host(self.threads)
+        if target != "cuda":
+            raise ValueError(f"unknown target {target!r}; use cpu or cuda (or --gpu NAME)")
+        return Target.from_doctor(run_doctor("cuda"), self.gpus)
+
+    def workload(self, **extra: Any) -> Workload:
+        """The Workload of --input-len ... --max-model-len (plus `extra` Workload fields)."""
+        return Workload(
+            input_len=self.input_len,
+            output_len=self.output_len,
+            concurrency=self.concurrency,
+            request_rate=self.rate,
+            ttft_ms=self.ttft_ms,
+            tpot_ms=self.tpot_ms,
+            max_model_len=self.max_model_len,
+            **extra,
+        )
 
 
-def workload(**kw: Any) -> Workload:
-    """The Workload of the --input-len ... --max-model-len options."""
-    return Workload(**kw)
+# The default of a command's `serving` parameter (the command Typer sees has none).
+SERVING_DEFAULTS = ServingOptions()
+
+
+def with_serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `command` the `ServingOptions` options in place of its `serving` parameter.
+
+    Typer builds a command's options from its signature, one parameter each, and has no
+    option groups; so the command Typer sees has the signature of `command` with `serving`
+    replaced by one parameter per `ServingOptions` field, and it calls `command` with those
+    values collected into `serving=ServingOptions(...)`.
+    """
+    hints = get_type_hints(command, include_extras=True)
+    shared = get_type_hints(ServingOptions, include_extras=True)
+    fields = dataclasses.fields(ServingOptions)
+    sig = inspect.signature(command)
+    if "serving" not in sig.parameters:
+        raise TypeError(f"{command.__name__} has no `serving: ServingOptions` parameter")
+    params = []
+    for p in sig.parameters.values():
+        if p.name != "serving":
+            params.append(p.replace(annotation=hints[p.name]))
+            continue
+        params += [
+            inspect.Parameter(f.name, p.kind, default=f.default, annotation=shared[f.name])
+            for f in fields
+        ]
+
+    @functools.wraps(command)
+    def typer_command(**kwargs: Any) -> Any:
+        serving = ServingOptions(**{f.name: kwargs.pop(f.name) for f in fields})
+        return command(serving=serving, **kwargs)
+
+    typer_command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    typer_command.__annotations__ = {p.name: p.annotation for p in params}
+    return typer_command

@@ -7,30 +7,15 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.options import (
-    ConcOpt,
+    SERVING_DEFAULTS,
     ConfigModelArg,
-    CpuOpt,
-    GpuOpt,
-    GpusOpt,
-    InOpt,
     JsonOpt,
-    KvOpt,
-    MaxLenOpt,
-    OutOpt,
-    ParamsOpt,
     PpOpt,
-    PrecOpt,
-    RateOpt,
+    ServingOptions,
     StaticOpt,
     TargetOpt,
-    ThreadsOpt,
-    TpOpt,
-    TpotOpt,
-    TtftOpt,
-    UtilOpt,
     emit_json,
-    serving_target,
-    workload,
+    with_serving_options,
 )
 from llmopt.cli.render import console
 from llmopt.cli.render_ops import render_plan
@@ -41,25 +26,11 @@ from llmopt.planning.check import check_plan_on_gpu
 from llmopt.planning.serving import plan_serving
 
 
+@with_serving_options
 def plan(
     model: ConfigModelArg,
     target: TargetOpt = "cpu",
-    threads: ThreadsOpt = None,
-    gpu: GpuOpt = None,
-    gpus: GpusOpt = None,
-    cpu: CpuOpt = False,
-    params: ParamsOpt = None,
-    input_len: InOpt = 1024,
-    output_len: OutOpt = 256,
-    concurrency: ConcOpt = None,
-    rate: RateOpt = None,
-    ttft_ms: TtftOpt = None,
-    tpot_ms: TpotOpt = None,
-    max_model_len: MaxLenOpt = None,
-    precision: PrecOpt = None,
-    kv_dtype: KvOpt = "auto",
-    gpu_memory_utilization: UtilOpt = None,
-    tp: TpOpt = None,
+    serving: ServingOptions = SERVING_DEFAULTS,  # --gpu ... --tp
     pp: PpOpt = None,
     static_shapes: StaticOpt = False,
     check: Annotated[
@@ -74,41 +45,34 @@ def plan(
     """What fits and what should run it? One plan: target, memory math, layout, engine, launch
     flags and the optimizer's candidates, each figure with where it comes from."""
 
-    info = inspect_model(model, params=params, config_only="auto")
+    o = serving
+    info = inspect_model(model, params=o.params, config_only="auto")
     source = "config" if info.weight_format == CONFIG_ONLY else "weights"
-    tgt = serving_target(target, gpu, gpus, cpu, threads)
-    wl = workload(
-        input_len=input_len,
-        output_len=output_len,
-        concurrency=concurrency,
-        request_rate=rate,
-        ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms,
-        max_model_len=max_model_len,
-        static_shapes=static_shapes,
-    )
-    serving = plan_serving(
+    tgt = o.target(target)
+    wl = o.workload(static_shapes=static_shapes)
+    serving_plan = plan_serving(
         info,
         tgt,
         wl,
-        precision=precision,
-        kv_dtype=kv_dtype,
-        utilization=gpu_memory_utilization,
-        tp=tp,
+        precision=o.precision,
+        kv_dtype=o.kv_dtype,
+        utilization=o.gpu_memory_utilization,
+        tp=o.tp,
         pp=pp,
     )
     # Candidates run on the machine that builds them: its threads unless the target names them.
-    opt = make_plan(info, tgt, settings={"threads": tgt.threads or threads or usable_cores()})
+    opt = make_plan(info, tgt, settings={"threads": tgt.threads or o.threads or usable_cores()})
     if source == "config":
         opt.notes.append("planned from config.json alone: `llmopt optimize` needs the weights")
     checked = None
     if check:
-        checked = check_plan_on_gpu(serving)
+        checked = check_plan_on_gpu(serving_plan)
     if as_json:
         extra = {"check": checked} if checked else {}
-        emit_json({**opt.to_dict(), "model_source": source, "serving": serving.to_dict(), **extra})
+        out = {**opt.to_dict(), "model_source": source, "serving": serving_plan.to_dict()}
+        emit_json(out | extra)
     else:
-        render_plan(info, source, params, opt, serving)
+        render_plan(info, source, o.params, opt, serving_plan)
         if checked:
             console.print_json(data=checked)
 

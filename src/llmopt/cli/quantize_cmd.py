@@ -7,6 +7,7 @@ Wiring only: build the CalibrationConfig, call `llmopt.quant.quantize` (or the G
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -158,6 +159,18 @@ def quantize(
         from llmopt.quant import quantize as run_quantize  # heavy: torch
 
         cal = CalibrationConfig(calibration, samples, seq_len, seed)
+        run = functools.partial(  # all but the progress callback, which depends on --json
+            run_quantize,
+            source,
+            recipe,
+            out,
+            calibration=cal,
+            device=device,
+            auto_exclude=auto_exclude,
+            max_quality_drop=max_quality_drop,
+            dtype=dtype,
+            sensitivity=sensitivity,
+        )
         if as_json:  # stdout is the JSON; progress goes to stderr, one line per layer
             t0 = time.perf_counter()
 
@@ -168,18 +181,7 @@ def quantize(
                     flush=True,
                 )
 
-            facts = run_quantize(
-                source,
-                recipe,
-                out,
-                calibration=cal,
-                device=device,
-                auto_exclude=auto_exclude,
-                max_quality_drop=max_quality_drop,
-                progress=line,
-                dtype=dtype,
-                sensitivity=sensitivity,
-            )
+            facts = run(progress=line)
         else:
             from rich.progress import Progress
 
@@ -189,18 +191,7 @@ def quantize(
                 def progress(stage: str, done: int, total: int) -> None:
                     bar.update(task, completed=done, total=total, description=f"{stage} layers")
 
-                facts = run_quantize(
-                    source,
-                    recipe,
-                    out,
-                    calibration=cal,
-                    device=device,
-                    auto_exclude=auto_exclude,
-                    max_quality_drop=max_quality_drop,
-                    progress=progress,
-                    dtype=dtype,
-                    sensitivity=sensitivity,
-                )
+                facts = run(progress=progress)
     if as_json:
         sys.stdout.write(json.dumps(facts, indent=2, default=str) + "\n")
     else:

@@ -196,34 +196,9 @@ def write_bundle(
     files = _files(plan, image, source.model_dir)
     files["README.md"] = bundle_readme(plan, source, image)
     out = Path(out)
-    with atomic_dir(out) as tmp:
-        tmp.chmod(0o755)  # a bundle is shared and built by others: not the temp dir's 0700
-        for rel, text in files.items():
-            write_text(tmp / rel, text)
-            (tmp / rel).chmod(0o755 if rel.endswith(".sh") else 0o644)
-            (tmp / rel).parent.chmod(0o755)
-        checks = validate_bundle(tmp) if validate else []
-        # A bundle for a plan that does not fit is written (to inspect) but reported as failed.
-        checks.insert(
-            0,
-            CheckResult("plan", "passed" if plan.fits else "failed", "llmopt plan", plan.notes[0]),
-        )
-        manifest = {
-            "generator": "llmopt deploy",
-            "source": {
-                "kind": source.kind,
-                "model_dir": str(source.model_dir),
-                "recipe": source.recipe,
-                "candidate": source.candidate,
-                "fingerprint": source.info.fingerprint,
-            },
-            "files": {
-                rel: hashlib.sha256(text.encode()).hexdigest()
-                for rel, text in sorted(files.items())
-            },
-            "checks": [c.to_dict() for c in checks],
-        }
-        write_json(tmp / "bundle.json", manifest).chmod(0o644)
+    # A bundle for a plan that does not fit is written (to inspect) but reported as failed.
+    fits = CheckResult("plan", "passed" if plan.fits else "failed", "llmopt plan", plan.notes[0])
+    checks = _write_files(out, files, source, source.model_dir, validate, first=[fits])
     return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)
 
 
@@ -236,18 +211,33 @@ def _write_embedder_bundle(
     # A run mounts its best/ folder (llmopt serves it); a model folder is mounted as it is.
     mount = source.model_dir.parent if source.kind == "run" else source.model_dir
     files = embedder_files(plan, image, str(mount))
+    checks = _write_files(out, files, source, mount, validate)
+    return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)  # type: ignore[arg-type]
+
+
+def _write_files(
+    out: Path,
+    files: dict[str, str],
+    source: DeploySource,
+    model_dir: Path,
+    validate: bool,
+    first: list[CheckResult] | None = None,
+) -> list[CheckResult]:
+    """Write a bundle's `files` to `out` atomically, run the validators available here, and
+    write `bundle.json` (the source, each file's sha256, the checks: `first`, then the
+    validators'). Returns the checks."""
     with atomic_dir(out) as tmp:
-        tmp.chmod(0o755)
+        tmp.chmod(0o755)  # a bundle is shared and built by others: not the temp dir's 0700
         for rel, text in files.items():
             write_text(tmp / rel, text)
             (tmp / rel).chmod(0o755 if rel.endswith(".sh") else 0o644)
             (tmp / rel).parent.chmod(0o755)
-        checks = validate_bundle(tmp) if validate else []
+        checks = [*(first or []), *(validate_bundle(tmp) if validate else [])]
         manifest = {
             "generator": "llmopt deploy",
             "source": {
                 "kind": source.kind,
-                "model_dir": str(mount),
+                "model_dir": str(model_dir),
                 "recipe": source.recipe,
                 "candidate": source.candidate,
                 "fingerprint": source.info.fingerprint,
@@ -259,4 +249,4 @@ def _write_embedder_bundle(
             "checks": [c.to_dict() for c in checks],
         }
         write_json(tmp / "bundle.json", manifest).chmod(0o644)
-    return DeployResult(out, plan, source, sorted(files) + ["bundle.json"], checks)  # type: ignore[arg-type]
+    return checks

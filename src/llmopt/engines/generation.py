@@ -16,7 +16,7 @@ This module imports no torch: the API process of `llmopt serve --engine-process`
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +31,8 @@ __all__ = [
     "SEED_MIN",
     "SEED_MAX",
     "check_seed",
+    "eos_token_ids",
+    "finish_reason",
 ]
 
 # A temperature below this samples as greedy (vLLM's `_SAMPLING_EPS`): dividing fp32 logits by
@@ -74,6 +76,52 @@ class SamplingParams:
     # Log-probabilities of the prompt's own tokens, computed in prefill and sent once with the
     # first TokenEvent: None = off; 0 = each prompt token's only; N = also its top-N.
     prompt_logprobs: int | None = None
+
+
+def eos_token_ids(declared: int | Iterable[int] | None, tokenizer: Any = None) -> set[int]:
+    """The token ids that end a sequence unless `SamplingParams.ignore_eos`: what the model
+    declares (one id, a list of them, or None) and its tokenizer's EOS token, if it has one.
+
+    >>> sorted(eos_token_ids([2, 7])), sorted(eos_token_ids(2)), eos_token_ids(None)
+    ([2, 7], [2], set())
+    """
+    ids = [] if declared is None else [declared] if isinstance(declared, int) else declared
+    out = {int(t) for t in ids}
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        out.add(int(tokenizer.eos_token_id))
+    return out
+
+
+def finish_reason(
+    token: int,
+    params: SamplingParams,
+    *,
+    generated: int,
+    total: int,
+    max_seq_len: int,
+    eos_ids: set[int],
+) -> str | None:
+    """Why a sequence ends with the `token` just appended, or None if it goes on: "stop" for a
+    stop token or (unless `ignore_eos`) an EOS id, else "length" once it has `generated`
+    `params.max_tokens` tokens or holds (`total`, prompt included) `max_seq_len`. Stop strings
+    are text, not ids: the serve API ends a sequence on those (`serve.api.detok`).
+
+    >>> p = SamplingParams(max_tokens=3, stop_token_ids=(5,))
+    >>> finish_reason(5, p, generated=1, total=4, max_seq_len=16, eos_ids={2})
+    'stop'
+    >>> finish_reason(2, p, generated=1, total=4, max_seq_len=16, eos_ids={2})
+    'stop'
+    >>> p = SamplingParams(max_tokens=3, ignore_eos=True)
+    >>> finish_reason(2, p, generated=1, total=4, max_seq_len=16, eos_ids={2}) is None
+    True
+    >>> finish_reason(2, p, generated=3, total=6, max_seq_len=16, eos_ids={2})
+    'length'
+    """
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+        return "stop"
+    if generated >= params.max_tokens or total >= max_seq_len:
+        return "length"
+    return None
 
 
 # One prompt token's (logprob given the tokens before it, top-N [(token id, logprob)]).

@@ -35,7 +35,13 @@ from typing import Any
 
 import torch
 
-from llmopt.engines.generation import PromptLogprob, SamplingParams, TokenEvent, check_seed
+from llmopt.engines.generation import (
+    PromptLogprob,
+    SamplingParams,
+    TokenEvent,
+    check_seed,
+    eos_token_ids,
+)
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool, PooledGenerator
 from llmopt.engines.native.generator import EngineTime
@@ -58,6 +64,7 @@ class _Seq:
     prefilled: bool = False
     finish: str | None = None
     plp: list | None = None
+    faulty: bool = False  # its logits went NaN/inf (`PooledGenerator.append_token`)
 
 
 @dataclass
@@ -134,9 +141,7 @@ class HFGenerator(PooledGenerator):
         self._keep_kw = "logits_to_keep" in params
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(int(tokenizer.eos_token_id))
+        self.eos_ids = eos_token_ids(eos, tokenizer)
         self.time = EngineTime()
 
     # (capacity: `PooledGenerator`)
@@ -273,17 +278,7 @@ class HFGenerator(PooledGenerator):
     def _emit(self, key: Hashable, logits: torch.Tensor) -> TokenEvent:
         s = self.seqs[key]
         ((token, logprob, top),) = sampling.sample_rows(logits, [s.params], [s.rng])
-        if token < 0:  # NaN/inf logits: this sequence fails (sample_rows marks the row)
-            s.finish = "error"
-            why = "numerical fault: NaN or inf in the logits of this sequence"
-            return TokenEvent(key, -1, float("nan"), [], "error", error=why)
-        s.ids.append(token)
-        p = s.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            s.finish = "stop"
-        elif len(s.ids) - s.prompt_len >= p.max_tokens or len(s.ids) >= self.max_seq_len:
-            s.finish = "length"
-        return TokenEvent(key, token, logprob, top, s.finish)
+        return self.append_token(key, token, logprob, top)
 
     def _wait(self) -> None:
         if self.device.type == "cuda":

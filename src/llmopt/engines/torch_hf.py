@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.pooling import embed_in_batches, pool
-from llmopt.model.files import copy_tokenizer_files
+from llmopt.model.files import copy_tokenizer_files, link_weights
 
 if TYPE_CHECKING:
     import numpy as np
@@ -353,8 +352,6 @@ def link_dense_weights(source: Path, out: Path, dtype: str) -> str | None:
     stays as it was. Returns what was done, or None when the weights must be converted (another
     stored dtype, mixed dtypes, pickle `.bin` files, no safetensors).
     """
-    import os
-
     from safetensors import safe_open
 
     want = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(dtype)
@@ -366,15 +363,5 @@ def link_dense_weights(source: Path, out: Path, dtype: str) -> str | None:
             stored = {st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118
         if stored & {"F32", "BF16", "F16", "F64"} != {want}:
             return None
-    out.mkdir(parents=True, exist_ok=True)
-    how = "hard-linked"
-    for f in [*files, *source.glob("*.safetensors.index.json")]:
-        try:
-            os.link(f, out / f.name)
-        except OSError:  # another filesystem, or links not allowed
-            shutil.copy2(f, out / f.name)
-            how = "copied"
-    for name in ("config.json", "generation_config.json"):
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
+    how = link_weights(source, out, files)
     return f"{how} from the source ({len(files)} safetensors file(s), already {dtype})"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +38,7 @@ from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.vllm_env import INSTALL_COMMAND, vllm_python, vllm_status
 from llmopt.hardware.host import isa_features
-from llmopt.model.files import copy_tokenizer_files
+from llmopt.model.files import copy_tokenizer_files, link_weights
 from llmopt.planning.launch import LaunchConfig, LaunchSpec, vllm_config
 
 if TYPE_CHECKING:
@@ -75,17 +74,7 @@ def link_model(source: Path, out: Path) -> str:
             f"{source} has no .safetensors weights; vLLM candidates take safetensors only",
             hint="convert the checkpoint to safetensors (transformers: save_pretrained)",
         )
-    out.mkdir(parents=True, exist_ok=True)
-    how = "hard-linked"
-    for f in [*files, *source.glob("*.safetensors.index.json")]:
-        try:
-            os.link(f, out / f.name)
-        except OSError:  # another filesystem, or links not allowed
-            shutil.copy2(f, out / f.name)
-            how = "copied"
-    for name in ("config.json", "generation_config.json"):
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
+    how = link_weights(source, out, files)
     copy_tokenizer_files(source, out)
     return f"{how} {len(files)} safetensors file(s) from the source"
 

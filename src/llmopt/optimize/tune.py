@@ -26,13 +26,13 @@ links to the chosen one's, its candidate.json holds the settings), measured as
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import BenchResult, Candidate
 from llmopt.engines import get_engine
+from llmopt.model.files import link_tree
 from llmopt.optimize.budget import Budget
 from llmopt.optimize.executor import LocalExecutor, Task
 from llmopt.optimize.objective import Objective
@@ -219,16 +219,7 @@ def _variant(run: RunDir, base: Candidate, change: dict[str, Any]) -> Candidate:
     if not cdir.stage_file("candidate").exists():
         cdir.root.mkdir(parents=True, exist_ok=True)
         if not cdir.artifact.exists():
-
-            def link_or_copy(a: str, b: str) -> None:
-                try:
-                    os.link(a, b)
-                except OSError:
-                    shutil.copy2(a, b)
-
-            shutil.copytree(
-                run.candidate(base.id).artifact, cdir.artifact, copy_function=link_or_copy
-            )
+            link_tree(run.candidate(base.id).artifact, cdir.artifact)
         write_json(cdir.stage_file("candidate"), v.to_dict())
     return v
 

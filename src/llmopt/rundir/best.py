@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 from llmopt.core.atomic import atomic_dir, read_json, write_json
 from llmopt.core.errors import LlmoptError
 from llmopt.core.schema import Candidate
+from llmopt.model.files import link_tree
 from llmopt.model.info import ModelInfo
 
 __all__ = ["Best", "NoBestError", "find_best", "write_best"]
@@ -116,15 +116,8 @@ def write_best(
 ) -> Best:
     """Write `best/` atomically: the artifact (hard links where possible: no second copy on
     disk), candidate.json, model.json and launch.json. Replaces a previous `best/`."""
-
-    def link_or_copy(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
     with atomic_dir(best_dir) as tmp:
-        shutil.copytree(artifact, tmp / "artifact", copy_function=link_or_copy)
+        link_tree(artifact, tmp / "artifact")
         write_json(tmp / "candidate.json", candidate.to_dict())
         shutil.copy2(model_json, tmp / "model.json")
         write_json(tmp / "launch.json", launch)

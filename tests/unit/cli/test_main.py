@@ -80,24 +80,9 @@ def test_bad_quality_budget_is_refused(tiny_llama_dir, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path):
+def test_optimize_tiny_llama_end_to_end(tiny_llama_dir, tmp_path, quick_optimize_args):
     out = tmp_path / "run"
-    proc = _run(
-        "optimize",
-        str(tiny_llama_dir),
-        "--out",
-        str(out),
-        "--quick",
-        "--candidates",
-        "hf-bf16,hf-w8a16",
-        "--search",
-        "exhaustive",
-        "--gates",
-        "loose",
-        "--time-budget",
-        "30m",
-        timeout=600,
-    )
+    proc = _run(*quick_optimize_args(tiny_llama_dir, out, time_budget="30m"), timeout=600)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     sel = json.loads((out / "selection.json").read_text())
     ids = {"hf-fp32", "hf-bf16", "hf-w8a16"}

@@ -56,3 +56,14 @@ def test_quantize_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
     assert "group size 128 does not divide" in p.stderr and "fix:" in p.stderr
     assert p.stdout == "", "errors go to stderr: `--json > facts.json` never holds one"
     assert not (tmp_path / "x").exists()
+
+
+def test_quantize_with_a_progress_bar_writes_the_same_checkpoint(tiny_llama_dir, tmp_path):
+    """Without --json the progress is a bar and the facts a table; the checkpoint is written
+    all the same."""
+    out = tmp_path / "q"
+    args = ["quantize", str(tiny_llama_dir), "--recipe", "w4a16-rtn-g64", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert "w4a16-rtn-g64" in r.output or "pack-quantized" in r.output

@@ -169,3 +169,20 @@ def test_a_chosen_one_whose_rounds_straddle_the_reference_claims_no_speed_up(tmp
     paired = paired_ratios(run, ["a"], "ref", THROUGHPUT)
     why = select(SelectionInput(cands, verify, full, 0.01, "throughput", paired=paired)).reasons
     assert why["a"].startswith("chosen: best throughput") and "1.15x the reference" in why["a"]
+
+
+def test_a_variation_links_the_base_artifact_once(tmp_path):
+    from llmopt.optimize.tune import _variant
+
+    base = Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0", {"device": "cpu", "threads": 2})
+    run = RunDir(tmp_path)
+    art = run.candidate(base.id).artifact
+    art.mkdir(parents=True)
+    (art / "model.gguf").write_bytes(b"weights")
+    v = _variant(run, base, {"threads": 1})
+    assert v.id == base.id + "+threads1" and v.settings.threads == 1 and not v.reference
+    linked = run.candidate(v.id).artifact / "model.gguf"
+    assert os.path.samefile(linked, art / "model.gguf")  # no second copy on disk
+    assert run.candidate(v.id).stage_file("candidate").exists()
+    (art / "model.gguf").unlink()  # made once: a second call reuses the variation's folder
+    assert _variant(run, base, {"threads": 1}) == v and linked.read_bytes() == b"weights"

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from llmopt.engines.generation import OutOfBlocks
+from llmopt.engines.generation import OutOfBlocks, TokenEvent, finish_reason
 
 __all__ = ["BlockPool", "PooledGenerator", "block_views"]
 
@@ -134,14 +134,17 @@ class PooledGenerator:
     """What every generator over a `BlockPool` answers the scheduler with, and the admission
     checks they share (the native engine's `Generator` and the hf engine's `HFGenerator`).
 
-    A subclass sets `pool` (a `BlockPool`), `seqs` (sequence id -> its state, with `finish`,
-    `prefilled`, `ids` and `done`), `max_seq_len` and `max_batch`.
+    A subclass sets `pool` (a `BlockPool`), `seqs` (sequence id -> its state, with `ids`,
+    `prompt_len`, `params`, `prefilled`, `done`, `finish` and `faulty`), `max_seq_len`,
+    `max_batch` and `eos_ids`, and hands each sampled token to `append_token`, the one place
+    that decides whether a sequence is done.
     """
 
     pool: BlockPool
     seqs: dict
     max_seq_len: int
     max_batch: int
+    eos_ids: set[int]
 
     @property
     def free_blocks(self) -> int:
@@ -181,3 +184,24 @@ class PooledGenerator:
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
         return n
+
+    def append_token(self, key: Hashable, token: int, logprob: float, top) -> TokenEvent:
+        """Record the token just sampled for `key` and say whether the sequence is done
+        (`finish_reason`). A token of -1 or a NaN logprob (`sampling.sample_rows` marks a row
+        whose logits held NaN or inf so) fails this sequence alone: it ends with "error" and
+        `faulty`, and the token is not appended."""
+        s = self.seqs[key]
+        if token < 0 or math.isnan(logprob):
+            s.finish, s.faulty = "error", True
+            why = "numerical fault: NaN or inf in the logits of this sequence"
+            return TokenEvent(key, -1, float("nan"), [], "error", error=why)
+        s.ids.append(token)
+        s.finish = finish_reason(
+            token,
+            s.params,
+            generated=len(s.ids) - s.prompt_len,
+            total=len(s.ids),
+            max_seq_len=self.max_seq_len,
+            eos_ids=self.eos_ids,
+        )
+        return TokenEvent(key, token, logprob, top, s.finish)

@@ -23,6 +23,7 @@ from llmopt.engines import get_engine, register_engine
 from llmopt.engines.base import Engine
 from llmopt.engines.generation import GeneratorSpec, OutOfBlocks
 from llmopt.engines.native.config import NativeConfig, UnsupportedModel
+from llmopt.model.files import link_tree
 
 if TYPE_CHECKING:
     import torch
@@ -118,23 +119,13 @@ class NativeEngine(Engine):
             # Calibrated recipes (AWQ, GPTQ, FP8...): the build stage above the engines ran
             # `llmopt.quant` first and `source` is its compressed-tensors folder, taken in as it
             # is (hard links where the filesystem allows: no second copy on disk).
-            import os
-            import shutil
-
             config = json.loads((Path(source) / "config.json").read_text())
             if "quantization_config" not in config:
                 raise ValueError(
                     f"recipe {recipe.name!r}: the torch engine loads calibrated checkpoints; "
                     f"{source} is not one (quantize it first: llmopt.quant.build_checkpoint)"
                 )
-
-            def link_or_copy(a: str, b: str) -> None:
-                try:
-                    os.link(a, b)
-                except OSError:
-                    shutil.copy2(a, b)
-
-            shutil.copytree(source, out, copy_function=link_or_copy, dirs_exist_ok=True)
+            link_tree(Path(source), out, dirs_exist_ok=True)
             facts = {}
         return {**facts, "engine": "torch (native)", "kernel": _kernel_for(recipe) or "dense"}
 

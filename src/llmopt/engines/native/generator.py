@@ -57,6 +57,7 @@ from llmopt.engines.generation import (
     SamplingParams,
     TokenEvent,
     check_seed,
+    eos_token_ids,
 )
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool, PooledGenerator
@@ -240,10 +241,7 @@ class Generator(PooledGenerator):
         self.seqs: dict[Hashable, _Seq] = {}
         # Prompts admitted together are prefilled in one forward while padded tokens stay under this.
         self.max_prefill_tokens = max_prefill_tokens
-        eos = set(cfg.eos_token_ids)
-        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_ids = eos
+        self.eos_ids = eos_token_ids(cfg.eos_token_ids, tokenizer)
         self.compile_seconds = 0.0
         self.time = EngineTime()
 
@@ -474,27 +472,13 @@ class Generator(PooledGenerator):
             return self._emit_rows(keys, logits[:b].clone())
         # All greedy without alternatives: argmax and its logprob came out of the same graph.
         toks, lps = best[:b].tolist(), best_lp[:b].tolist()
-        return [self._append(k, t, lp, []) for k, t, lp in zip(keys, toks, lps, strict=True)]
+        return [self.append_token(k, t, lp, []) for k, t, lp in zip(keys, toks, lps, strict=True)]
 
     def _emit_rows(self, keys: list[Hashable], logits: torch.Tensor) -> list[TokenEvent]:
         """Sample one token per sequence from its row of logits (B, V), all rows at once."""
         seqs = [self.seqs[k] for k in keys]
         picks = sampling.sample_rows(logits, [s.params for s in seqs], [s.rng for s in seqs])
-        return [self._append(k, *pick) for k, pick in zip(keys, picks, strict=True)]
-
-    def _append(self, key: Hashable, token: int, logprob: float, top) -> TokenEvent:
-        s = self.seqs[key]
-        if token < 0 or math.isnan(logprob):  # NaN/inf logits in this row: it alone fails
-            s.finish, s.faulty = "error", True
-            why = "numerical fault: NaN or inf in the logits of this sequence"
-            return TokenEvent(key, -1, float("nan"), [], "error", error=why)
-        s.ids.append(token)
-        p = s.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            s.finish = "stop"
-        elif len(s.ids) - s.prompt_len >= p.max_tokens or len(s.ids) >= self.max_seq_len:
-            s.finish = "length"
-        return TokenEvent(key, token, logprob, top, s.finish)
+        return [self.append_token(k, *pick) for k, pick in zip(keys, picks, strict=True)]
 
     # --- convenience ----------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], dict]:

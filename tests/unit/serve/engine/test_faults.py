@@ -178,33 +178,11 @@ def test_sample_rows_isolates_bad_rows():
     assert alone[0][0] == picks[0][0]  # row 0 does not depend on the bad rows
 
 
-def _poisoned_copy(folder, out, token: int):
-    """The tiny model with token `token`'s input embedding set to NaN (its output head kept
-    clean): any sequence whose prompt holds that token gets NaN from a real forward."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    for f in folder.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    f = next(out.glob("*.safetensors"))
-    w = load_file(f)
-    key = next(k for k in w if "embed_tokens" in k)
-    w["lm_head.weight"] = w[key].clone()
-    w[key] = w[key].clone()
-    w[key][token] = float("nan")
-    save_file(w, f, metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
-    return out
-
-
-def test_a_nan_sequence_poisons_no_one_after_it(tiny_llama_dir, tmp_path):
+def test_a_nan_sequence_poisons_no_one_after_it(tiny_llama_nan_dir):
     """A sequence whose forward goes NaN fails alone, and the blocks it leaves hold no NaN:
     attention gives masked positions zero weight, and 0 x NaN is NaN, so a block reused with
     stale NaN used to fail the next sequence that grew into it (and every one after)."""
-    gen = _gen(_poisoned_copy(tiny_llama_dir, tmp_path / "poisoned", token=5))
+    gen = _gen(tiny_llama_nan_dir)  # token 5 gives NaN
     sched = Scheduler(gen, max_num_seqs=4, max_num_batched_tokens=256)
     p = SamplingParams(max_tokens=6, ignore_eos=True)
     a, b = [3, 4, 6, 7, 8], [9, 10]
@@ -225,7 +203,7 @@ def test_a_nan_sequence_poisons_no_one_after_it(tiny_llama_dir, tmp_path):
         assert not torch.isnan(view).any()
 
 
-def test_engine_process_reports_a_sequence_fault_in_health(tiny_llama_dir, tmp_path):
+def test_engine_process_reports_a_sequence_fault_in_health(tiny_llama_nan_dir):
     """`--engine-process`: a sequence that fails in the engine process (a real NaN forward)
     gets its error, /health's `last_error` says why (it said null), the engine stays alive,
     and the next request is served with nothing leaked."""
@@ -235,9 +213,8 @@ def test_engine_process_reports_a_sequence_fault_in_health(tiny_llama_dir, tmp_p
     from llmopt.serve.engine.process import EngineProcess
     from llmopt.serve.metrics import ServeMetrics
 
-    folder = _poisoned_copy(tiny_llama_dir, tmp_path / "poisoned", token=5)
     spec = GeneratorSpec(
-        model=str(folder), max_batch=2, block_size=4, num_blocks=64, max_seq_len=64
+        model=str(tiny_llama_nan_dir), max_batch=2, block_size=4, num_blocks=64, max_seq_len=64
     )
 
     async def scenario():
