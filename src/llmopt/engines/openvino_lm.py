@@ -441,6 +441,18 @@ class OpenVinoLMRunner:
         self._generation = 0
         self._at: _State | None = None
 
+    def linear_kernels(self) -> dict[str, int]:
+        """How the CPU plugin runs the linears: weight precision of its FullyConnected kernels ->
+        count (e.g. {"i4": 210, "f32": 1}), from the compiled model, so a build whose int weights
+        were folded back to float cannot pass for a quantized one."""
+        counts: dict[str, int] = {}
+        for op in self.compiled.get_runtime_model().get_ops():
+            rt = op.get_rt_info()
+            if "layerType" in rt and rt["layerType"].astype(str) == "FullyConnected":
+                kind = rt["runtimePrecision"].astype(str)
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
     def _infer(self, ids: np.ndarray, past: int, keep: np.ndarray) -> np.ndarray:
         b, t = ids.shape
         feeds = {

@@ -58,6 +58,7 @@ def test_float32_ir_computes_what_transformers_computes(built, windows):
     _, info, art = built
     ref = _ref(built).logits(windows)
     runner = load_runner("openvino", art["fp32"][0], info, "fp32", {"threads": 1})
+    assert runner.linear_kernels() == {"f32": 15}
     got = runner.logits(windows)
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
@@ -106,6 +107,7 @@ def test_int_weights_are_in_the_ir_and_stay_close(built, windows, recipe):
     assert xml.count(f'element_type="{kind}"') >= 14
     ref = _ref(built).logits(windows)
     runner = load_runner("openvino", folder, info, recipe, {"threads": 1})
+    assert runner.linear_kernels() == {kind: 14, "f32": 1}  # the plugin's int kernels run them
     got = runner.logits(windows)
     assert torch.isfinite(got).all()
     drift = (got - ref).abs().max().item()
