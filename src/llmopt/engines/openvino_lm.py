@@ -263,7 +263,9 @@ def _convert(model: Any) -> Any:
         ov_model = ov.convert_model(_wrapper(model), example_input=example, input=shapes)
     kv = [f"{i // 2}.{'key' if i % 2 == 0 else 'value'}" for i in range(2 * layers)]
     names = ["input_ids", "attention_mask", "position_ids", "logits_index"]
-    for port, name in zip(ov_model.inputs, names + [f"past_key_values.{n}" for n in kv], strict=True):
+    for port, name in zip(
+        ov_model.inputs, names + [f"past_key_values.{n}" for n in kv], strict=True
+    ):
         port.get_tensor().set_names({name})
     for port, name in zip(ov_model.outputs, ["logits"] + [f"present.{n}" for n in kv], strict=True):
         port.get_tensor().set_names({name})
@@ -295,7 +297,8 @@ def _compress_int8(ov_model: Any, recipe: Recipe) -> tuple[Any, int]:
     skip += [
         op.get_friendly_name()
         for op in ov_model.get_ordered_ops()
-        if op.get_type_name() == "Gather" and op.input_value(0).get_node().get_type_name() == "Constant"
+        if op.get_type_name() == "Gather"
+        and op.input_value(0).get_node().get_type_name() == "Constant"
     ]
     compressed = nncf.compress_weights(
         ov_model,
@@ -319,7 +322,9 @@ def _insert_codes(ov_model: Any, codes: dict[str, _Codes]) -> int:
         groups = c.scale.shape[1]
         g = k // groups
         if c.zero is None:  # symmetric: signed codes times the scale
-            w = ops.convert(ops.constant(c.q.reshape(n, groups, g), dtype=_int_type(c.bits, True)), ov.Type.f32)
+            w = ops.convert(
+                ops.constant(c.q.reshape(n, groups, g), dtype=_int_type(c.bits, True)), ov.Type.f32
+            )
         else:  # with zero points: unsigned codes (both shifted by the same offset) minus the zero
             off = 1 << (c.bits - 1)
             qu = (c.q.astype(np.int16) + off).astype(np.uint8).reshape(n, groups, g)

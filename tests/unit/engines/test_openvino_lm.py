@@ -13,8 +13,7 @@ import torch
 
 from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import get_recipe
-from llmopt.engines import get_engine, load_runner
-from llmopt.engines import openvino_lm
+from llmopt.engines import get_engine, load_runner, openvino_lm
 from llmopt.model.info import inspect_model
 
 pytest.importorskip("openvino")
