@@ -1,4 +1,8 @@
-"""The `openvino` engine: embedding models compiled by OpenVINO for the CPU.
+"""The `openvino` engine: embedding models and causal LMs compiled by OpenVINO for the CPU.
+
+Causal LMs are exported and run by `llmopt.engines.openvino_lm` (a stateful IR through
+`openvino.convert_model`, fp32 / bf16 / NNCF int8 / llmopt's int4 codes; why not optimum-intel
+is in its docstring). What follows is the embedder path.
 
 Build: the HF encoder is converted to OpenVINO IR (`openvino.convert_model` on the PyTorch
 model, dynamic batch and length), saved in float32. `w8a8-static` quantizes it with NNCF's
@@ -10,7 +14,6 @@ that compute bf16 natively.
 
 Load: an `EmbeddingRunner`: tokenize, infer `last_hidden_state`, pool as the model's
 sentence-transformers config says (`llmopt.engines.pooling`), the same pooling every engine uses.
-Causal LMs are not built here: OpenVINO's LLM route (optimum-intel, openvino-genai) is not wired.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from llmopt.assets.text import calibration_sentences
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
+from llmopt.engines.openvino_lm import ARCHS, OpenVinoLMRunner, build_lm, lm_recipe_rule
 from llmopt.engines.pooling import embed_in_batches, encoder_feeds, pool
 from llmopt.hardware.host import isa_features, usable_cores
 from llmopt.model.files import copy_tokenizer_files
@@ -52,10 +56,11 @@ def _bf16_cpu() -> bool:
 
 @register_engine
 class OpenVinoEngine(Engine):
-    """Encoders as OpenVINO IR on the CPU: float32, bf16 inference, or NNCF static int8."""
+    """OpenVINO IR on the CPU. Encoders: float32, bf16 inference, or NNCF static int8. Causal
+    LMs: float32, bf16 inference, NNCF int8 weights (w8a16), or llmopt's int4 (w4a16-*)."""
 
     name = "openvino"
-    tasks = ("embedding",)
+    tasks = ("embedding", "causal-lm")
     extra = "openvino"
 
     def missing(self) -> str | None:
@@ -65,6 +70,8 @@ class OpenVinoEngine(Engine):
         return None
 
     def incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
+        if info.task == "causal-lm":
+            return self._lm_incompatible(info, recipe, device)
         if recipe.name not in RECIPES:
             return f"the openvino engine runs recipes {', '.join(RECIPES)}"
         if device != "cpu":
@@ -73,7 +80,42 @@ class OpenVinoEngine(Engine):
             return "this CPU has no native bf16 (AVX512-BF16 or AMX): OpenVINO would emulate it"
         return None
 
+    def _lm_incompatible(self, info: ModelInfo, recipe: Recipe, device: str) -> str | None:
+        if device != "cpu":
+            return "the openvino engine runs on the CPU here (its GPU plugin is Intel GPUs)"
+        if info.architecture not in ARCHS:
+            return (
+                f"the openvino engine's causal-LM export is traced and verified for "
+                f"{', '.join(ARCHS)}, not {info.architecture}"
+            )
+        if why := lm_recipe_rule(recipe):
+            return why
+        if recipe.dtype == "bfloat16" and not _bf16_cpu():
+            return "this CPU has no native bf16 (AVX512-BF16 or AMX): OpenVINO would emulate it"
+        return None
+
+    def settings_space(self, info: ModelInfo, recipe: Recipe, device: str) -> list[dict[str, Any]]:
+        """Causal LMs: OpenVINO's u8 KV cache (its CPU default, a quantized cache) and, on bf16
+        CPUs, bf16 inference for the int-weight recipes. Both change the numbers, so each is a
+        verified candidate of its own, searched only when named (each is a separate build)."""
+        if info.task != "causal-lm" or device != "cpu":
+            return [{}]
+        out: list[dict[str, Any]] = [{}]
+        out.append({"kv_cache": "u8", "opt_in": "OpenVINO's u8 KV cache quantizes the cache"})
+        if recipe.weight_bits and recipe.dtype == "float32" and _bf16_cpu():
+            why = "bf16 inference over int weights changes the activations' precision"
+            out.append({"precision": "bf16", "opt_in": why})
+        return out
+
+    def tune_space(self, info: Any, recipe: str, device: str) -> list[dict[str, Any]]:
+        """Runtime knobs that leave the numbers alone: OpenVINO's thread pinning, flipped."""
+        if getattr(info, "task", None) != "causal-lm" or device != "cpu":
+            return []
+        return [{"cpu_pinning": False}]
+
     def build(self, source: Path, info: ModelInfo, recipe: Recipe, out: Path) -> dict[str, Any]:
+        if info.task == "causal-lm":
+            return build_lm(Path(source), recipe, Path(out))
         import openvino as ov
 
         source, out = Path(source), Path(out)
@@ -99,7 +141,9 @@ class OpenVinoEngine(Engine):
 
     def load(
         self, artifact: Path, info: ModelInfo, recipe: Recipe, settings: EngineSettings
-    ) -> OpenVinoEmbeddingRunner:
+    ) -> OpenVinoEmbeddingRunner | OpenVinoLMRunner:
+        if info.task == "causal-lm":
+            return OpenVinoLMRunner(Path(artifact), settings, recipe.dtype)
         limit = int(getattr(info, "max_seq_length", None) or info.max_context or 512)
         return OpenVinoEmbeddingRunner(
             Path(artifact),
