@@ -53,6 +53,19 @@ def get_engine(name: str) -> Engine:
         raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}") from None
 
 
+def served_by_llmopt(engine_name: str) -> bool:
+    """Whether `llmopt serve` can serve a causal-LM artifact this engine built: with the
+    engine's own generator (`Engine.batching`), its own server (`Engine.served`: vLLM) or
+    llama.cpp's server (`Engine.gguf`). An engine with runners only (OpenVINO's IR) is measured
+    and verified, but is not served yet.
+
+    >>> served_by_llmopt("torch"), served_by_llmopt("llamacpp"), served_by_llmopt("openvino")
+    (True, True, False)
+    """
+    e = get_engine(engine_name)
+    return bool(e.batching or e.served or e.gguf)
+
+
 def load_runner(
     engine_name: str,
     artifact: str | Path,

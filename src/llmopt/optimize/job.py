@@ -22,6 +22,7 @@ from llmopt.core.atomic import read_json, write_json
 from llmopt.core.schema import Candidate, Selection
 from llmopt.core.settings import EngineSettings
 from llmopt.deploy import resolve_source, write_bundle
+from llmopt.engines import served_by_llmopt
 from llmopt.hardware.host import usable_cores
 from llmopt.hardware.target import Target, detect_target
 from llmopt.model.info import inspect_model
@@ -372,6 +373,17 @@ def _launch(
         else ("/v1/embeddings")
     )
     out["serve"] = {"command": cmd, "env": env, "api": f"OpenAI-compatible {api}", "scheduler": why}
+    if info.get("task") == "causal-lm" and not served_by_llmopt(cand.engine):
+        # `llmopt serve` refuses this artifact (serve.server.batching_engine says why): the
+        # closest it serves is the source model on the native engine with the same recipe.
+        out["serve"]["command"] = (
+            f"llmopt serve {info.get('path')} --recipe {cand.recipe} --host 127.0.0.1 --port 8000"
+        )
+        out["serve"]["note"] = (
+            f"the {cand.engine} engine's artifact is not served by llmopt yet: this serves the "
+            f"source model with the {cand.recipe} recipe on the native engine, "
+            "not what the run measured for the chosen candidate"
+        )
     return out
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.recipes import get_recipe
-from llmopt.engines import get_engine, load_runner
+from llmopt.engines import get_engine, load_runner, served_by_llmopt
 from llmopt.engines.generation import GeneratorSpec
 from llmopt.rundir.best import Best
 from llmopt.serve.api.context import ServerContext
@@ -94,7 +94,16 @@ def batching_engine(
             )
         return requested
     if best is not None:
-        name = Best.read(best).candidate.engine
+        cand = Best.read(best).candidate
+        name = cand.engine
+        if not served_by_llmopt(name):
+            raise ServeSourceError(
+                f"the run chose {cand.id}, an artifact of the {name} engine, which llmopt's "
+                "server cannot drive yet (it is measured and verified, not served)",
+                f"serve the model the run started from on the native engine with the same "
+                f"recipe: llmopt serve MODEL --recipe {cand.recipe}; or choose another "
+                "candidate of the run (its candidates/<id>/ folders)",
+            )
         if get_engine(name).batching and name != "hf":
             return name
     if folder is not None:
