@@ -32,6 +32,31 @@ SHAPES = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    # Gemma 3 270M's published config: 5 sliding-window (512) layers to each global one, one KV
+    # head of 256, query/key norms, tied embeddings. Its 262k vocabulary needs Gemma's tokenizer;
+    # with another tokenizer pass --vocab (the tokenizer's size).
+    "gemma-3-270m": {
+        "model_type": "gemma3_text",
+        "hidden_size": 640,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "intermediate_size": 2048,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    },
     # For the smoke tests of the scripts (tests/unit/engines/native/test_engine.py runs decode.py).
     "tiny": {
         "model_type": "llama",
