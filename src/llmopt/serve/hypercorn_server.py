@@ -1,0 +1,105 @@
+"""`llmopt serve --http2`: the same app under hypercorn, which speaks HTTP/2.
+
+hypercorn (a maintained ASGI server built on the `h2` protocol library) serves, on one port:
+- without a certificate: HTTP/1.1 and cleartext HTTP/2 (h2c), by prior knowledge (the client
+  opens with the HTTP/2 preface) or by `Upgrade: h2c` on a first HTTP/1.1 request;
+- with `--ssl-certfile/--ssl-keyfile`: TLS, h2 or http/1.1 as the client picks by ALPN.
+uvicorn speaks HTTP/1.1 only, which is why `--http2` changes the server rather than a setting.
+
+The draining shutdown is `serve.drain.Drain`, as under uvicorn: this module only adapts it
+(hypercorn's `shutdown_trigger` ends the serving once the drain is over; a second signal sets
+the graceful timeout to zero so open connections are dropped at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from llmopt.core.errors import LlmoptError
+from llmopt.serve.api.context import ServerContext
+from llmopt.serve.drain import Drain
+
+__all__ = ["INSTALL", "HTTP2UnavailableError", "require_hypercorn", "serve_hypercorn"]
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'llmopt[serve]'  (or: pip install hypercorn h2)"
+
+# How long, once the drain is over, connections get to close by themselves (as uvicorn's
+# timeout_graceful_shutdown in `server.run_server`).
+GRACEFUL_TIMEOUT_S = 5.0
+
+
+class HTTP2UnavailableError(LlmoptError):
+    """`--http2` was asked for but hypercorn (or h2) is not installed."""
+
+
+def require_hypercorn() -> None:
+    """Raise `HTTP2UnavailableError` with the install command unless hypercorn and h2 import."""
+    try:
+        import h2  # noqa: F401
+        import hypercorn.asyncio  # noqa: F401
+    except ImportError as e:
+        raise HTTP2UnavailableError(
+            f"--http2 needs the hypercorn server and the h2 library ({e})", INSTALL
+        ) from None
+
+
+def bind_address(host: str, port: int) -> str:
+    """hypercorn's bind string: IPv6 literals in brackets.
+
+    >>> bind_address("::1", 8000), bind_address("127.0.0.1", 8000)
+    ('[::1]:8000', '127.0.0.1:8000')
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def make_config(ctx: ServerContext, log_level: str) -> Any:
+    """The hypercorn `Config` for `ctx.settings`."""
+    from hypercorn.config import Config
+
+    s = ctx.settings
+    cfg = Config()
+    cfg.bind = [bind_address(s.host, s.port)]
+    cfg.alpn_protocols = ["h2", "http/1.1"]
+    if s.ssl_certfile:
+        cfg.certfile, cfg.keyfile = s.ssl_certfile, s.ssl_keyfile
+    cfg.accesslog = None
+    cfg.loglevel = log_level.upper()
+    cfg.keep_alive_timeout = 5.0
+    cfg.graceful_timeout = GRACEFUL_TIMEOUT_S
+    # One HTTP/2 connection may carry every request the server admits (running + queued, one
+    # more gets 429), so a single multiplexing client is never held back below the server's
+    # own limits by hypercorn's default of 100 streams.
+    cfg.h2_max_concurrent_streams = max(100, s.capacity + 1)
+    return cfg
+
+
+async def _serve(app: Any, ctx: ServerContext, cfg: Any) -> None:
+    from hypercorn.asyncio import serve
+
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()
+
+    def force() -> None:
+        cfg.graceful_timeout = 0.0  # read by hypercorn after the trigger: no wait for streams
+        loop.call_soon_threadsafe(stopped.set)
+
+    drain = Drain(ctx, stop=stopped.set, force=force)
+    drain.bind(loop)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, drain.on_signal, sig)
+    try:
+        await serve(app, cfg, shutdown_trigger=stopped.wait)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def serve_hypercorn(app: Any, ctx: ServerContext, log_level: str = "info") -> None:
+    """Serve `app` under hypercorn until SIGTERM/SIGINT, then drain (`serve.drain`)."""
+    require_hypercorn()
+    asyncio.run(_serve(app, ctx, make_config(ctx, log_level)))
