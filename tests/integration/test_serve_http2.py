@@ -260,9 +260,7 @@ def test_concurrent_streams_multiplexed_on_one_connection(h2c_server):
 
     async def main():
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        async with httpx.AsyncClient(
-            http1=False, http2=True, limits=limits, timeout=120
-        ) as client:
+        async with httpx.AsyncClient(http1=False, http2=True, limits=limits, timeout=120) as client:
             return await asyncio.gather(*(one(client) for _ in range(n)))
 
     results = asyncio.run(main())
@@ -322,3 +320,69 @@ def test_embeddings_over_h2(tiny_bert_dir, tmp_path):
         assert all(len(d["embedding"]) == 64 for d in data)
     finally:
         s.kill()
+
+
+def test_early_refusal_keeps_the_h2_connection(llama_dir, tmp_path):
+    """A request refused before its body has all arrived (here a wrong API key: 401 on the
+    headers) must not take down the HTTP/2 connection when the rest of its body follows: the
+    next request on the same connection is answered. (hypercorn alone drops the connection
+    there; `RequestBodyFirst` is the fix.) The h2 library drives the frames by hand so that the
+    body surely arrives after the refusal was decided."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    s = Server(llama_dir, [*ARGS, "--http2", "--api-key", "sk-test"], tmp_path / "server.log")
+    try:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+
+            def exchange(until_stream: int) -> dict[int, tuple[bytes | None, bytes]]:
+                got: dict[int, tuple[bytes | None, bytes]] = {}
+                ended: set[int] = set()
+                while until_stream not in ended:
+                    sock.sendall(conn.data_to_send())
+                    data = sock.recv(65536)
+                    assert data, f"server closed the connection:\n{s.log.read_text()[-2000:]}"
+                    for ev in conn.receive_data(data):
+                        if isinstance(ev, h2.events.ResponseReceived):
+                            got[ev.stream_id] = (dict(ev.headers)[b":status"], b"")
+                        elif isinstance(ev, h2.events.DataReceived):
+                            st, body = got[ev.stream_id]
+                            got[ev.stream_id] = (st, body + ev.data)
+                            conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                        elif isinstance(ev, h2.events.StreamEnded):
+                            ended.add(ev.stream_id)
+                sock.sendall(conn.data_to_send())
+                return got
+
+            body = json.dumps({"model": "tiny-llama", "prompt": "x" * 3000, "max_tokens": 1})
+            head = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http")]
+            head += [(":authority", f"127.0.0.1:{s.port}"), ("content-type", "application/json")]
+            head += [("authorization", "Bearer wrong")]
+            conn.send_headers(1, head)  # headers only: the body comes after the refusal
+            sock.sendall(conn.data_to_send())
+            time.sleep(0.5)
+            conn.send_data(1, body[:1000].encode())
+            sock.sendall(conn.data_to_send())
+            time.sleep(0.2)
+            conn.send_data(1, body[1000:].encode(), end_stream=True)
+            got = exchange(1)
+            assert got[1][0] == b"401"
+            time.sleep(0.3)  # the server has handled the late DATA frames by now
+            conn.send_headers(
+                3,
+                [
+                    (":method", "GET"),
+                    (":path", "/health"),
+                    (":scheme", "http"),
+                    (":authority", f"127.0.0.1:{s.port}"),
+                ],
+                end_stream=True,
+            )
+            got = exchange(3)
+            assert got[3][0] == b"200" and json.loads(got[3][1])["status"] == "ok"
+    finally:
+        s.kill()
+    assert "Unhandled exception" not in s.log.read_text()

@@ -9,6 +9,12 @@ uvicorn speaks HTTP/1.1 only, which is why `--http2` changes the server rather t
 The draining shutdown is `serve.drain.Drain`, as under uvicorn: this module only adapts it
 (hypercorn's `shutdown_trigger` ends the serving once the drain is over; a second signal sets
 the graceful timeout to zero so open connections are dropped at once).
+
+`RequestBodyFirst` works around a hypercorn HTTP/2 bug (hypercorn issue 329, open in 0.18): when a
+response ends before the client has sent all of its request body, hypercorn forgets the stream,
+and the client's next DATA frame for it raises a KeyError that drops the whole connection, every
+other stream multiplexed on it included. The app answers early on purpose (503 while draining,
+401, 413), so under HTTP/2 the end of such a response waits for the rest of the request body.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from llmopt.core.errors import LlmoptError
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.drain import Drain
 
-__all__ = ["INSTALL", "HTTP2UnavailableError", "require_hypercorn", "serve_hypercorn"]
+__all__ = [
+    "INSTALL",
+    "HTTP2UnavailableError",
+    "RequestBodyFirst",
+    "require_hypercorn",
+    "serve_hypercorn",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,42 @@ def bind_address(host: str, port: int) -> str:
     ('[::1]:8000', '127.0.0.1:8000')
     """
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# How long an early response waits for the rest of its request body before ending anyway.
+BODY_WAIT_S = 10.0
+
+
+class RequestBodyFirst:
+    """ASGI middleware: on HTTP/2, a response does not end before its request body has (see the
+    module doc). The rest of an unread body is received and dropped; nothing is buffered."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("http_version") != "2":
+            return await self.app(scope, receive, send)
+        done = False
+
+        async def tracked_receive() -> dict[str, Any]:
+            nonlocal done
+            msg = await receive()
+            if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+                done = True
+            return msg
+
+        async def guarded_send(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False) and not done:
+                try:
+                    async with asyncio.timeout(BODY_WAIT_S):
+                        while not done:
+                            await tracked_receive()
+                except TimeoutError:
+                    log.warning("request body still arriving %g s after the response", BODY_WAIT_S)
+            await send(msg)
+
+        await self.app(scope, tracked_receive, guarded_send)
 
 
 def make_config(ctx: ServerContext, log_level: str) -> Any:
@@ -102,4 +150,4 @@ async def _serve(app: Any, ctx: ServerContext, cfg: Any) -> None:
 def serve_hypercorn(app: Any, ctx: ServerContext, log_level: str = "info") -> None:
     """Serve `app` under hypercorn until SIGTERM/SIGINT, then drain (`serve.drain`)."""
     require_hypercorn()
-    asyncio.run(_serve(app, ctx, make_config(ctx, log_level)))
+    asyncio.run(_serve(RequestBodyFirst(app), ctx, make_config(ctx, log_level)))

@@ -148,13 +148,16 @@ class ServeSettings:
                 "TLS needs both --ssl-certfile (the PEM certificate) and --ssl-keyfile (its "
                 "private key); pass both, or neither for plain HTTP"
             )
-        for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile)):
+        for flag, path in (
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-keyfile", self.ssl_keyfile),
+        ):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file; give the path of a PEM file")
 
     @property
     def scheme(self) -> str:
-        """"https" when the server speaks TLS, else "http"."""
+        """ "https" when the server speaks TLS, else "http"."""
         return "https" if self.ssl_certfile else "http"
 
     def _from(self, name: str) -> str:
