@@ -386,3 +386,20 @@ def test_early_refusal_keeps_the_h2_connection(llama_dir, tmp_path):
     finally:
         s.kill()
     assert "Unhandled exception" not in s.log.read_text()
+
+
+def test_bench_serve_http2_multiplexes_one_connection(h2c_server):
+    """`llmopt bench serve --http2`: every request over HTTP/2, and the output says so."""
+    cmd = [sys.executable, "-m", "llmopt.cli.main", "bench", "serve", "--url", h2c_server.url]
+    cmd += ["--http2", "--values", "4", "--num-requests", "8", "--repeats", "1"]
+    cmd += ["--input-len", "8", "--output-len", "6", "--ignore-eos", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout)
+    assert res["http_version"] == "HTTP/2" and res["connections"] == "one, multiplexed"
+    run = res["points"][0]["runs"][0]
+    assert run["metrics"]["completed"] == 8 and run["metrics"]["failed"] == 0
+    table = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=300, check=False)
+    assert table.returncode == 0 and "protocol: HTTP/2, connections: one, multiplexed" in " ".join(
+        table.stdout.split()
+    )
