@@ -403,3 +403,64 @@ def test_bench_serve_http2_multiplexes_one_connection(h2c_server):
     assert table.returncode == 0 and "protocol: HTTP/2, connections: one, multiplexed" in " ".join(
         table.stdout.split()
     )
+
+
+@pytest.mark.skipif(
+    shutil.which("nginx") is None, reason="nginx not installed (apt-get install nginx-light)"
+)
+def test_bundle_nginx_speaks_h2_to_clients(h2c_server, tmp_path):
+    """The deploy bundle's TLS proxy config, run by this machine's nginx in front of a real
+    server: clients get HTTP/2 (ALPN), streamed chat arrives through it, and nginx reaches the
+    server over HTTP/1.1. Only ports, paths and (for an nginx older than 1.25.1) the spelling of
+    the http2 switch are changed, the same mapping the bundle's `nginx -t` check makes."""
+    from llmopt.deploy import templates as T
+    from llmopt.deploy.validate import _HTTP2_DIRECTIVE, _nginx_version
+
+    exe = shutil.which("nginx")
+    cert, key = make_cert(tmp_path)
+    shutil.copy(cert, tmp_path / "tls.crt")
+    shutil.copy(key, tmp_path / "tls.key")
+    port = free_port()
+    conf = T.nginx_tls_conf(f"127.0.0.1:{h2c_server.port}").replace(T.NGINX_CERT_DIR, str(tmp_path))
+    conf = conf.replace("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;")
+    if _nginx_version(exe) < _HTTP2_DIRECTIVE:
+        conf = conf.replace("ssl;\n    http2 on;", "ssl http2;")
+    temps = "".join(
+        f"    {d}_temp_path {tmp_path}/{d};\n"
+        for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    (tmp_path / "llm.conf").write_text(conf)
+    (tmp_path / "nginx.conf").write_text(
+        f"events {{}}\nhttp {{\n{temps}    access_log off;\n    include {tmp_path}/llm.conf;\n}}\n"
+    )
+    glob = (
+        f"daemon off; master_process off; pid {tmp_path}/nginx.pid; error_log {tmp_path}/error.log;"
+    )
+    proc = subprocess.Popen(
+        [exe, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", glob]
+    )
+    ctx = ssl.create_default_context(cafile=str(cert))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                h = httpx.get(f"https://127.0.0.1:{port}/health", verify=ctx, timeout=2)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "error.log"
+                ).read_text()
+                time.sleep(0.2)
+        assert h.status_code == 200
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]}
+        body |= {"max_tokens": 8, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(http1=False, http2=True, verify=ctx, timeout=120) as c,
+            c.stream("POST", f"https://127.0.0.1:{port}/v1/chat/completions", json=body) as r,
+        ):
+            assert r.http_version == "HTTP/2" and r.status_code == 200
+            events = _sse(r.iter_lines())
+        assert events[-1] == "[DONE]" and len(events) == 10  # role chunk, 8 tokens, [DONE]
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -490,7 +490,7 @@ async def _run(
     http2: bool = False,
 ) -> dict[str, Any]:
     try:
-        import httpx
+        import httpx  # noqa: F401  (make_client imports it; fail here with the fix)
     except ImportError:
         raise EngineUnavailableError(
             "the load generator needs httpx", "pip install 'llmopt[bench]'"
