@@ -279,7 +279,7 @@ def serve(
     if gguf:
         raise ValueError("--gguf is for --engine llamacpp")
     if http2:  # before the model loads: a missing server is told in a second, with its fix
-        from llmopt.serve.hypercorn_server import require_hypercorn
+        from llmopt.serve.hypercorn_server import require_hypercorn  # heavy: starlette
 
         require_hypercorn()
     from llmopt.serve.server import load_context, run_server  # heavy: starlette

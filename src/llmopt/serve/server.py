@@ -38,6 +38,7 @@ from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.engine.loop import EngineLoop
 from llmopt.serve.engine.process import EngineProcess
 from llmopt.serve.engine.warmup import warm_generator
+from llmopt.serve.hypercorn_server import serve_hypercorn
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 from llmopt.serve.source import ServeSourceError, describe_source
@@ -309,8 +310,6 @@ def run_server(ctx: ServerContext, log_level: str = "info") -> None:
     sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
     try:
         if s.http2:
-            from llmopt.serve.hypercorn_server import serve_hypercorn
-
             serve_hypercorn(create_app(ctx), ctx, log_level)
         else:
             _run_uvicorn(create_app(ctx), ctx, log_level)
