@@ -116,7 +116,10 @@ def make_config(ctx: ServerContext, log_level: str) -> Any:
     if s.ssl_certfile:
         cfg.certfile, cfg.keyfile = s.ssl_certfile, s.ssl_keyfile
     cfg.accesslog = None
-    cfg.loglevel = log_level.upper()
+    # hypercorn's errors through llmopt's logging setup (its own handler would print each twice)
+    errors = logging.getLogger("hypercorn.error")
+    errors.setLevel(log_level.upper())
+    cfg.errorlog = errors
     cfg.keep_alive_timeout = 5.0
     cfg.graceful_timeout = GRACEFUL_TIMEOUT_S
     # One HTTP/2 connection may carry every request the server admits (running + queued, one
