@@ -115,3 +115,34 @@ def test_drain_over_h2_lets_streams_finish(tmp_path):
         assert s.proc.wait(60) == 0
     finally:
         s.kill()
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    """A second signal during a long drain window stops the server at once: the open stream
+    is cut with the `shutting_down` event and [DONE], and the process exits within seconds, not
+    the 120 s window."""
+    s = Server([*COMMON, "--drain-timeout", "120"], tmp_path / "server.log")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "stream": True}
+    body["ignore_eos"] = True
+
+    async def main():
+        async with _one_connection() as c:
+            started = asyncio.Event()
+            task = asyncio.create_task(_stream(c, s.url, body, started))
+            await asyncio.wait_for(started.wait(), 120)
+            os.kill(s.proc.pid, signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert s.proc.poll() is None  # draining, not gone
+            t0 = time.monotonic()
+            os.kill(s.proc.pid, signal.SIGTERM)
+            _, lines = await asyncio.wait_for(task, 60)
+            return t0, lines
+
+    try:
+        t0, lines = asyncio.run(main())
+        assert s.proc.wait(30) is not None and time.monotonic() - t0 < 15
+        assert lines[-1] == "[DONE]", lines[-3:]
+        assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
+        assert sum(1 for x in lines[:-2] if json.loads(x).get("choices")) < 480
+    finally:
+        s.kill()

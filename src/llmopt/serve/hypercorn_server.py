@@ -7,8 +7,8 @@ hypercorn (a maintained ASGI server built on the `h2` protocol library) serves, 
 uvicorn speaks HTTP/1.1 only, which is why `--http2` changes the server rather than a setting.
 
 The draining shutdown is `serve.drain.Drain`, as under uvicorn: this module only adapts it
-(hypercorn's `shutdown_trigger` ends the serving once the drain is over; a second signal sets
-the graceful timeout to zero so open connections are dropped at once).
+(hypercorn's `shutdown_trigger` ends the serving once the drain is over; a second signal cuts
+the open streams at once, as the end of the drain window would, and stops within a second).
 
 `RequestBodyFirst` works around a hypercorn HTTP/2 bug (hypercorn issue 329, open in 0.18): when a
 response ends before the client has sent all of its request body, hypercorn forgets the stream,
@@ -26,7 +26,7 @@ from typing import Any
 
 from llmopt.core.errors import LlmoptError
 from llmopt.serve.api.context import ServerContext
-from llmopt.serve.drain import Drain
+from llmopt.serve.drain import Drain, cut_generations
 
 __all__ = [
     "INSTALL",
@@ -43,6 +43,8 @@ INSTALL = "pip install 'llmopt[serve]'  (or: pip install hypercorn h2)"
 # How long, once the drain is over, connections get to close by themselves (as uvicorn's
 # timeout_graceful_shutdown in `server.run_server`).
 GRACEFUL_TIMEOUT_S = 5.0
+# After a second signal: how long the streams cut at once get to write their last event.
+FORCE_GRACE_S = 1.0
 
 
 class HTTP2UnavailableError(LlmoptError):
@@ -136,7 +138,11 @@ async def _serve(app: Any, ctx: ServerContext, cfg: Any) -> None:
     stopped = asyncio.Event()
 
     def force() -> None:
-        cfg.graceful_timeout = 0.0  # read by hypercorn after the trigger: no wait for streams
+        # Streams still open get their `shutting_down` event and [DONE] now, and the server
+        # waits no longer than FORCE_GRACE_S for them to be written (hypercorn reads
+        # graceful_timeout after the trigger; then it cancels what is left).
+        cut_generations(ctx)
+        cfg.graceful_timeout = FORCE_GRACE_S
         loop.call_soon_threadsafe(stopped.set)
 
     drain = Drain(ctx, stop=stopped.set, force=force)
