@@ -12,7 +12,11 @@ stream without chunks) become records with an error; nothing here raises for a s
 
 Client: httpx (async, HTTP/1.1 keep-alive pool). It is the client `openai` itself is built on,
 so it adds no dependency beside the official client the tests use, and its per-phase timeouts
-(connect/read/pool) bound a stalled stream per chunk, not only per request.
+(connect/read/pool) bound a stalled stream per chunk, not only per request. With `http2`, it
+speaks HTTP/2 only (cleartext h2c by prior knowledge on http://, ALPN h2 on https://; a server
+without it fails the run rather than falling back) over ONE connection that multiplexes every
+request in flight, as a browser or an HTTP/2 proxy would; the protocol each response came back
+in is recorded.
 """
 
 from __future__ import annotations
@@ -457,23 +461,59 @@ async def first_model(client, url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
+def make_client(
+    limit: int | None, timeout_s: float, http2: bool = False, on_response: list | None = None
+) -> Any:
+    """The httpx client a run uses: a keep-alive pool of HTTP/1.1 connections, one per request in
+    flight; or with `http2` one HTTP/2 connection for all of them (h2c by prior knowledge on
+    http://, h2 by ALPN on https://; HTTP/1.1 is not offered, so no silent fallback)."""
+    import httpx
+
+    tmo = httpx.Timeout(timeout_s, connect=10.0)
+    hooks = {"response": on_response or []}
+    if http2:
+        one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        return httpx.AsyncClient(
+            timeout=tmo, limits=one, http1=False, http2=True, event_hooks=hooks
+        )
+    limits = httpx.Limits(max_connections=limit or 1000, max_keepalive_connections=limit or 100)
+    return httpx.AsyncClient(timeout=tmo, limits=limits, event_hooks=hooks)
+
+
 async def _run(
-    url: str, spec: LoadSpec, w: Workload, model: str | None, timeout_s: float, warmups: int
+    url: str,
+    spec: LoadSpec,
+    w: Workload,
+    model: str | None,
+    timeout_s: float,
+    warmups: int,
+    http2: bool = False,
 ) -> dict[str, Any]:
     try:
-        import httpx
+        import httpx  # noqa: F401  (make_client imports it; fail here with the fix)
     except ImportError:
         raise EngineUnavailableError(
             "the load generator needs httpx", "pip install 'llmopt[bench]'"
         ) from None
+    if http2:
+        try:
+            import h2  # noqa: F401
+        except ImportError:
+            raise EngineUnavailableError(
+                "--http2 needs httpx's HTTP/2 support (the h2 library)",
+                "pip install 'llmopt[bench]'  (or: pip install 'httpx[http2]')",
+            ) from None
 
     prompts = make_prompts(w, spec.num_requests + warmups, spec.seed)
     batches = make_batches(w, prompts, spec.seed) if w.endpoint == "embeddings" else None
     offsets = arrival_offsets(spec, spec.num_requests)
     limit = int(spec.value) if spec.mode == "concurrency" else spec.max_concurrency
-    limits = httpx.Limits(max_connections=limit or 1000, max_keepalive_connections=limit or 100)
-    tmo = httpx.Timeout(timeout_s, connect=10.0)
-    async with httpx.AsyncClient(timeout=tmo, limits=limits) as client:
+    versions: set[str] = set()
+
+    async def seen(resp: Any) -> None:  # the protocol every response came back in
+        versions.add(resp.http_version)
+
+    async with make_client(limit, timeout_s, http2, [seen]) as client:
         try:
             model = model or await first_model(client, url)
         except Exception as e:
@@ -516,7 +556,13 @@ async def _run(
         r = t.result() if t.done() and not t.cancelled() else None
         records.append(r or RequestRecord(False, error="cancelled: run deadline reached"))
     unsent = spec.num_requests - len(tasks)
-    return {"model": model, "records": records, "duration_s": duration, "unsent": unsent}
+    return {
+        "model": model,
+        "records": records,
+        "duration_s": duration,
+        "unsent": unsent,
+        "http_version": ", ".join(sorted(versions)) or None,
+    }
 
 
 def run_load(
@@ -529,6 +575,7 @@ def run_load(
     warmups: int = 1,
     allow_remote: bool = False,
     percentiles: tuple[float, ...] = PERCENTILES,
+    http2: bool = False,
 ) -> dict[str, Any]:
     """Load one endpoint with one arrival pattern and return vLLM-defined metrics.
 
@@ -542,17 +589,19 @@ def run_load(
         warmups: untimed requests sent one by one before the measured ones.
         allow_remote: permit a non-loopback host.
         percentiles: latency percentiles to report (p50, p90, p95, p99 by default).
+        http2: speak HTTP/2 over one multiplexed connection (`make_client`).
 
     Returns:
-        {"spec", "workload", "model", "metrics" (see serve_metrics), "unsent", "errors" (first
-        10 distinct), "requests" (per-request records)}.
+        {"spec", "workload", "model", "http_version" (the protocol the server answered in),
+        "metrics" (see serve_metrics), "unsent", "errors" (first 10 distinct), "requests"
+        (per-request records)}.
 
     Example:
         >>> run_load("http://127.0.0.1:8000", LoadSpec("concurrency", 4, num_requests=16))  # doctest: +SKIP
     """
     w = workload or Workload()
     url = check_url(base_url, allow_remote)
-    out = asyncio.run(_run(url, spec, w, model, timeout_s, warmups))
+    out = asyncio.run(_run(url, spec, w, model, timeout_s, warmups, http2))
     recs: list[RequestRecord] = out["records"]
     errors = sorted({r.error for r in recs if not r.success})[:10]
     if errors:
@@ -566,6 +615,10 @@ def run_load(
         "workload": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(w).items()},
         "url": url,
         "model": out["model"],
+        "http_version": out["http_version"],
+        "connections": "one, multiplexed"
+        if http2
+        else "a keep-alive pool, one per request in flight",
         "metrics": metrics,
         "unsent": out["unsent"],
         # Without usage in the stream, prompt lengths are word counts (about 1 token per word of

@@ -109,6 +109,7 @@ def run_sweep(
     on_run: Callable[[int, int, dict[str, Any]], None] | None = None,
     warmups: int = 1,
     percentiles: tuple[float, ...] = PERCENTILES,
+    http2: bool = False,
 ) -> dict[str, Any]:
     """Run every point `repeats` times and summarize each headline metric over the repeats.
 
@@ -125,6 +126,7 @@ def run_sweep(
         on_run: progress callback (run index, total runs, run result).
         warmups: untimed requests sent one by one before each run (0: none).
         percentiles: latency percentiles each run reports (p95 is in the headline).
+        http2: the client speaks HTTP/2 over one multiplexed connection (`loadgen.make_client`).
 
     Example:
         >>> res = run_sweep("http://127.0.0.1:8000", parse_points("concurrency", "1,2"), repeats=2)  # doctest: +SKIP
@@ -149,6 +151,7 @@ def run_sweep(
                 warmups=warmups,
                 allow_remote=allow_remote,
                 percentiles=percentiles,
+                http2=http2,
             )
             model_seen = r["model"]
             runs.append(r)
@@ -179,6 +182,9 @@ def run_sweep(
         },
         "workload": out_points[0]["runs"][0]["workload"] if out_points else {},
         "endpoint": w.endpoint,
+        # The protocol the server answered in, and how the client connected.
+        "http_version": out_points[0]["runs"][0]["http_version"] if out_points else None,
+        "connections": out_points[0]["runs"][0]["connections"] if out_points else None,
         "percentiles": list(percentiles),
         "repeats": repeats,
         "slo_ms": slo.as_dict() if slo else {},

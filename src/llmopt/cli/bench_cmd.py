@@ -112,6 +112,16 @@ def serve(
         bool, typer.Option("--allow-remote", help="Permit a non-loopback host.")
     ] = False,
     seed: Annotated[int, typer.Option(help="Seed for arrivals and lengths.")] = 0,
+    http2: Annotated[
+        bool,
+        typer.Option(
+            "--http2",
+            help="Speak HTTP/2 (h2c by prior knowledge on http://, h2 by ALPN on https://) over "
+            "one connection that multiplexes every request in flight; default: HTTP/1.1, a "
+            "keep-alive connection per request in flight. For a self-signed https server, point "
+            "SSL_CERT_FILE at its certificate.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Load an OpenAI-compatible endpoint; TTFT/TPOT/ITL/E2EL and goodput as vLLM defines them."""
@@ -151,6 +161,7 @@ def serve(
             on_run=lambda k, n, r: prog.update(task, completed=k),
             warmups=warmups,
             percentiles=pcts,
+            http2=http2,
         )
     path = _write(out, res)
     if as_json:
@@ -187,7 +198,10 @@ def _render_serve(res: dict[str, Any], path: Path | None) -> None:
     from rich.table import Table
 
     # Metrics as rows, sweep points as columns: stays readable in 80 columns for a few points.
-    t = Table(title=f"{res['label']} @ {res['url']}: median \\[min-max] of {res['repeats']} runs")
+    proto = f" over {res['http_version']}" if res.get("http_version") else ""
+    t = Table(
+        title=f"{res['label']} @ {res['url']}{proto}: median \\[min-max] of {res['repeats']} runs"
+    )
     t.add_column("metric")
     for pt in res["points"]:
         t.add_column(pt["spec"]["label"], justify="right")
@@ -198,6 +212,8 @@ def _render_serve(res: dict[str, Any], path: Path | None) -> None:
             cells.append(f"{st['median']:.1f} [{st['min']:.1f}-{st['max']:.1f}]" if st else "-")
         t.add_row(f"{key} ({unit})", *cells)
     console.print(t)
+    if res.get("http_version"):
+        console.print(f"protocol: {res['http_version']}, connections: {res['connections']}")
     for pt in res["points"]:
         reasons = pt["runs"][0].get("finish_reasons", {})
         if set(reasons) - {"length", "stop"}:

@@ -16,6 +16,7 @@ from llmopt.cli.render import console
 from llmopt.serve.defaults import resolve_settings
 from llmopt.serve.external import chosen_external_engine, external_command, launch_external
 from llmopt.serve.settings import ServeSettings
+from llmopt.serve.source import ServeSourceError
 
 __all__ = ["register", "serve"]
 
@@ -44,6 +45,25 @@ def serve(
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    http2: Annotated[
+        bool,
+        typer.Option(
+            "--http2",
+            help="Serve under hypercorn, which speaks HTTP/2 as well as HTTP/1.1 on the same "
+            "port: cleartext h2c (prior knowledge or Upgrade) without a certificate, h2 by ALPN "
+            "with --ssl-certfile/--ssl-keyfile. Needs hypercorn (pip install 'llmopt[serve]').",
+        ),
+    ] = False,
+    ssl_certfile: Annotated[
+        str | None,
+        typer.Option(
+            "--ssl-certfile", help="PEM certificate (chain): serve over TLS (with --ssl-keyfile)."
+        ),
+    ] = None,
+    ssl_keyfile: Annotated[
+        str | None,
+        typer.Option("--ssl-keyfile", help="PEM private key of --ssl-certfile."),
+    ] = None,
     served_name: Annotated[
         str | None,
         typer.Option("--served-name", help="Model id clients send (default: model name)."),
@@ -217,6 +237,9 @@ def serve(
         engine_process=engine_process,
         compile_prefill=compile_prefill,
         swap_space_gib=swap_space,
+        http2=http2,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
     requested = {
         "max_num_seqs": max_num_seqs,
@@ -232,6 +255,13 @@ def serve(
     if chosen:  # the run chose an engine with its own server: serve what was measured
         sys.stderr.write(f"note: the run chose the {chosen} engine; serving it with its server\n")
         engine = chosen
+    if engine and (http2 or ssl_certfile or ssl_keyfile):
+        raise ServeSourceError(
+            f"--http2 and --ssl-certfile/--ssl-keyfile are options of llmopt's own server, not "
+            f"of {engine}'s",
+            "serve with --engine torch or --engine hf, or put the deploy bundle's nginx (TLS and "
+            "HTTP/2 to clients) in front of the engine's server",
+        )
     if engine:  # the engine's own server takes the plan's flags itself (llmopt.serve.external)
         given = {k: v for k, v in requested.items() if v is not None}
         settings = ServeSettings(
@@ -248,6 +278,10 @@ def serve(
         raise typer.Exit(launch_external(cfg, dry_run=dry_run))
     if gguf:
         raise ValueError("--gguf is for --engine llamacpp")
+    if http2:  # before the model loads: a missing server is told in a second, with its fix
+        from llmopt.serve.hypercorn_server import require_hypercorn  # heavy: starlette
+
+        require_hypercorn()
     from llmopt.serve.server import load_context, run_server  # heavy: starlette
 
     settings = resolve_settings(model, requested, recipe, **common)
@@ -263,7 +297,9 @@ def serve(
     if ctx.effective:
         shown = ", ".join(f"{k} {v['value']} ({v['source']})" for k, v in ctx.effective.items())
         sys.stderr.write(f"settings: {shown}\n")
-    sys.stderr.write(f"serving {ctx.served_name} ({ctx.task}) on http://{host}:{port}/v1\n")
+    where = f"{settings.scheme}://{host}:{port}/v1"
+    proto = "HTTP/2 and HTTP/1.1, hypercorn" if http2 else "HTTP/1.1, uvicorn"
+    sys.stderr.write(f"serving {ctx.served_name} ({ctx.task}) on {where} ({proto})\n")
     run_server(ctx, log_level=log_level.lower())
 
 

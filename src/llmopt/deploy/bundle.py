@@ -142,6 +142,7 @@ def _files(plan: ServingPlan, image: str, model_dir: Path) -> dict[str, str]:
         ".env": f"# Host folder with the model (mounted read-only at {T.MODEL_MOUNT}).\n"
         f"MODEL_DIR={model_dir}\nIMAGE={image}\n",
         "nginx/llm.conf": T.nginx_conf(),
+        "nginx/llm-tls.conf": T.nginx_tls_conf(),
         "k8s.yaml": T.kubernetes(plan, image),
     }
     for name, cfg in plan.launch.items():  # the alternatives, ready to run by hand

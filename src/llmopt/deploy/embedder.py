@@ -130,6 +130,7 @@ def embedder_files(plan: EmbedderPlan, image: str, mount_dir: str) -> dict[str, 
         f"{'the run best/ folder' if plan.served_by == 'llmopt' else 'the model folder'}.\n"
         f"MODEL_DIR={mount_dir}\nIMAGE={image}\n",
         "nginx/llm.conf": T.nginx_conf(),
+        "nginx/llm-tls.conf": T.nginx_tls_conf(),
         "k8s.yaml": T.kubernetes(plan, image),  # type: ignore[arg-type]
         "README.md": _readme(plan, image, mount_dir),
     }
@@ -273,4 +274,5 @@ The proxy listens on 127.0.0.1:8080 (set BIND_ADDR in .env to publish it elsewhe
 `start.sh` checks the device first ({"a GPU" if plan.served_by == "vllm" else "CPU cores and AVX2"})
 and prints the threshold it exports. Kubernetes: `k8s.yaml` (push {image}, and a PVC holding
 the folder). `plan.json` records what was chosen and why.
-"""
+
+{T.tls_readme()}"""

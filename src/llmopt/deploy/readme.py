@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmopt.deploy.templates import MODEL_MOUNT, PORT, slug
+from llmopt.deploy.templates import MODEL_MOUNT, PORT, slug, tls_readme
 
 if TYPE_CHECKING:
     from llmopt.deploy.source import DeploySource
@@ -76,12 +76,14 @@ off on GPUs without FP8 support (compute capability below 8.9). The server liste
 | `Dockerfile`, `.dockerignore` | the server image (allow-list: only `start.sh` and `plan.json` go in) |
 | `docker-compose.yml` | server with {"GPU reservation, " if t.kind == "gpu" else ""}health check and the model volume; nginx in front on port 8080 |
 | `nginx/llm.conf` | reverse proxy for streaming: HTTP/1.1 keep-alive upstream, buffering off, 600 s read timeout |
+| `nginx/llm-tls.conf` | the same proxy over TLS with HTTP/2 to clients (compose profile `tls`, see below) |
 | `k8s.yaml` | Deployment and Service |
 | `start.sh` | hardware check, then `exec` of the planned engine |
 | `plan.json` | the full plan: memory math, layout, engine choice, every launch configuration |
 | `launch/` | the same settings for the other engines, to run by hand |
 | `bundle.json` | file hashes and the validation results |
 
+{tls_readme()}
 ## The plan
 
 - target: {t.count} x {t.name} ({m.gpu_memory_bytes / GiB:.1f} GiB each; {t.source})

@@ -2,7 +2,7 @@
 
 | check | tool | what it proves |
 | --- | --- | --- |
-| nginx | `nginx -t` | the proxy config parses and its directives are valid |
+| nginx | `nginx -t` | the proxy configs (plain and TLS/HTTP/2) parse and their directives are valid |
 | compose | check-jsonschema, compose-spec schema | docker-compose.yml follows the Compose specification |
 | kubernetes | kubernetes-validate (strict) | Deployment and Service match the Kubernetes API schema |
 | dockerfile | `dockerfile` (BuildKit's own parser) | the Dockerfile parses; no weights copied in |
@@ -15,6 +15,7 @@ A missing tool gives "skipped" with the install hint, never a failure.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from typing import Any
 import yaml
 
 from llmopt.core.errors import EngineUnavailableError
+from llmopt.deploy.templates import NGINX_CERT_DIR
 from llmopt.planning.launch import check_vllm_args
 
 __all__ = ["CheckResult", "validate_bundle", "WEIGHT_SUFFIXES"]
@@ -58,22 +60,70 @@ def _run(cmd: list[str], **kw: Any) -> tuple[int, str]:
     return p.returncode, (p.stdout + p.stderr).strip()
 
 
-def check_nginx(bundle: Path) -> CheckResult:
-    exe = shutil.which("nginx")
-    if not exe:
-        return CheckResult(
-            "nginx", "skipped", "nginx -t", "nginx not installed (apt-get install nginx-light)"
+# `http2 on;` (the bundle's spelling, for its nginx image) arrived in nginx 1.25.1.
+_HTTP2_DIRECTIVE = (1, 25, 1)
+
+
+def _nginx_version(exe: str) -> tuple[int, ...]:
+    _, out = _run([exe, "-v"])
+    m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in m.groups()) if m else (0, 0, 0)
+
+
+def _throwaway_cert(folder: Path) -> bool:
+    """A self-signed tls.crt / tls.key in `folder` for `nginx -t` to load (it opens them at
+    parse time); by `cryptography` when importable, else the openssl command. False: neither."""
+    crt, key = folder / "tls.crt", folder / "tls.key"
+    try:
+        import datetime as dt
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if not openssl:
+            return False
+        rc, _ = _run(
+            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+            + ["-nodes", "-subj", "/CN=localhost", "-days", "1"]
+            + ["-keyout", str(key), "-out", str(crt)]
         )
+        return rc == 0
+    pk = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(pk.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .sign(pk, hashes.SHA256())
+    )
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        pk.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return True
+
+
+def _nginx_t(exe: str, conf: str) -> tuple[int, str]:
+    """`nginx -t` of one bundle config, included in a minimal main config as in the image."""
     with tempfile.TemporaryDirectory() as tmp:
-        # Compose's service name `llm` resolves only inside the compose network; nginx -t
-        # resolves upstream hosts at parse time, so the check maps it to 127.0.0.1.
-        conf = (
-            (bundle / "nginx" / "llm.conf").read_text().replace("server llm:", "server 127.0.0.1:")
-        )
-        (Path(tmp) / "llm.conf").write_text(conf)
+        (Path(tmp) / "llm.conf").write_text(conf.replace(NGINX_CERT_DIR, tmp))
         (Path(tmp) / "nginx.conf").write_text(
             f"events {{}}\nhttp {{\n    include {tmp}/llm.conf;\n}}\n"
         )
+        if NGINX_CERT_DIR in conf and not _throwaway_cert(Path(tmp)):
+            return -1, "no certificate for the TLS config (pip install cryptography, or openssl)"
         rc, out = _run(
             [
                 exe,
@@ -86,8 +136,40 @@ def check_nginx(bundle: Path) -> CheckResult:
                 f"pid {tmp}/nginx.pid; error_log {tmp}/error.log;",
             ]
         )
-    detail = out.replace(tmp, "<tmp>") + " (upstream host llm mapped to 127.0.0.1 for the test)"
-    return CheckResult("nginx", "passed" if rc == 0 else "failed", "nginx -t", detail)
+        return rc, out.replace(tmp, "<tmp>")
+
+
+def check_nginx(bundle: Path) -> CheckResult:
+    exe = shutil.which("nginx")
+    if not exe:
+        return CheckResult(
+            "nginx", "skipped", "nginx -t", "nginx not installed (apt-get install nginx-light)"
+        )
+    version = _nginx_version(exe)
+    details, status = [], "passed"
+    for name in ("llm.conf", "llm-tls.conf"):
+        path = bundle / "nginx" / name
+        if not path.is_file():
+            continue
+        # Compose's service name `llm` resolves only inside the compose network; nginx -t
+        # resolves upstream hosts at parse time, so the check maps it to 127.0.0.1.
+        conf = path.read_text().replace("server llm:", "server 127.0.0.1:")
+        notes = ["upstream host llm mapped to 127.0.0.1"]
+        if version < _HTTP2_DIRECTIVE and "http2 on;" in conf:
+            # The same setting as this older nginx spells it (the image's nginx is newer).
+            conf = conf.replace("listen 443 ssl;\n    http2 on;", "listen 443 ssl http2;")
+            notes.append(
+                f"`http2 on;` written `listen 443 ssl http2;` for nginx {'.'.join(map(str, version))}"
+            )
+        if NGINX_CERT_DIR in conf:
+            notes.append("a throwaway self-signed certificate")
+        rc, out = _nginx_t(exe, conf)
+        if rc == -1:
+            details.append(f"{name}: skipped: {out}")
+            continue
+        status = status if rc == 0 else "failed"
+        details.append(f"{name}: {out} ({'; '.join(notes)} for the test)")
+    return CheckResult("nginx", status, "nginx -t", "\n".join(details))
 
 
 def check_compose(bundle: Path) -> CheckResult:

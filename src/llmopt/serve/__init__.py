@@ -9,7 +9,8 @@ bridge to asyncio), `engine.process` (the same in a child process), `engine.clie
 `EngineClient` protocol both satisfy), `api.detok` (incremental detokenization, stop strings),
 `api.generation` (one choice as an async stream of text deltas), `api.completions` and
 `api.embeddings` (the endpoints), `metrics` (Prometheus), `api.app` (FastAPI app and the guard
-middleware), `server` (what to load, uvicorn with draining shutdown), `external`
+middleware), `drain` (the draining shutdown), `server` (what to load, uvicorn),
+`hypercorn_server` (`--http2`: hypercorn, HTTP/2 and HTTP/1.1), `external`
 (`--engine vllm|llamacpp`).
 
 The engine is reached only through `llmopt.engines`: `get_engine(name).load_generator(spec)`

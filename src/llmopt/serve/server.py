@@ -1,4 +1,5 @@
-"""Load what to serve, build the app, run uvicorn with a draining shutdown.
+"""Load what to serve, build the app, run it under uvicorn (or hypercorn for HTTP/2) with a
+draining shutdown.
 
 What can be served (`load_context`):
 - a run's chosen candidate: `runs/NAME` or `runs/NAME/best` (candidate.json + model.json +
@@ -14,7 +15,8 @@ Shutdown: the first SIGTERM or SIGINT (the same) starts draining: new `/v1` requ
 the requests in flight have finished or `drain_timeout_s` (`--drain-timeout`) has passed. At the
 end of the window every generation still running is cut with an error the client can see: a
 stream gets an in-band error event (code `shutting_down`) and `data: [DONE]`, a non-streamed
-request a 503. A second signal exits at once.
+request a 503. A second signal exits at once. The drain is `serve.drain.Drain`, the same under
+uvicorn (`DrainingServer` here) and hypercorn (`serve.hypercorn_server`, `--http2`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,12 @@ from llmopt.engines.generation import GeneratorSpec
 from llmopt.rundir.best import Best
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.embeddings import EmbedBatcher
-from llmopt.serve.api.protocol import APIError
+from llmopt.serve.drain import Drain
 from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.engine.loop import EngineLoop
 from llmopt.serve.engine.process import EngineProcess
 from llmopt.serve.engine.warmup import warm_generator
+from llmopt.serve.hypercorn_server import serve_hypercorn
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 from llmopt.serve.source import ServeSourceError, describe_source
@@ -251,59 +253,30 @@ def _embedding_context(
     return ServerContext(settings, name, "embedding", tok, metrics, int(limit), embedder=batcher)
 
 
-# After the drain window, how long the cut requests get to send their last event.
-CUT_GRACE_S = 2.0
-
-
-def cut_generations(ctx: ServerContext) -> int:
-    """End every open generation with a 503 `shutting_down` error (in-band for streams, which
-    then send `[DONE]`); returns how many were cut."""
-    err = APIError(
-        503,
-        f"the server shut down: the drain window ({ctx.settings.drain_timeout_s:g} s, "
-        "--drain-timeout) ended before this request finished; retry on another replica",
-        type="service_unavailable",
-        code="shutting_down",
-    )
-    gens = list(ctx.generations)
-    for g in gens:
-        g.cut(err)
-    return len(gens)
-
-
 def _make_server(config: Any, ctx: ServerContext) -> Any:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn, but the first signal drains instead of closing connections at once."""
+        """uvicorn, but the first signal drains (`serve.drain`) instead of closing connections
+        at once."""
 
-        _loop: asyncio.AbstractEventLoop | None = None
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.drain = Drain(ctx, stop=self._stop, force=self._force)
+
+        def _stop(self) -> None:
+            self.should_exit = True
+
+        def _force(self) -> None:
+            self.force_exit = True
+            self.should_exit = True
 
         async def serve(self, sockets: Any = None) -> None:
-            self._loop = asyncio.get_running_loop()
+            self.drain.bind(asyncio.get_running_loop())
             await super().serve(sockets)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if ctx.draining or self._loop is None:
-                self.force_exit = ctx.draining
-                self.should_exit = True
-                return
-            ctx.draining = True
-            log.info("signal %s: draining %d requests in flight", sig, ctx.inflight_http)
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-        async def _drain(self) -> None:
-            deadline = time.monotonic() + ctx.settings.drain_timeout_s
-            while ctx.inflight_http > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if ctx.inflight_http:
-                log.warning("drain timeout: %d requests still in flight", ctx.inflight_http)
-                cut_generations(ctx)
-                # Let the cut streams write their error event and [DONE] before closing.
-                grace = time.monotonic() + CUT_GRACE_S
-                while ctx.inflight_http > 0 and time.monotonic() < grace:
-                    await asyncio.sleep(0.02)
-            self.should_exit = True
+            self.drain.on_signal(sig)
 
     return DrainingServer(config)
 
@@ -336,24 +309,36 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def run_server(ctx: ServerContext, log_level: str = "info") -> None:
-    """Serve `ctx` on its host and port until SIGTERM/SIGINT (then drain and return)."""
-    import uvicorn
-
+    """Serve `ctx` on its host and port until SIGTERM/SIGINT (then drain and return): under
+    uvicorn (HTTP/1.1), or under hypercorn (HTTP/1.1 and HTTP/2) with `settings.http2`; over TLS
+    when the settings carry a certificate."""
     from llmopt.serve.api.app import create_app  # heavy: fastapi
 
     s = ctx.settings
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
+    try:
+        if s.http2:
+            serve_hypercorn(create_app(ctx), ctx, log_level)
+        else:
+            _run_uvicorn(create_app(ctx), ctx, log_level)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _run_uvicorn(app: Any, ctx: ServerContext, log_level: str) -> None:
+    import uvicorn
+
+    s = ctx.settings
     config = uvicorn.Config(
-        create_app(ctx),
+        app,
         host=s.host,
         port=s.port,
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
+        ssl_certfile=s.ssl_certfile,
+        ssl_keyfile=s.ssl_keyfile,
     )
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
-    try:
-        _make_server(config, ctx).run()
-    finally:
-        sys.setswitchinterval(before)
+    _make_server(config, ctx).run()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = ["ServeSettings"]
@@ -63,6 +64,11 @@ class ServeSettings:
         recipe: numeric recipe of the engine (fp32, bf16, ...).
         device: "cpu" or "cuda".
         threads: torch CPU threads (None: torch's default).
+        http2: serve under hypercorn, which speaks HTTP/2 (cleartext h2c, by prior knowledge or
+            Upgrade, or over TLS by ALPN) as well as HTTP/1.1 on the same port; False: uvicorn,
+            HTTP/1.1 only (`serve/hypercorn_server.py`).
+        ssl_certfile, ssl_keyfile: PEM certificate (chain) and private key: serve over TLS (both
+            or neither). With `http2`, clients negotiate h2 or http/1.1 by ALPN.
         sources, source_notes: where each of the five scheduler/cache settings above came from
             and why; `llmopt.serve.defaults.resolve_settings` fills them (`llmopt serve` plans
             every one the user did not pass).
@@ -94,6 +100,9 @@ class ServeSettings:
     recipe: str = "fp32"
     device: str = "cpu"
     threads: int | None = None
+    http2: bool = False
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     # Where each scheduler/cache setting came from ("flag", "run plan", "plan", "default") and
     # why (`llmopt.serve.defaults`); a setting missing here was set in code.
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -134,6 +143,22 @@ class ServeSettings:
             )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: use cpu or cuda")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError(
+                "TLS needs both --ssl-certfile (the PEM certificate) and --ssl-keyfile (its "
+                "private key); pass both, or neither for plain HTTP"
+            )
+        for flag, path in (
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-keyfile", self.ssl_keyfile),
+        ):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file; give the path of a PEM file")
+
+    @property
+    def scheme(self) -> str:
+        """ "https" when the server speaks TLS, else "http"."""
+        return "https" if self.ssl_certfile else "http"
 
     def _from(self, name: str) -> str:
         src = self.sources.get(name)

@@ -131,9 +131,7 @@ def test_bench_serve_warmups_reach_every_run(monkeypatch, tmp_path):
 
     seen = []
 
-    def fake_run_load(
-        base_url, spec, w, model, slo, timeout_s, warmups=1, allow_remote=False, percentiles=()
-    ):
+    def fake_run_load(base_url, spec, w, model, slo, timeout_s, warmups=1, allow_remote=False, **_):
         seen.append(warmups)
         return run_load(base_url, spec, w, model, slo, timeout_s, warmups=0)  # refused: failures
 
