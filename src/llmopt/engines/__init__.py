@@ -56,11 +56,13 @@ def get_engine(name: str) -> Engine:
 def served_by_llmopt(engine_name: str) -> bool:
     """Whether `llmopt serve` can serve a causal-LM artifact this engine built: with the
     engine's own generator (`Engine.batching`), its own server (`Engine.served`: vLLM) or
-    llama.cpp's server (`Engine.gguf`). An engine with runners only (OpenVINO's IR) is measured
-    and verified, but is not served yet.
+    llama.cpp's server (`Engine.gguf`). An engine with runners only would be measured and
+    verified, but not served.
 
     >>> served_by_llmopt("torch"), served_by_llmopt("llamacpp"), served_by_llmopt("openvino")
-    (True, True, False)
+    (True, True, True)
+    >>> served_by_llmopt("onnxruntime")  # embedders only: no causal-LM artifact to serve
+    False
     """
     e = get_engine(engine_name)
     return bool(e.batching or e.served or e.gguf)

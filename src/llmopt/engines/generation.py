@@ -159,6 +159,10 @@ class GeneratorSpec:
         max_seq_len: prompt + generated tokens of one sequence at most (None: the engine's).
         batch_sizes: decode batch shapes (None: the engine's).
         compile_prefill: compile the prefill forward too.
+        settings: the run's candidate's engine settings (`EngineSettings.to_dict()`: threads
+            and the engine's own options), for an engine whose generator runs with them (the
+            openvino engine: its KV-cache precision, inference precision, threads); None: the
+            engine's defaults.
     """
 
     model: str
@@ -171,9 +175,12 @@ class GeneratorSpec:
     max_seq_len: int | None = None
     batch_sizes: tuple[int, ...] | None = None
     compile_prefill: bool = False
+    settings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", str(self.model))
+        if self.settings is not None:
+            object.__setattr__(self, "settings", dict(self.settings))
         if self.batch_sizes is not None:
             object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
 

@@ -2,7 +2,9 @@
 
 Causal LMs are exported and run by `llmopt.engines.openvino_lm` (a stateful IR through
 `openvino.convert_model`, fp32 / bf16 / NNCF int8 / llmopt's int4 codes; why not optimum-intel
-is in its docstring). What follows is the embedder path.
+is in its docstring). `llmopt serve` drives them through `load_generator`: an
+`OpenVinoGenerator` (`llmopt.engines.openvino_generator`, one infer request per running
+sequence) compiled with the run's candidate's settings. What follows is the embedder path.
 
 Build: the HF encoder is converted to OpenVINO IR (`openvino.convert_model` on the PyTorch
 model, dynamic batch and length), saved in float32. `w8a8-static` quantizes it with NNCF's
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmopt.assets.text import calibration_sentences
+from llmopt.core.errors import EngineUnavailableError
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import register_engine
 from llmopt.engines.base import Engine
@@ -38,6 +41,8 @@ from llmopt.model.files import copy_tokenizer_files
 
 if TYPE_CHECKING:
     from llmopt.core.recipes import Recipe
+    from llmopt.engines.generation import GeneratorSpec
+    from llmopt.engines.openvino_generator import OpenVinoGenerator
     from llmopt.model.info import ModelInfo
 
 __all__ = ["OpenVinoEngine", "OpenVinoEmbeddingRunner", "RECIPES", "IR_FILE"]
@@ -62,6 +67,7 @@ class OpenVinoEngine(Engine):
     name = "openvino"
     tasks = ("embedding", "causal-lm")
     extra = "openvino"
+    batching = True  # causal LMs: `load_generator` (embedders are served through `load`)
 
     def missing(self) -> str | None:
         for mod in ("openvino", "nncf"):
@@ -155,6 +161,15 @@ class OpenVinoEngine(Engine):
             sort_by_length=settings.sort_by_length is not False,
             streams=int(settings.options.get("streams", 1)),
         )
+
+    def load_generator(self, spec: GeneratorSpec) -> OpenVinoGenerator:
+        """An `OpenVinoGenerator` over a built causal-LM artifact (`spec.model`), compiled with
+        the run's candidate's settings (`spec.settings`)."""
+        if why := self.missing():
+            raise EngineUnavailableError(why)
+        from llmopt.engines.openvino_generator import load_openvino_generator  # heavy: torch
+
+        return load_openvino_generator(spec)
 
 
 def _load_encoder(source: Path) -> tuple[Any, Any]:

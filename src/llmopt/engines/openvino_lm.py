@@ -54,7 +54,15 @@ if TYPE_CHECKING:
 
     from llmopt.core.recipes import Recipe
 
-__all__ = ["IR_FILE", "ARCHS", "build_lm", "OpenVinoLMRunner", "lm_recipe_rule"]
+__all__ = [
+    "IR_FILE",
+    "ARCHS",
+    "build_lm",
+    "compile_lm",
+    "lm_feeds",
+    "OpenVinoLMRunner",
+    "lm_recipe_rule",
+]
 
 IR_FILE = "model.xml"
 ARCHS = ("LlamaForCausalLM",)  # traced and verified here; others run on torch/hf
@@ -386,6 +394,57 @@ def _make_stateful(ov_model: Any) -> None:
     ov_model.validate_nodes_and_infer_types()
 
 
+def compile_lm(artifact: Path, settings: EngineSettings, dtype: str = "float32") -> tuple:
+    """Compile the artifact's stateful IR for the CPU as `settings` say (see `OpenVinoLMRunner`
+    for the options); returns (compiled model, tokenizer, inference precision, threads). The
+    runner and the serve generator (`llmopt.engines.openvino_generator`) both load through
+    here, so a served candidate runs with the settings it was verified with."""
+    import openvino as ov
+    from transformers import AutoTokenizer
+
+    opts = dict(settings.options)
+    precision = str(opts.get("precision", _PRECISION.get(dtype, "f32")))
+    threads = int(settings.threads or usable_cores())
+    config: dict[str, Any] = {
+        "INFERENCE_PRECISION_HINT": precision,
+        "INFERENCE_NUM_THREADS": threads,
+        "NUM_STREAMS": int(opts.get("streams", 1)),
+        "KV_CACHE_PRECISION": str(opts.get("kv_cache", precision)),
+        # 0: activations stay float. The CPU plugin's default quantizes them to int8 per
+        # group in front of int weights, which the w*a16 recipes do not (a setting).
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": int(opts.get("dynamic_quant_group", 0)),
+    }
+    if "cpu_pinning" in opts:
+        config["ENABLE_CPU_PINNING"] = bool(opts["cpu_pinning"])
+    path = Path(artifact) / IR_FILE
+    if not path.is_file():
+        raise LlmoptError(f"{path} is missing", hint="rebuild the openvino candidate")
+    tokenizer = AutoTokenizer.from_pretrained(str(artifact))
+    try:
+        compiled = ov.Core().compile_model(str(path), "CPU", config)
+    except RuntimeError as e:
+        raise LlmoptError(
+            f"OpenVINO could not load {path}: {str(e).splitlines()[0]}",
+            hint="the IR is damaged or from another OpenVINO: rebuild the openvino candidate",
+        ) from e
+    return compiled, tokenizer, precision, threads
+
+
+def lm_feeds(ids: np.ndarray, past: int, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """The stateful IR's inputs for `ids` (B, T) following `past` tokens already in the
+    request's state: the mask covers past + T, positions continue from `past`, and the logits
+    are computed at the positions `keep` (of the T). A prompt may so arrive in pieces (chunked
+    prefill): each piece is one infer on the same request."""
+    b, t = ids.shape
+    return {
+        "input_ids": ids.astype(np.int64),
+        "attention_mask": np.ones((b, past + t), dtype=np.int64),
+        "position_ids": np.broadcast_to(np.arange(past, past + t, dtype=np.int64), (b, t)),
+        "logits_index": keep.astype(np.int64),
+        "beam_idx": np.arange(b, dtype=np.int32),
+    }
+
+
 # -- runner ---------------------------------------------------------------------------------------
 
 
@@ -414,34 +473,9 @@ class OpenVinoLMRunner:
     """
 
     def __init__(self, artifact: Path, settings: EngineSettings, dtype: str = "float32"):
-        import openvino as ov
-        from transformers import AutoTokenizer
-
-        opts = dict(settings.options)
-        self.precision = str(opts.get("precision", _PRECISION.get(dtype, "f32")))
-        self.threads = int(settings.threads or usable_cores())
-        config: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": self.precision,
-            "INFERENCE_NUM_THREADS": self.threads,
-            "NUM_STREAMS": int(opts.get("streams", 1)),
-            "KV_CACHE_PRECISION": str(opts.get("kv_cache", self.precision)),
-            # 0: activations stay float. The CPU plugin's default quantizes them to int8 per
-            # group in front of int weights, which the w*a16 recipes do not (a setting).
-            "DYNAMIC_QUANTIZATION_GROUP_SIZE": int(opts.get("dynamic_quant_group", 0)),
-        }
-        if "cpu_pinning" in opts:
-            config["ENABLE_CPU_PINNING"] = bool(opts["cpu_pinning"])
-        path = Path(artifact) / IR_FILE
-        if not path.is_file():
-            raise LlmoptError(f"{path} is missing", hint="rebuild the openvino candidate")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(artifact))
-        try:
-            self.compiled = ov.Core().compile_model(str(path), "CPU", config)
-        except RuntimeError as e:
-            raise LlmoptError(
-                f"OpenVINO could not load {path}: {str(e).splitlines()[0]}",
-                hint="the IR is damaged or from another OpenVINO: rebuild the openvino candidate",
-            ) from e
+        self.compiled, self.tokenizer, self.precision, self.threads = compile_lm(
+            artifact, settings, dtype
+        )
         self.request = self.compiled.create_infer_request()
         self._generation = 0
         self._at: _State | None = None
@@ -459,14 +493,7 @@ class OpenVinoLMRunner:
         return counts
 
     def _infer(self, ids: np.ndarray, past: int, keep: np.ndarray) -> np.ndarray:
-        b, t = ids.shape
-        feeds = {
-            "input_ids": ids.astype(np.int64),
-            "attention_mask": np.ones((b, past + t), dtype=np.int64),
-            "position_ids": np.broadcast_to(np.arange(past, past + t, dtype=np.int64), (b, t)),
-            "logits_index": keep.astype(np.int64),
-            "beam_idx": np.arange(b, dtype=np.int32),
-        }
+        feeds = lm_feeds(ids, past, keep)
         self.request.infer(feeds)
         return np.array(self.request.get_tensor("logits").data, dtype=np.float32)
 

@@ -6,9 +6,9 @@ What can be served (`load_context`):
   artifact/), served with the recipe it was verified with;
 - a Hugging Face folder or a built-in name, with an optional recipe (default fp32).
 Causal LMs run on a batching engine's generator (`Engine.load_generator`: the run's candidate's
-engine when it batches, else the native `torch` engine) behind the scheduler; embedding models
-on the candidate's engine or the `hf` engine (`llmopt.engines.load_runner`), behind the dynamic
-batcher.
+engine when it batches, with the candidate's settings, else the native `torch` engine) behind
+the scheduler; embedding models on the candidate's engine or the `hf` engine
+(`llmopt.engines.load_runner`), behind the dynamic batcher.
 
 Shutdown: the first SIGTERM or SIGINT (the same) starts draining: new `/v1` requests get 503,
 `/health` says "draining" (503, so load balancers stop routing here), and the server exits once
@@ -74,7 +74,25 @@ def load_context(
     if info.task == "embedding":
         return _embedding_context(best, folder, info, recipe, name, settings, metrics)
     chosen = batching_engine(best, folder, engine)
-    return _generation_context(folder, recipe, name, settings, metrics, chosen)
+    engine_settings = candidate_settings(best, chosen, settings.threads)
+    return _generation_context(folder, recipe, name, settings, metrics, chosen, engine_settings)
+
+
+def candidate_settings(
+    best: Path | None, engine: str, threads: int | None = None
+) -> dict[str, Any] | None:
+    """The run's candidate's engine settings when it is served on its own engine (what it was
+    verified and measured with: the openvino engine's KV-cache precision, its threads), with
+    `threads` (--threads) in place of the candidate's when given; else None."""
+    if best is None:
+        return None
+    cand = Best.read(best).candidate
+    if cand.engine != engine:
+        return None
+    out = cand.settings.to_dict()
+    if threads:
+        out["threads"] = int(threads)
+    return out
 
 
 # The batching engine causal LMs are served on, unless the run's candidate's engine batches.
@@ -124,8 +142,8 @@ def _generation_context(
     settings: ServeSettings,
     metrics: ServeMetrics,
     engine_name: str = GENERATION_ENGINE,
+    engine_settings: dict[str, Any] | None = None,
 ) -> ServerContext:
-
     engine_process, compile_prefill = native_switches(settings)
     spec = GeneratorSpec(
         model=str(folder),
@@ -138,6 +156,7 @@ def _generation_context(
         max_seq_len=settings.max_seq_len,
         batch_sizes=settings.batch_sizes(),
         compile_prefill=compile_prefill,
+        settings=engine_settings,
     )
     chunked = settings.enable_chunked_prefill
     chunked = NATIVE_CHUNKED_PREFILL if chunked is None else chunked
