@@ -28,6 +28,7 @@ precision), compiled as the runner that was verified compiles them (`openvino_lm
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from llmopt.engines.native.generator import EngineTime, _check_params
 from llmopt.engines.openvino_lm import IR_FILE, compile_lm, lm_feeds
 
 __all__ = ["OpenVinoGenerator", "load_openvino_generator"]
+
+log = logging.getLogger(__name__)
 
 # The host copy of a swapped-out cache: the plugin hands its state out as float32 arrays,
 # whatever precision it keeps the cache in.
@@ -89,7 +92,14 @@ def load_openvino_generator(spec: GeneratorSpec) -> OpenVinoGenerator:
         )
     settings = EngineSettings.from_dict(spec.settings or {})
     dtype = get_recipe(spec.recipe).dtype
-    compiled, tokenizer, _, _ = compile_lm(Path(spec.model), settings, dtype)
+    compiled, tokenizer, precision, threads = compile_lm(Path(spec.model), settings, dtype)
+    log.info(
+        "openvino generator: %s inference, KV cache %s, %d threads, one infer request per "
+        "sequence",
+        precision,
+        compiled.get_property("KV_CACHE_PRECISION").get_type_name(),
+        threads,
+    )
     config = _read_json(Path(spec.model) / "config.json")
     generation = _read_json(Path(spec.model) / "generation_config.json")
     return OpenVinoGenerator(

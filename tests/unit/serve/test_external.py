@@ -131,26 +131,28 @@ def test_a_run_that_chose_vllm_is_served_as_measured(tiny_llama_dir, tmp_path, m
     assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
 
 
-def test_a_run_that_chose_an_engine_llmopt_cannot_serve_says_what_to_serve(
+def test_a_run_that_chose_openvino_is_served_by_llmopt_with_its_settings(
     tiny_llama_dir, tmp_path
 ):
     from llmopt.optimize.job import _launch
-    from llmopt.serve.source import ServeSourceError
-    from llmopt.serve.server import load_context
+    from llmopt.serve.server import batching_engine, candidate_settings
 
     run = tmp_path / "run"
     art = tmp_path / "artifact"
     art.mkdir()
-    (art / "openvino_model.xml").write_text("<net/>")
-    cand = Candidate("openvino-w8a16", "openvino", "w8a16", {"threads": 1})
+    (art / "model.xml").write_text("<net/>")
+    cand = Candidate("openvino-w8a16-kv_cacheu8", "openvino", "w8a16", {"threads": 1, "kv_cache": "u8"})
     info = inspect_model(tiny_llama_dir).to_dict()
     (tmp_path / "model.json").write_text(json.dumps(info))
     write_best(run / "best", cand, art, tmp_path / "model.json", {})
     (run / "run.json").write_text("{}")
-    with pytest.raises(ServeSourceError) as ei:
-        load_context(str(run), ServeSettings())
-    assert "openvino-w8a16" in str(ei.value) and "--recipe w8a16" in ei.value.hint
-    # best/launch.json's serve command is the one that works, and says what it is.
-    launch = _launch(cand, info, run / "best", None)["serve"]
-    assert launch["command"].startswith(f"llmopt serve {info['path']} --recipe w8a16")
-    assert "not served by llmopt" in launch["note"]
+    assert external.chosen_external_engine(str(run)) is None  # llmopt's own server
+    best = run / "best"
+    assert batching_engine(best, best / "artifact") == "openvino"
+    # The generator gets the candidate's settings; --threads replaces only the threads.
+    assert candidate_settings(best, "openvino") == {"device": "cpu", "threads": 1, "kv_cache": "u8"}
+    assert candidate_settings(best, "openvino", threads=4)["threads"] == 4
+    assert candidate_settings(best, "torch") is None  # another engine: not its settings
+    # best/launch.json's serve command serves the run itself, like every other engine's.
+    launch = _launch(cand, info, best, None)["serve"]
+    assert launch["command"].startswith(f"llmopt serve {best} ") and "note" not in launch
