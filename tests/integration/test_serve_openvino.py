@@ -68,7 +68,9 @@ def openvino_run(tiny_llama_dir: Path, tmp_path: Path) -> Path:
     art = tmp_path / "artifact"
     art.mkdir()
     get_engine("openvino").build(tiny_llama_dir, info, get_recipe("fp32"), art)
-    cand = Candidate("openvino-fp32-kv_cacheu8", "openvino", "fp32", {"threads": 1, "kv_cache": "u8"})
+    cand = Candidate(
+        "openvino-fp32-kv_cacheu8", "openvino", "fp32", {"threads": 1, "kv_cache": "u8"}
+    )
     (tmp_path / "model.json").write_text(json.dumps(info.to_dict()))
     run = tmp_path / "run"
     write_best(run / "best", cand, art, tmp_path / "model.json", {})

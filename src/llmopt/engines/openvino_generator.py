@@ -44,7 +44,6 @@ from llmopt.core.settings import EngineSettings
 from llmopt.engines.generation import GeneratorSpec, SamplingParams, eos_token_ids
 from llmopt.engines.hf_generator import DEFAULT_MAX_SEQ_LEN, HFGenerator, _Seq
 from llmopt.engines.native.blocks import BlockPool
-# The native engine's sampling-parameter rules, so both engines refuse the same requests.
 from llmopt.engines.native.generator import EngineTime, _check_params
 from llmopt.engines.openvino_lm import IR_FILE, compile_lm, lm_feeds
 
@@ -94,8 +93,7 @@ def load_openvino_generator(spec: GeneratorSpec) -> OpenVinoGenerator:
     dtype = get_recipe(spec.recipe).dtype
     compiled, tokenizer, precision, threads = compile_lm(Path(spec.model), settings, dtype)
     log.info(
-        "openvino generator: %s inference, KV cache %s, %d threads, one infer request per "
-        "sequence",
+        "openvino generator: %s inference, KV cache %s, %d threads, one infer request per sequence",
         precision,
         compiled.get_property("KV_CACHE_PRECISION").get_type_name(),
         threads,
@@ -158,7 +156,7 @@ class OpenVinoGenerator(HFGenerator):
         vocab = int(self.config["vocab_size"])
         if bad := [t for t in prompt_ids if not 0 <= int(t) < vocab]:
             raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}")
-        _check_params(params, vocab)
+        _check_params(params, vocab)  # the native engine's rules: both refuse alike
         super().add(seq_id, prompt_ids, params)
 
     # --- infer requests: one KV cache each -------------------------------------------------------

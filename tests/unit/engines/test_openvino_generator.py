@@ -72,7 +72,9 @@ def test_greedy_tokens_match_transformers(ir):
     want = {}
     for k, p in PROMPTS.items():
         x = torch.tensor([p])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False
+        )
         want[k] = out[0, len(p) :].tolist()
     greedy = SamplingParams(max_tokens=10, ignore_eos=True)
     assert _tokens(_run(gen, {"a": PROMPTS["a"]}, greedy)) == {"a": want["a"]}

@@ -131,9 +131,7 @@ def test_a_run_that_chose_vllm_is_served_as_measured(tiny_llama_dir, tmp_path, m
     assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
 
 
-def test_a_run_that_chose_openvino_is_served_by_llmopt_with_its_settings(
-    tiny_llama_dir, tmp_path
-):
+def test_a_run_that_chose_openvino_is_served_by_llmopt_with_its_settings(tiny_llama_dir, tmp_path):
     from llmopt.optimize.job import _launch
     from llmopt.serve.server import batching_engine, candidate_settings
 
@@ -141,7 +139,9 @@ def test_a_run_that_chose_openvino_is_served_by_llmopt_with_its_settings(
     art = tmp_path / "artifact"
     art.mkdir()
     (art / "model.xml").write_text("<net/>")
-    cand = Candidate("openvino-w8a16-kv_cacheu8", "openvino", "w8a16", {"threads": 1, "kv_cache": "u8"})
+    cand = Candidate(
+        "openvino-w8a16-kv_cacheu8", "openvino", "w8a16", {"threads": 1, "kv_cache": "u8"}
+    )
     info = inspect_model(tiny_llama_dir).to_dict()
     (tmp_path / "model.json").write_text(json.dumps(info))
     write_best(run / "best", cand, art, tmp_path / "model.json", {})
