@@ -1,7 +1,7 @@
 """CLI of `llmopt serve`: an OpenAI-compatible server for a run's best candidate or any model.
 
 Wiring only: settings from flags (`ServeSettings`), then `llmopt.serve.load_context` +
-`run_server` (on `--engine torch|hf`, else chosen by `llmopt.serve.server.batching_engine`), or
+`run_server` (on `--engine torch|hf|openvino`, else chosen by `llmopt.serve.server.batching_engine`), or
 with `--engine vllm|llamacpp` the engine's own server (`llmopt.serve.external`).
 """
 
@@ -20,8 +20,13 @@ from llmopt.serve.source import ServeSourceError
 
 __all__ = ["register", "serve"]
 
-# Engines llmopt's own server drives (`Engine.load_generator`); the others have their own server.
-IN_PROCESS = ("torch", "hf")
+
+def _in_process(engine: str | None) -> bool:
+    """Whether llmopt's own server drives `engine` (it has a generator: `Engine.batching`);
+    vllm and llamacpp have their own servers."""
+    from llmopt.engines import get_engine  # heavy: the engine registry imports torch
+
+    return bool(engine) and get_engine(engine).batching
 
 
 def serve(
@@ -38,9 +43,10 @@ def serve(
     engine: Annotated[
         str | None,
         typer.Option(
-            help="torch (the native engine) or hf (transformers, every architecture): "
-            "llmopt's server on that engine (default: torch where it runs the model, else hf); "
-            "vllm or llamacpp: launch that engine's own server with the plan's flags."
+            help="torch (the native engine), hf (transformers, every architecture) or openvino "
+            "(an OpenVINO IR a run built): llmopt's server on that engine (default: the run's "
+            "engine, else torch where it runs the model, else hf); vllm or llamacpp: launch "
+            "that engine's own server with the plan's flags."
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -248,7 +254,7 @@ def serve(
         "num_blocks": num_blocks,
         "max_seq_len": max_seq_len,
     }
-    own = engine if engine in IN_PROCESS else None  # llmopt's own server on this engine
+    own = engine if _in_process(engine) else None  # llmopt's own server on this engine
     if own:
         engine = None
     chosen = None if engine or own else chosen_external_engine(model)
