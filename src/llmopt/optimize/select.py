@@ -236,6 +236,9 @@ def select(inp: SelectionInput) -> Selection:
             else:
                 within = 1 - ratio <= noise
             tag = " (within run-to-run noise of the chosen one)" if within else ""
+            if within and not (a and a.trusted) and noise >= NOISY:
+                # A spread this wide is a busy machine, not a close race: say which.
+                tag = f" (repeats spread {noise:.0%}: too noisy to rank against the chosen one)"
             side = f"; {a.note}" if a and a.note else ""
             reasons[i] = (
                 f"kept: passes the gates, {obj.name} {ratio:.2f}x the chosen "
@@ -366,6 +369,9 @@ def _compile_payback(cid: str, candidates: list[Candidate], bench: dict[str, Ben
         f"; compiling pays back after ~{tokens:,.0f} generated tokens ({extra_s:.0f} s more "
         f"warm-up than {twin}, {saved_ms:.2f} ms saved per token at batch 1)"
     )
+
+
+NOISY = 0.5  # a repeats' spread from which "within noise" says the machine was busy
 
 
 def _noise(b: BenchResult, objective: str) -> float:

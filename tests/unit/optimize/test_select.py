@@ -128,3 +128,12 @@ def test_a_compiled_candidate_says_when_compiling_pays_back():
     assert sel.chosen == "torch-fp32-compile"
     assert "compiling pays back after ~6,000 generated tokens" in sel.reasons[sel.chosen]
     assert "pays back" not in sel.reasons["torch-fp32"]
+
+
+def test_a_wide_spread_is_called_noisy_not_a_close_race():
+    cands = [Candidate("ref", "torch", "fp32", reference=True), Candidate("fast", "torch", "y")]
+    verify = {"ref": _verify("ref", 0.0), "fast": _verify("fast", 0.004)}
+    # The reference's repeats: 2, 11, 20 tokens/s (a busy machine), the chosen one's steady.
+    bench = {"ref": _bench("ref", [2, 11, 20]), "fast": _bench("fast", [50, 51, 52])}
+    why = select(SelectionInput(cands, verify, bench, 0.01)).reasons["ref"]
+    assert "too noisy to rank" in why and "within run-to-run noise" not in why
