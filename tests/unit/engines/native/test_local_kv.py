@@ -248,3 +248,20 @@ def test_the_engine_runner_uses_rings(tmp_path):
         out, state = runner.decode(ids[:, t : t + 1], state)
     runner._release()
     assert runner.gen.local_pool.free == runner.gen.local_blocks - 1
+
+
+@pytest.mark.slow
+def test_compiled_decode_and_prefill_carry_the_rings(tmp_path):
+    """The compiled decode step (rings packed after the block table: one more fixed-width
+    field) and the compiled prefill give the eager generator's tokens, and `warmup` compiles
+    every shape a run then uses (no compile while generating)."""
+    hf, gen = _generator(
+        tmp_path, compile=True, compile_prefill=True, batch_sizes=[2], min_bucket_tokens=64
+    )
+    gen.warmup()
+    assert gen.prefill_compile_error is None
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    prompts = _prompts()
+    got = _run(gen, prompts)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+    assert got == {i: _hf_greedy(hf, p, 30) for i, p in enumerate(prompts)}
