@@ -96,9 +96,9 @@ def test_greedy_decode_far_past_the_window_matches_transformers(tmp_path):
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 
 
-def _generator(tmp_path, **kw):
+def _generator(tmp_path, device="cpu", **kw):
     hf = _hf_model("gemma3", tmp_path)
-    native = load_model(tmp_path, "cpu", torch.float32)
+    native = load_model(tmp_path, device, torch.float32)
     kw = {"max_batch": 2, "max_seq_len": 64, "block_size": BS, **kw}
     return hf, Generator(native, **kw)
 
@@ -250,18 +250,31 @@ def test_the_engine_runner_uses_rings(tmp_path):
     assert runner.gen.local_pool.free == runner.gen.local_blocks - 1
 
 
-@pytest.mark.slow
-def test_compiled_decode_and_prefill_carry_the_rings(tmp_path):
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_compiled_decode_and_prefill_carry_the_rings(tmp_path, device):
     """The compiled decode step (rings packed after the block table: one more fixed-width
-    field) and the compiled prefill give the eager generator's tokens, and `warmup` compiles
-    every shape a run then uses (no compile while generating)."""
-    hf, gen = _generator(
-        tmp_path, compile=True, compile_prefill=True, batch_sizes=[2], min_bucket_tokens=64
+    field; CUDA graphs on a GPU) and the compiled prefill give the eager generator's tokens,
+    and `warmup` compiles every shape a run then uses (no compile while generating)."""
+    _, eager = _generator(tmp_path / "eager", device)
+    prompts = _prompts()
+    want = _run(eager, prompts)
+    _, gen = _generator(
+        tmp_path, device, compile=True, compile_prefill=True, batch_sizes=[2], min_bucket_tokens=64
     )
     gen.warmup()
     assert gen.prefill_compile_error is None
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    prompts = _prompts()
-    got = _run(gen, prompts)
+    assert _run(gen, prompts) == want
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
-    assert got == {i: _hf_greedy(hf, p, 30) for i, p in enumerate(prompts)}
