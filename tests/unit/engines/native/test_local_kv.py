@@ -278,3 +278,22 @@ def test_compiled_decode_and_prefill_carry_the_rings(tmp_path, device):
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert _run(gen, prompts) == want
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+
+
+def test_a_faulty_sequence_s_ring_is_scrubbed_on_remove(tmp_path):
+    """A sequence that ended in a numerical fault may leave NaN in its ring (and the local
+    scratch block): remove zeroes them, so the next sequence on those blocks reads no NaN."""
+    _, gen = _generator(tmp_path)
+    prompt = _prompts()[0]
+    alone, _ = gen.generate(prompt, GREEDY)
+    gen.add("bad", prompt, GREEDY)
+    gen.step()
+    ring = gen.ring_of("bad")
+    for view in gen.local_pool.views:  # what a NaN forward would have written
+        view[[0, *ring]] = float("nan")
+    gen.seqs["bad"].faulty = True
+    gen.remove("bad")
+    for view in gen.local_pool.views:
+        assert not view[[0, *ring]].isnan().any()
+    got, _ = gen.generate(prompt, GREEDY)  # on the same ring
+    assert got == alone
