@@ -1,7 +1,8 @@
 """The generator's forwards as they run: eager or `torch.compile`d, and the few shapes they see.
 
 A decode step takes one packed (rows, 2 + width) int64 tensor: each row a sequence's last token,
-its position and its block table. Rows are padded to one of `batch_sizes` (1, 2, 4, 8... by
+its position and its block table (then its ring's block ids, for a model whose local layers
+hold only their window: `ring_blocks`). Rows are padded to one of `batch_sizes` (1, 2, 4, 8... by
 default) and tables to a length bucket (`table_width`), so a compiled decode (CUDA graphs on a
 GPU: `mode="reduce-overhead"`) has one graph per (batch, width) pair. Each new pair costs a
 compile (a minute or more for a large model): a compiled step never cuts tables below
@@ -70,8 +71,13 @@ class CompiledSteps:
         batch_sizes: list[int] | tuple[int, ...] | None = None,
         min_bucket_tokens: int | None = None,
         compile_prefill: bool = False,
+        ring_blocks: int = 0,
     ):
         self.model, self.device = model, device
+        # With rings (local layers over a pool of their own), a packed decode row ends with the
+        # sequence's `ring_blocks` ring block ids, after its block table: one more fixed-width
+        # field, so the compiled shapes stay one per (batch, table width).
+        self.ring_blocks = int(ring_blocks)
         self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
         # Decode batches are padded up to one of these sizes (each a compiled graph when compiled).
         sizes = sorted({int(b) for b in (batch_sizes or powers_of_two(max_batch))})
@@ -102,7 +108,12 @@ class CompiledSteps:
             self.enable_compiled_prefill()
 
     def decode_eager(self, packed: torch.Tensor):
-        logits = self.model(packed[:, :1], packed[:, 1:2], packed[:, 2:])
+        r = self.ring_blocks
+        if r:
+            tables, rings = packed[:, 2:-r], packed[:, -r:]
+            logits = self.model(packed[:, :1], packed[:, 1:2], tables, local_tables=rings)
+        else:
+            logits = self.model(packed[:, :1], packed[:, 1:2], packed[:, 2:])
         best, best_lp = greedy(logits)
         return logits, best, best_lp
 
@@ -129,7 +140,8 @@ class CompiledSteps:
         only scratch block 0."""
         for bp in self.batch_sizes:
             for nb in widths:
-                packed = torch.zeros(bp, 2 + nb, dtype=torch.long, device=self.device)
+                width = 2 + nb + self.ring_blocks
+                packed = torch.zeros(bp, width, dtype=torch.long, device=self.device)
                 for _ in range(3):  # compile, then the CUDA-graph warm-up and recording runs
                     self.decode(packed)
 
@@ -154,13 +166,22 @@ class CompiledSteps:
         t = 48
         width = math.ceil(t / self.block_size) + 1
         tables = torch.zeros(2, width, dtype=torch.long, device=self.device)
+        r = self.ring_blocks  # rings as the real prefills pass them (None: none), all scratch
+        rings = torch.zeros(2, r, dtype=torch.long, device=self.device) if r else None
         try:
             for b in (2, 1):  # the dynamic-shape graph, then batch 1's (Dynamo specializes 1)
                 z = torch.zeros(b, t, dtype=torch.long, device=self.device)
                 # contiguous, as _prefill builds it: an expanded (stride-0) tensor here would
                 # make Dynamo guard on strides, and the first real prefill would compile again
                 pos = torch.arange(t, device=self.device).repeat(b, 1)
-                self.prefill_forward(z, pos, tables[:b], prefill=True, last_index=z[:, 0] + t - 1)
+                self.prefill_forward(
+                    z,
+                    pos,
+                    tables[:b],
+                    prefill=True,
+                    last_index=z[:, 0] + t - 1,
+                    local_tables=None if rings is None else rings[:b],
+                )
         except Exception as e:  # noqa: BLE001 - any compile failure: fall back, say why
             self.prefill_forward = self.model
             self.prefill_compile_error = f"{type(e).__name__}: {e}"

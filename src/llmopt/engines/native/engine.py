@@ -222,10 +222,30 @@ class NativeCausalLMRunner:
     def __init__(self, gen):
         self.gen, self.tokenizer = gen, gen.tokenizer
         self._blocks: list[int] = []
+        self._rings: list[int] = []  # local-pool blocks (models whose local layers hold rings)
 
     def _release(self) -> None:
         self.gen.pool.give_back(self._blocks)
         self._blocks = []
+        if self._rings:
+            self.gen.local_pool.give_back(self._rings)
+            self._rings = []
+
+    def _alloc_rings(self, b: int) -> torch.Tensor | None:
+        """(b, ring) ring block ids from the generator's local pool; None without one."""
+        import torch
+
+        pool, r = self.gen.local_pool, self.gen.ring
+        if pool is None:
+            return None
+        if b * r > pool.free:
+            raise OutOfBlocks(
+                f"{b} sequences need {b * r} local-layer KV blocks, {pool.free} free; "
+                "raise max_batch"
+            )
+        got = pool.take(b * r)
+        self._rings.extend(got)
+        return torch.tensor(got, device=self.gen.device).view(b, r)
 
     def _alloc(self, n: int) -> list[int]:
         pool = self.gen.pool
@@ -242,11 +262,14 @@ class NativeCausalLMRunner:
         b, t = input_ids.shape
         nb = self.gen.blocks_needed(t + 1)
         tables = torch.tensor([self._alloc(nb) for _ in range(b)], device=self.gen.device)
+        rings = self._alloc_rings(b)
         ids = input_ids.to(self.gen.device)
         pos = torch.arange(t, device=self.gen.device).expand(b, t)
         with torch.inference_mode():
-            out = self.gen.model(ids, pos, tables, prefill=True, last_only=last_only)
-        return out, {"tables": tables, "len": t}
+            out = self.gen.model(
+                ids, pos, tables, prefill=True, last_only=last_only, local_tables=rings
+            )
+        return out, {"tables": tables, "len": t, "rings": rings}
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         out, _ = self._prefill(input_ids, last_only=False)
@@ -272,9 +295,11 @@ class NativeCausalLMRunner:
         # masked) so a compiled decode sees the generator's few shapes, not one per block.
         width = gen.table_width(tables.shape[1])
         padded = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
-        packed = torch.cat([tokens.to(gen.device), pos, padded], dim=1)
+        rings = state.get("rings")
+        parts = [tokens.to(gen.device), pos, padded] + ([rings] if rings is not None else [])
+        packed = torch.cat(parts, dim=1)
         rows = gen.padded_batch(b) if b <= gen.max_batch else b
         packed = torch.nn.functional.pad(packed, (0, 0, 0, rows - b))
         with torch.inference_mode():
             out = gen.decode_packed(packed)[0][:b]
-        return out.float().cpu(), {"tables": tables, "len": n + 1}
+        return out.float().cpu(), {"tables": tables, "len": n + 1, "rings": rings}

@@ -39,6 +39,16 @@ and its compiled shapes are the same with or without chunking.
 ones before it (and the top N): the prefill keeps the final hidden states of that sequence's
 positions and runs the LM head and an fp32 log-softmax over them in chunks; the result comes
 once, with the sequence's first `TokenEvent` (with chunked prefill, gathered chunk by chunk).
+
+Local (sliding-window) layers of Gemma 2/3-style models hold only their window: each sequence
+also owns a *ring* of `ring` blocks (`Transformer.ring_blocks`) in a second pool (`local_pool`,
+`max_batch x ring + 1` blocks, block 0 scratch), which the local layers' caches index and which
+is overwritten as the sequence moves past the window; the global layers index `pool` as every
+layer of another model does. A sequence takes its ring on `add` (or `swap_in`) and gives it
+back on `remove` (or `swap_out`); `free_blocks`, `blocks_needed` and `kv_bytes_per_token` count
+the global pool only, the part that grows with a sequence (a ring is a fixed cost per sequence,
+and the local pool holds one for each of `max_batch` sequences). With a context no longer than
+the ring (or `local_kv=False`) every layer indexes the one pool, as before.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,14 +116,19 @@ class Swapped:
     seq: _Seq
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    # The ring's blocks of the local layers, in ring order (empty without a local pool).
+    local_keys: list[torch.Tensor] = field(default_factory=list)
+    local_values: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of the global pool it needs back (its ring comes from the local pool)."""
         return int(self.keys[0].shape[0]) if self.keys else 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        held = (*self.keys, *self.values, *self.local_keys, *self.local_values)
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def prefill_inputs(
@@ -212,7 +227,12 @@ class Generator(PooledGenerator):
         batch_sizes: list[int] | tuple[int, ...] | None = None,
         min_bucket_tokens: int | None = None,
         compile_prefill: bool = False,
+        local_kv: bool = True,
+        local_blocks: int | None = None,
     ):
+        """`local_kv`: give local (sliding-window) layers rings of their window in a pool of
+        their own (see the module doc); `local_blocks`: that pool's size (default `max_batch x
+        ring + 1`, every sequence's ring and the scratch block)."""
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, (kv_dtype or model.model.norm.weight.dtype)
@@ -222,6 +242,12 @@ class Generator(PooledGenerator):
             self.max_seq_len = int(cfg.sliding_window)  # beyond it, the window would matter
         self.block_size, self.max_batch = block_size, max_batch
         self.max_blocks_per_seq = math.ceil(self.max_seq_len / block_size)
+        layers = list(model.model.layers)
+        # Rings only where they hold less than a whole context, and some layer stays global.
+        ring = model.ring_blocks(block_size) if local_kv else 0
+        if not (0 < ring < self.max_blocks_per_seq and not all(ly.local for ly in layers)):
+            ring = 0
+        self.ring = ring
         self.steps = CompiledSteps(
             model,
             self.device,
@@ -233,11 +259,30 @@ class Generator(PooledGenerator):
             batch_sizes=batch_sizes,
             min_bucket_tokens=min_bucket_tokens,
             compile_prefill=compile_prefill,
+            ring_blocks=ring,
         )
         self.batch_sizes = self.steps.batch_sizes
         self.num_blocks = int(num_blocks or max_batch * self.max_blocks_per_seq + 1)
-        model.setup_cache(self.num_blocks, block_size, self.dtype, self.device)
-        self.pool = BlockPool(self.num_blocks, block_size, model.model.layers)
+        self.local_blocks = int(local_blocks or max_batch * ring + 1) if ring else 0
+        if ring and self.local_blocks < ring + 1:
+            raise ValueError(
+                f"local_blocks {self.local_blocks} holds no ring of {ring} blocks (plus scratch "
+                f"block 0): pass at least {ring + 1}, or leave it unset ({max_batch * ring + 1})"
+            )
+        model.setup_cache(
+            self.num_blocks,
+            block_size,
+            self.dtype,
+            self.device,
+            local_blocks=self.local_blocks or None,
+        )
+        # The global pool's views are the layers it indexes: all of them without rings.
+        glob = [ly for ly in layers if not (ring and ly.local)]
+        self.pool = BlockPool(self.num_blocks, block_size, glob)
+        self.local_pool: BlockPool | None = None
+        if ring:
+            local = [ly for ly in layers if ly.local]
+            self.local_pool = BlockPool(self.local_blocks, block_size, local)
         self.seqs: dict[Hashable, _Seq] = {}
         # Prompts admitted together are prefilled in one forward while padded tokens stay under this.
         self.max_prefill_tokens = max_prefill_tokens
@@ -257,7 +302,10 @@ class Generator(PooledGenerator):
         # Everything that can fail runs before the blocks are taken (add is all or nothing).
         _check_params(params, vocab)
         rng = sampling.make_rng(params, self.device)
+        self._check_ring_free()
         self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
+        if self.local_pool is not None:  # cannot fail now (checked above)
+            self.local_pool.allocate(seq_id, self.ring, "ring needs")
         self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
 
     def remove(self, seq_id: Hashable) -> list[int]:
@@ -265,18 +313,53 @@ class Generator(PooledGenerator):
         Blocks held under `seq_id` are freed even when no sequence was recorded for it (what a
         failed admission may leave); KeyError when it holds nothing at all."""
         s = self.seqs.pop(seq_id, None)
+        pools = [p for p in (self.pool, self.local_pool) if p is not None]
         if s is not None and s.faulty:  # its KV (and scratch block 0) may hold NaN
-            self.pool.scrub([0, *self.pool.tables.get(seq_id, [])])
-        if seq_id in self.pool.tables:
-            self.pool.release(seq_id)
-        elif s is None:
+            for p in pools:
+                p.scrub([0, *p.tables.get(seq_id, [])])
+        held = [p for p in pools if seq_id in p.tables]
+        if not held and s is None:
             raise KeyError(seq_id)
+        for p in held:
+            p.release(seq_id)
         return s.ids if s is not None else []
+
+    @property
+    def free_rings(self) -> int:
+        """Rings the local pool can still hand out (0 without one)."""
+        return self.local_pool.free // self.ring if self.local_pool is not None else 0
+
+    def ring_of(self, seq_id: Hashable) -> list[int]:
+        """The local pool's blocks `seq_id` holds (its ring; empty without a local pool)."""
+        return list(self.local_pool.table(seq_id)) if self.local_pool is not None else []
+
+    def _check_ring_free(self) -> None:
+        """OutOfBlocks before anything is taken when no ring is free (add is all or nothing)."""
+        if self.local_pool is not None and self.local_pool.free < self.ring:
+            raise OutOfBlocks(
+                f"a sequence needs a ring of {self.ring} local-layer KV blocks, "
+                f"{self.local_pool.free} free (local_blocks {self.local_blocks})"
+            )
 
     # --- swapping (preemption that keeps the KV cache) ---------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token holds across all layers."""
+        """Bytes of keys and values one token holds in the global pool: across all layers, or,
+        with rings, across the global layers only (the local ones hold a fixed `ring_bytes`)."""
         return self.pool.kv_bytes_per_token()
+
+    def ring_bytes(self) -> int:
+        """Bytes of keys and values one sequence's ring holds across the local layers (0
+        without rings): a fixed cost per sequence, whatever its length."""
+        if self.local_pool is None:
+            return 0
+        return self.local_pool.kv_bytes_per_token() * self.ring * self.block_size
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache takes on the device: both pools, scratch blocks included."""
+        total = self.pool.kv_bytes_per_token() * self.num_blocks * self.block_size
+        if self.local_pool is not None:
+            total += self.local_pool.kv_bytes_per_token() * self.local_blocks * self.block_size
+        return total
 
     def layer_parameters(self) -> int:
         """Parameters of the decoder layers (a recomputed token costs about twice as many FLOPs)."""
@@ -290,8 +373,11 @@ class Generator(PooledGenerator):
         if not s.prefilled:
             raise ValueError(f"sequence {seq_id!r} is still being prefilled; remove it instead")
         keys, values = self.pool.swap_out(seq_id)
+        swapped = Swapped(s, keys, values)
+        if self.local_pool is not None:
+            swapped.local_keys, swapped.local_values = self.local_pool.swap_out(seq_id)
         del self.seqs[seq_id]
-        return Swapped(s, keys, values)
+        return swapped
 
     def swap_in(self, seq_id: Hashable, swapped: Swapped) -> None:
         """Bring a swapped-out sequence back into free blocks (any ids); it decodes next step."""
@@ -299,7 +385,10 @@ class Generator(PooledGenerator):
             raise ValueError(f"sequence {seq_id!r} is already running")
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
+        self._check_ring_free()
         self.pool.swap_in(seq_id, swapped.keys, swapped.values)
+        if self.local_pool is not None:  # cannot run short now (checked above)
+            self.local_pool.swap_in(seq_id, swapped.local_keys, swapped.local_values)
         self.seqs[seq_id] = swapped.seq
 
     # --- stepping -------------------------------------------------------------------------
@@ -357,6 +446,9 @@ class Generator(PooledGenerator):
         tokens, tables, pos, last = prefill_inputs(
             seqs, held, starts, chunks, self.block_size, self.device
         )
+        rings = None
+        if self.local_pool is not None:
+            rings = torch.tensor([self.local_pool.table(k) for k in keys], device=self.device)
         t = tokens.shape[1]
         want = [s.params.prompt_logprobs is not None for s in seqs]
         hidden: list[torch.Tensor] = []
@@ -368,7 +460,7 @@ class Generator(PooledGenerator):
         fwd = self.steps.prefill_forward if fresh and hook is None and t > 1 else self.model
         t0 = time.perf_counter()
         try:
-            logits = fwd(tokens, pos, tables, prefill=fresh, last_index=last)
+            logits = fwd(tokens, pos, tables, prefill=fresh, last_index=last, local_tables=rings)
         finally:
             if hook is not None:
                 hook.remove()
@@ -445,8 +537,9 @@ class Generator(PooledGenerator):
         return self.steps.prefill_compile_error
 
     def decode_packed(self, packed: torch.Tensor):
-        """One decode forward over packed rows of [token, position, block table...] (padded to
-        the shapes `padded_batch` / `table_width` give): (logits, greedy tokens, their logprobs)."""
+        """One decode forward over packed rows of [token, position, block table..., ring...]
+        (padded to the shapes `padded_batch` / `table_width` give; the ring's `ring` block ids
+        only with a local pool): (logits, greedy tokens, their logprobs)."""
         return self.steps.decode(packed)
 
     @torch.inference_mode()
@@ -454,13 +547,15 @@ class Generator(PooledGenerator):
         b = len(keys)
         bp = self.padded_batch(b)
         nb = self.table_width(max(len(self.pool.table(k)) for k in keys))
-        # One host->device copy per step: rows of [token, position, block table...]; padding
-        # rows (and table tails) point at scratch block 0.
-        rows = [[0] * (2 + nb) for _ in range(bp)]
+        # One host->device copy per step: rows of [token, position, block table..., ring...];
+        # padding rows (and table tails) point at scratch block 0 (of either pool).
+        rows = [[0] * (2 + nb + self.ring) for _ in range(bp)]
         for i, k in enumerate(keys):
             ids, blocks = self.seqs[k].ids, self.pool.table(k)
             rows[i][0], rows[i][1] = ids[-1], len(ids) - 1
             rows[i][2 : 2 + len(blocks)] = blocks
+            if self.local_pool is not None:
+                rows[i][2 + nb :] = self.local_pool.table(k)
         packed = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         t0 = time.perf_counter()
         logits, best, best_lp = self.decode_packed(packed)

@@ -236,21 +236,24 @@ class Attention(nn.Module):
         kall = torch.cat([kc, k], dim=1).transpose(1, 2)  # (B, n_kv, S, hd)
         vall = torch.cat([vc, v], dim=1).transpose(1, 2)
         S = kall.shape[2]
-        step = T
         if T > 1 and B * self.n_heads * T * S > self.max_score_elems:
             step = max(1, self.max_score_elems // (B * self.n_heads * S))
-        out = torch.cat(
-            [
-                self._attend(q[:, a : a + step], pos[:, a : a + step], kall, vall, keypos)
-                for a in range(0, T, step)
-            ],
-            dim=1,
-        )
+            out = torch.cat(
+                [
+                    self._attend(q[:, a : a + step], pos[:, a : a + step], kall, vall, keypos)
+                    for a in range(0, T, step)
+                ],
+                dim=1,
+            )
+        else:  # no loop over T: a compiled prefill (dynamic shapes) keeps T symbolic
+            out = self._attend(q, pos, kall, vall, keypos)
         # Only after attending: a chunk longer than the ring would overwrite keys it reads.
-        idx = torch.where(keep, rows, torch.zeros_like(rows)).reshape(-1)  # the rest: scratch
-        sel = keep.reshape(-1).nonzero().squeeze(-1)
-        self.k_cache.index_copy_(0, idx[sel], k.reshape(-1, self.n_kv, hd)[sel])
-        self.v_cache.index_copy_(0, idx[sel], v.reshape(-1, self.n_kv, hd)[sel])
+        # Positions not kept go to scratch row 0 (whichever lands there, nothing real reads
+        # it): a fixed-shape write, where selecting the kept ones (`nonzero`) would make the
+        # shape depend on the data, a host sync and no CUDA graph for a compiled decode.
+        idx = torch.where(keep, rows, torch.zeros_like(rows)).reshape(-1)
+        self.k_cache.index_copy_(0, idx, k.reshape(-1, self.n_kv, hd))
+        self.v_cache.index_copy_(0, idx, v.reshape(-1, self.n_kv, hd))
         return out
 
     def _attend(self, q, pos, kc, vc, keypos=None):
