@@ -44,7 +44,7 @@ from llmopt.core.settings import EngineSettings
 from llmopt.engines.generation import GeneratorSpec, SamplingParams, eos_token_ids
 from llmopt.engines.hf_generator import DEFAULT_MAX_SEQ_LEN, HFGenerator, _Seq
 from llmopt.engines.native.blocks import BlockPool
-from llmopt.engines.native.generator import EngineTime, _check_params
+from llmopt.engines.native.generator import EngineTime, check_sampling_params
 from llmopt.engines.openvino_lm import IR_FILE, compile_lm, lm_feeds
 
 __all__ = ["OpenVinoGenerator", "load_openvino_generator"]
@@ -156,7 +156,7 @@ class OpenVinoGenerator(HFGenerator):
         vocab = int(self.config["vocab_size"])
         if bad := [t for t in prompt_ids if not 0 <= int(t) < vocab]:
             raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}")
-        _check_params(params, vocab)  # the native engine's rules: both refuse alike
+        check_sampling_params(params, vocab)  # the native engine's rules: both refuse alike
         super().add(seq_id, prompt_ids, params)
 
     # --- infer requests: one KV cache each -------------------------------------------------------

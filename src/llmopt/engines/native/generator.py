@@ -182,7 +182,7 @@ def plan_prefill(
     return forwards
 
 
-def _check_params(p: SamplingParams, vocab: int) -> None:
+def check_sampling_params(p: SamplingParams, vocab: int) -> None:
     """ValueError for sampling parameters that would fail (or poison) a step of the batch."""
     if p.max_tokens < 1:
         raise ValueError(f"max_tokens {p.max_tokens} must be >= 1")
@@ -300,7 +300,7 @@ class Generator(PooledGenerator):
             bad = [t for t in prompt_ids if not 0 <= int(t) < vocab][:5]
             raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad}")
         # Everything that can fail runs before the blocks are taken (add is all or nothing).
-        _check_params(params, vocab)
+        check_sampling_params(params, vocab)
         rng = sampling.make_rng(params, self.device)
         self._check_ring_free()
         self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
