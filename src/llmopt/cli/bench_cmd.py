@@ -214,7 +214,7 @@ def _render_serve(res: dict[str, Any], path: Path | None) -> None:
     console.print(t)
     if res.get("http_version"):
         console.print(f"protocol: {res['http_version']}, connections: {res['connections']}")
-    for pt in res["points"]:
+    for pt in res["points"] if res.get("endpoint") != "embeddings" else []:  # nothing finishes
         reasons = pt["runs"][0].get("finish_reasons", {})
         if set(reasons) - {"length", "stop"}:
             console.print(f"{pt['spec']['label']}: finish reasons {reasons} (streams cut short?)")
