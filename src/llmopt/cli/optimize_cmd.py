@@ -44,7 +44,10 @@ def optimize(
         ),
     ] = None,
     threads: Annotated[
-        int | None, typer.Option(help="CPU threads per candidate (default: all).")
+        int | None,
+        typer.Option(
+            help="CPU threads per candidate (default: all cores, fewer when a probe finds them busy)."
+        ),
     ] = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="Smaller verification and benchmark work (smoke runs).")
