@@ -24,9 +24,17 @@ __all__ = ["register", "serve"]
 def _in_process(engine: str | None) -> bool:
     """Whether llmopt's own server drives `engine` (it has a generator: `Engine.batching`);
     vllm and llamacpp have their own servers."""
-    from llmopt.engines import get_engine  # heavy: the engine registry imports torch
+    from llmopt.engines import ENGINES  # heavy: the engine registry imports torch
 
-    return bool(engine) and get_engine(engine).batching
+    if not engine:
+        return False
+    if engine not in ENGINES:
+        own = sorted((n for n, e in ENGINES.items() if e.batching), key=lambda n: (n != "torch", n))
+        raise ValueError(
+            f"unknown engine {engine!r}: llmopt's server runs {', '.join(own)}; "
+            "vllm and llamacpp run their own servers"
+        )
+    return ENGINES[engine].batching
 
 
 def serve(
