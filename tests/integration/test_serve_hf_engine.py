@@ -5,10 +5,8 @@ Also the refusal itself: `--engine torch` on GPT-2 exits with the fix that names
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,38 +18,6 @@ pytest.importorskip("fastapi")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ARGS = ["--max-num-seqs", "2", "--max-seq-len", "96", "--log-level", "info"]
-
-
-class Server:
-    """A `llmopt serve` subprocess on a free loopback port (the caller kills it)."""
-
-    def __init__(self, model: str, args: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "llmopt.cli.main", "serve", model, "--port", str(self.port)]
-        self.proc = subprocess.Popen([*cmd, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.kill()
-        raise AssertionError(f"server not healthy in 180 s:\n{log.read_text()[-3000:]}")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -70,7 +36,7 @@ def tiny_gpt2_dir(tiny_llama_dir: Path, tmp_path: Path) -> Path:
     return out
 
 
-def _chat(server: Server) -> str:
+def _chat(server) -> str:
     r = server.client().chat.completions.create(
         model="tiny-gpt2",
         messages=[{"role": "user", "content": "Say something."}],
@@ -82,9 +48,9 @@ def _chat(server: Server) -> str:
 
 
 @pytest.mark.parametrize("flag", [[], ["--engine", "hf"]], ids=["auto", "engine-hf"])
-def test_gpt2_served_on_the_hf_engine(flag, tiny_gpt2_dir, tmp_path):
+def test_gpt2_served_on_the_hf_engine(flag, tiny_gpt2_dir, tmp_path, serve_process):
     log = tmp_path / "serve.log"
-    server = Server(str(tiny_gpt2_dir), [*ARGS, *flag], log)
+    server = serve_process(str(tiny_gpt2_dir), [*ARGS, *flag], log)
     try:
         first = _chat(server)
         assert first == _chat(server)  # greedy: the same answer twice
@@ -124,7 +90,7 @@ NATIVE = {  # the families added to the native engine, as tiny random models
 
 
 @pytest.mark.parametrize("family", sorted(NATIVE))
-def test_new_native_families_are_served_natively(family, tiny_llama_dir, tmp_path):
+def test_new_native_families_are_served_natively(family, tiny_llama_dir, tmp_path, serve_process):
     import torch
     import transformers
 
@@ -149,7 +115,7 @@ def test_new_native_families_are_served_natively(family, tiny_llama_dir, tmp_pat
         if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
             shutil.copy2(f, out / f.name)
     log = tmp_path / "serve.log"
-    server = Server(str(out), ARGS, log)
+    server = serve_process(str(out), ARGS, log)
     try:
         r = server.client().chat.completions.create(
             model=family, messages=[{"role": "user", "content": "Hi"}], max_tokens=4

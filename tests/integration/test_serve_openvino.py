@@ -5,10 +5,6 @@ source model on the native engine), completions and chat, streamed and not, over
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,38 +16,6 @@ pytest.importorskip("openvino")
 pytest.importorskip("nncf")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-class Server:
-    """A `llmopt serve` subprocess on a free loopback port (the caller kills it)."""
-
-    def __init__(self, model: str, args: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "llmopt.cli.main", "serve", model, "--port", str(self.port)]
-        self.proc = subprocess.Popen([*cmd, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.kill()
-        raise AssertionError(f"server not healthy in 180 s:\n{log.read_text()[-3000:]}")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -78,10 +42,10 @@ def openvino_run(tiny_llama_dir: Path, tmp_path: Path) -> Path:
     return run
 
 
-def test_a_run_that_chose_openvino_is_served_on_openvino(openvino_run, tmp_path):
+def test_a_run_that_chose_openvino_is_served_on_openvino(openvino_run, tmp_path, serve_process):
     log = tmp_path / "serve.log"
     args = ["--max-num-seqs", "2", "--max-seq-len", "96", "--log-level", "info"]
-    server = Server(str(openvino_run), args, log)
+    server = serve_process(str(openvino_run), args, log)
     try:
         client = server.client()
         done = client.completions.create(
