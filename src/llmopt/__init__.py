@@ -10,7 +10,14 @@ The public entry points are small functions that return result objects; the CLI 
 
 from __future__ import annotations
 
+import time as _time
+
 __version__ = "0.1.0"
+
+# When llmopt was first imported (epoch seconds): the start of a command's time budget. Not the
+# process's creation time: `bash -c "setup && llmopt optimize"` execs llmopt in the process bash
+# forked before the setup ran, and the setup's minutes would count against the search.
+IMPORTED_AT = _time.time()
 
 __all__ = ["__version__", "inspect_model", "optimize"]
 

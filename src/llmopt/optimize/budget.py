@@ -165,14 +165,12 @@ class Budget:
         return cls(seconds, started=time.monotonic() - ago, wall_start=started_at)
 
     @staticmethod
-    def process_start() -> float | None:
-        """When this process started (epoch seconds), or None if unknown."""
-        try:
-            import psutil
+    def process_start() -> float:
+        """When this llmopt process started its work (epoch seconds): the first import of
+        `llmopt`, so interpreter start-up and imports count, a parent shell's earlier work not."""
+        import llmopt
 
-            return float(psutil.Process().create_time())
-        except Exception:  # no psutil or no /proc: the caller counts from now
-            return None
+        return llmopt.IMPORTED_AT
 
     def to_dict(self) -> dict[str, float | None]:
         return {"seconds": self.seconds, "elapsed_s": round(self.elapsed, 1)}
