@@ -177,7 +177,7 @@ class Int4Linear(_QuantLinear):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)
         else:
             u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(u8, tinygemm_k_tiles(k))
         self.register_buffer("weight", packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,6 +195,22 @@ class Int4Linear(_QuantLinear):
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group, self.scales_zeros)
         return self._finish(y.to(x.dtype), shape)
+
+
+def tinygemm_k_tiles(k: int) -> int:
+    """tinygemm's inner K tiles for `in_features` k: the most (8, 4 or 2) whose 16-wide tiles
+    divide k (8 needs k % 128 == 0: SmolLM2's 576 takes 4).
+
+    >>> tinygemm_k_tiles(4096), tinygemm_k_tiles(576), tinygemm_k_tiles(96)
+    (8, 4, 2)
+    """
+    for tiles in (8, 4, 2):
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(
+        f"int4 weights on CUDA need in_features divisible by 32 (tinygemm's K tile); this "
+        f"layer has {k}: use int8 or FP8 for this model"
+    )
 
 
 class Fp8Linear(_QuantLinear):

@@ -96,6 +96,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def write_rows(cache: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[idx] = x, cast to the cache's dtype. A float8 cache is written through a uint8
+    view: the CPU has no float8 `index_copy_`, and the bytes are the same on every device."""
+    if cache.dtype.is_floating_point and cache.element_size() == 1:
+        cache.view(torch.uint8).index_copy_(0, idx, x.to(cache.dtype).view(torch.uint8))
+    else:
+        cache.index_copy_(0, idx, x.to(cache.dtype))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: NativeConfig, window: int | None = None):
         super().__init__()
@@ -151,9 +160,10 @@ class Attention(nn.Module):
         if ring is not None:  # a local layer over its window-sized ring (see the module doc)
             out = self._ring(q, k, v, pos, ring, block_size)
             return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
-        # Write this step's keys/values into their cache rows.
-        self.k_cache.index_copy_(0, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
-        self.v_cache.index_copy_(0, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
+        # Write this step's keys/values into their cache rows (a float8 cache stores them
+        # rounded to e4m3, no scale: vLLM's `kv_cache_dtype=fp8` with its default scale 1).
+        write_rows(self.k_cache, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
+        write_rows(self.v_cache, rows.reshape(-1), v.reshape(-1, self.n_kv, self.hd))
         if (
             not prefill
             and T == 1
@@ -194,8 +204,9 @@ class Attention(nn.Module):
         # Gather the sequences' blocks: (B, S, n_kv, hd) -> (B, n_kv, S, hd).
         kc = self.k_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
         vc = self.v_cache.view(-1, block_size, self.n_kv, hd)[block_tables]
-        kc = kc.reshape(B, S, self.n_kv, hd).transpose(1, 2)
-        vc = vc.reshape(B, S, self.n_kv, hd).transpose(1, 2)
+        # (a float8 cache is upcast as read: no matmul takes float8 operands with bf16 ones)
+        kc = kc.reshape(B, S, self.n_kv, hd).transpose(1, 2).to(q.dtype)
+        vc = vc.reshape(B, S, self.n_kv, hd).transpose(1, 2).to(q.dtype)
         if T > 1 and B * self.n_heads * T * S > self.max_score_elems:
             # A long prefill chunk: queries a slice at a time, so the fp32 scores stay bounded
             # (each query row's attention is independent of the others').
@@ -233,8 +244,8 @@ class Attention(nn.Module):
         old = (blk.unsqueeze(-1) * block_size + offs).reshape(B, R * block_size)
         old = torch.where((old >= 0) & (old <= last), old, torch.full_like(old, -(1 << 40)))
         keypos = torch.cat([old, pos], dim=1)  # (B, S); never-written slots far in the past
-        kall = torch.cat([kc, k], dim=1).transpose(1, 2)  # (B, n_kv, S, hd)
-        vall = torch.cat([vc, v], dim=1).transpose(1, 2)
+        kall = torch.cat([kc.to(k.dtype), k], dim=1).transpose(1, 2)  # (B, n_kv, S, hd)
+        vall = torch.cat([vc.to(v.dtype), v], dim=1).transpose(1, 2)
         S = kall.shape[2]
         if T > 1 and B * self.n_heads * T * S > self.max_score_elems:
             step = max(1, self.max_score_elems // (B * self.n_heads * S))
@@ -252,8 +263,8 @@ class Attention(nn.Module):
         # it): a fixed-shape write, where selecting the kept ones (`nonzero`) would make the
         # shape depend on the data, a host sync and no CUDA graph for a compiled decode.
         idx = torch.where(keep, rows, torch.zeros_like(rows)).reshape(-1)
-        self.k_cache.index_copy_(0, idx, k.reshape(-1, self.n_kv, hd))
-        self.v_cache.index_copy_(0, idx, v.reshape(-1, self.n_kv, hd))
+        write_rows(self.k_cache, idx, k.reshape(-1, self.n_kv, hd))
+        write_rows(self.v_cache, idx, v.reshape(-1, self.n_kv, hd))
         return out
 
     def _attend(self, q, pos, kc, vc, keypos=None):

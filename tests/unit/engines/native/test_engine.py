@@ -769,3 +769,22 @@ def test_gemma3_local_window_and_rope_base_are_exercised(tmp_path):
         no_window = native(ids, pos, tables, prefill=True, last_only=False)
     torch.testing.assert_close(good, ref, atol=2e-4, rtol=1e-4)
     assert (no_window - ref).abs().max() > 0.05
+
+
+def test_float8_kv_cache_is_written_rounded_and_read_upcast(tiny_llama_dir):
+    """A float8 (e4m3) KV cache: keys/values are stored rounded to float8 and upcast as read, so
+    the greedy continuation stays close to the bf16 cache's (the prompt's first token, computed
+    from fresh keys, is identical)."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    prompt, params = list(range(30, 52)), SamplingParams(max_tokens=16, ignore_eos=True)
+    outs = {}
+    for name, kv in (("bf16", None), ("fp8", fp8)):
+        native = load_model(tiny_llama_dir, "cpu", torch.bfloat16)
+        gen = Generator(native, max_batch=1, max_seq_len=96, block_size=4, kv_dtype=kv)
+        assert gen.model.model.layers[0].self_attn.k_cache.dtype == (kv or torch.bfloat16)
+        outs[name], _ = gen.generate(prompt, params)
+    assert outs["fp8"][0] == outs["bf16"][0]
+    agree = sum(a == b for a, b in zip(outs["fp8"], outs["bf16"], strict=True))
+    assert agree >= 12, (outs, agree)

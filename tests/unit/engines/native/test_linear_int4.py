@@ -90,3 +90,26 @@ def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, monkeyp
     ref = x @ deq.reshape(n, k).t()
     y = lin(x.to("cuda", torch.bfloat16)).float().cpu()
     assert float((y - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [576, 1536, 4096])  # SmolLM2's hidden and MLP widths, Llama's
+def test_int4_linear_tinygemm_takes_widths_not_divisible_by_128(k):
+    n, group = 64, 64
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g) * 0.02
+    q, s = L.quantize_int4(w, group)
+    lin = L.Int4Linear(q.cuda(), s.cuda(), group, None, torch.bfloat16)
+    assert not lin.triton_kernel  # the CUDA default: tinygemm
+    deq = (q.float().reshape(n, -1, group) * s[..., None]).reshape(n, k)
+    x = torch.randn(3, k, generator=g)
+    ref = x @ deq.t()
+    y = lin(x.to("cuda", torch.bfloat16)).float().cpu()
+    assert float((y - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_tinygemm_k_tiles_refuses_widths_it_cannot_tile():
+    assert L.tinygemm_k_tiles(576) == 4
+    with pytest.raises(ValueError, match="divisible by 32"):
+        L.tinygemm_k_tiles(80)
