@@ -6,7 +6,11 @@ finish, every block back."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,8 @@ from llmopt.serve.engine.scheduler import Scheduler, Sequence
 
 from .test_local_kv import _generator, _prompts
 from .test_local_kv import _run as _run_rings
+
+ROOT = Path(__file__).resolve().parents[4]
 
 P = {
     "a": [5, 6, 7],
@@ -347,3 +353,24 @@ def test_compiled_overlap_gives_the_synchronous_events(tiny_llama_dir, device):
     assert carried[1] >= carried[0] - 6 > 0
     for g in (sync, ov):
         assert g.free_blocks == g.num_blocks - 1 and not g.seqs
+
+
+def test_decode_benchmark_runs_both_paths_and_reports_host_time(tmp_path):
+    """`benchmarks/decode.py --overlap off on` on a tiny shape on the CPU: both paths per
+    point, the same greedy tokens, and host ms per step (wall less device-only) reported."""
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--shape", "tiny"]
+    cmd += ["--device", "cpu", "--prompt-len", "8", "--new-tokens", "8", "--batches", "1", "2"]
+    cmd += ["--modes", "fp32", "--overlap", "off", "on", "--threads", "1", "--json", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())["native"]
+    assert [(r["batch"], r["overlap"]) for r in res] == [
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    ]
+    assert res[1]["greedy_equal_to_first_path"] == 8
+    for r in res:
+        want = r["ms_per_step"] - r["ms_per_step_device_only"]
+        assert r["host_ms_per_step"] == pytest.approx(want)
