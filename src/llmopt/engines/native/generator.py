@@ -35,6 +35,21 @@ earlier chunks wrote). Chunks are right-padded together only while the padding f
 budget leaves, so the tokens a step computes (padding included) never exceed N. The decode step
 and its compiled shapes are the same with or without chunking.
 
+The decode step's inputs (`inputs.py`): one packed row per sequence, kept from step to step in
+a persistent host buffer (pinned on CUDA) per shape and written where something changed (token,
+position, a new block, a sequence joining); one non-blocking copy a step. Overlap (`overlap`,
+default on CUDA): when every sequence of a step is greedy without logprobs, the step after it is
+launched before its tokens are read back: that step's input tokens are this one's argmax,
+still on the device (`CompiledSteps.carry`), and each sequence's next block is taken before the
+launch (`_grow_ahead`). `step()` then reads back the step launched by the previous call (an
+event, pinned memory) and hands its tokens over, so the host's work (events, stop conditions,
+the scheduler, the next step's inputs) runs while the device computes. A sequence that
+finished on a token the host had not yet read has its row in the step in flight computed and
+dropped; `remove` and `swap_out` mark their rows dead the same way. Each call still returns one
+token per decoding sequence, the same tokens and events as the synchronous path. A step with a
+sampled sequence or logprobs, and a step whose batch gained a sequence the step in flight does
+not hold (a swap-in), run synchronously, and the overlap resumes on the next all-greedy step.
+
 `SamplingParams(prompt_logprobs=N)` asks for the log-probability of every prompt token given the
 ones before it (and the top N): the prefill keeps the final hidden states of that sequence's
 positions and runs the LM head and an fp32 log-softmax over them in chunks; the result comes
@@ -96,7 +111,10 @@ class EngineTime:
     """Where a generator's `step()` calls spent their time, cumulative since it was made.
 
     The forward timings include the wait for the device, so on a GPU they are device time plus
-    launch overhead; `step_s` also counts building the inputs and sampling. A server exports these
+    launch overhead; `step_s` also counts building the inputs and sampling. With `overlap`,
+    `decode_s` is the launches plus the waits for their tokens (the device time that overlapped
+    the host's work between steps is not in it), and `decode_steps` counts the steps read back
+    (one launched ahead and dropped, as after the last sequence finishes, is not counted). A server exports these
     as counters (`llmopt_engine_*_total`), which is how its wall time is attributed: prefill,
     decode, the rest of the step, and the time between steps (scheduling, streaming).
     """
