@@ -456,7 +456,8 @@ def main() -> None:
         print(
             f"{r['mode']:6s} {r['attention']:6s} {'on' if r['overlap'] else 'off':3s} "
             f"{r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
-            f"{r['ms_per_step_device_only']:7.2f} {r['host_ms_per_step']:7.2f} {r['achieved_GBps']:8.1f} "
+            f"{r['ms_per_step_device_only']:7.2f} {r['host_ms_per_step']:7.2f} "
+            f"{r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
             f"{'-' if q is None else format(q, '.1f'):>8s}"
         )

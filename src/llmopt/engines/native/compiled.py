@@ -1,13 +1,13 @@
 """The generator's forwards as they run: eager or `torch.compile`d, and the few shapes they see.
 
 A decode step takes one packed (rows, 2 + width) int64 tensor: each row a sequence's last token,
-its position and its block table (then its ring's block ids, for a model whose local layers
-hold only their window: `ring_blocks`), and `carry`, the greedy tokens of the step before: a
-token written as -(j + 1) is row j's entry of `carry` (`inputs.carried`), so the next step can
-be launched before this one's tokens reach the host. Rows are padded to one of `batch_sizes` (1, 2, 4, 8... by
-default) and tables to a length bucket (`table_width`), so a compiled decode (CUDA graphs on a
-GPU: `mode="reduce-overhead"`) has one graph per (batch, width) pair. Each new pair costs a
-compile (a minute or more for a large model): a compiled step never cuts tables below
+its position and its block table (then its ring's block ids, for a model whose local layers hold
+only their window: `ring_blocks`), and `carry`, the greedy tokens of the step before: a token
+written as -(j + 1) is row j's entry of `carry` (`inputs.carried`), so the next step can be
+launched before this one's tokens reach the host. Rows are padded to one of `batch_sizes` (1, 2,
+4, 8... by default) and tables to a length bucket (`table_width`), so a compiled decode (CUDA
+graphs on a GPU: `mode="reduce-overhead"`) has one graph per (batch, width) pair. Each new pair
+costs a compile (a minute or more for a large model): a compiled step never cuts tables below
 `min_bucket_tokens`, and `warmup` compiles the pairs up front so no request waits for one.
 
 A compiled prefill (`compile_prefill`) runs first-chunk prefills through `torch.compile` with

@@ -114,9 +114,10 @@ class EngineTime:
     launch overhead; `step_s` also counts building the inputs and sampling. With `overlap`,
     `decode_s` is the launches plus the waits for their tokens (the device time that overlapped
     the host's work between steps is not in it), and `decode_steps` counts the steps read back
-    (one launched ahead and dropped, as after the last sequence finishes, is not counted). A server exports these
-    as counters (`llmopt_engine_*_total`), which is how its wall time is attributed: prefill,
-    decode, the rest of the step, and the time between steps (scheduling, streaming).
+    (one launched ahead and dropped, as after the last sequence finishes, is not counted). A
+    server exports these as counters (`llmopt_engine_*_total`), which is how its wall time is
+    attributed: prefill, decode, the rest of the step, and the time between steps (scheduling,
+    streaming).
     """
 
     prefill_s: float = 0.0
