@@ -12,7 +12,11 @@ share of the device-to-device copy bandwidth measured in the same run. bf16 is a
 weights and checks the greedy tokens match the native engine's. `--attention triton gather` runs
 each point twice, back to back: decode attention through the flash-decoding Triton kernel
 (`engines/native/attention.py`, the CUDA default) and through the torch gather path (before it).
-Results go to stdout (a table at the end) and `--json`.
+`--overlap on off` likewise runs each point with the overlapped decode (the next greedy step
+launched before this one's tokens are read back; the CUDA default) and without it. Each point
+reports ms per step as timed in the decode loop (wall), the same step replayed back to back
+(device-only: the host out of the loop) and their difference (host ms: what the host adds per
+step). Results go to stdout (a table at the end) and `--json`.
 """
 
 from __future__ import annotations
@@ -108,7 +112,9 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
     return model, sqnr_db(ref, prompt_logits(model, prompt, args.device))
 
 
-def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> dict:
+def run_native(
+    args, model, batch: int, prompt: list[int], compile_: bool, overlap: bool | None = None
+) -> dict:
     from llmopt.engines.native.generator import Generator, SamplingParams
 
     new = args.new_tokens
@@ -119,6 +125,7 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
         max_seq_len=len(prompt) + new + 1,
         compile=compile_,
         bucket_blocks=False,
+        overlap=overlap,
     )
     kernel = model.model.layers[0].self_attn.decode_kernel
     params = SamplingParams(
@@ -152,6 +159,7 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
     graph = replay_only(args, gen, batch, len(prompt))
     if args.profile:
         profile_steps(args, gen, batch, len(prompt))
+        profile_loop(args, gen, batch, prompt)
     model.setup_cache(1, 1, torch.bfloat16, args.device)  # free the pool
     decode_s = t2 - t1
     return {
@@ -164,6 +172,8 @@ def run_native(args, model, batch: int, prompt: list[int], compile_: bool) -> di
         "ms_per_step": 1e3 * decode_s / steps,
         "tokens": tokens[0],
         "ms_per_step_device_only": graph,
+        "host_ms_per_step": 1e3 * decode_s / steps - graph,
+        "overlap": gen.overlap,
         "attention": "triton" if kernel else "gather",
     }
 
@@ -221,6 +231,38 @@ def profile_steps(args, gen, batch: int, ctx: int) -> None:
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"--- profile: batch {batch}, 20 decode steps ---")
     print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
+def profile_loop(args, gen, batch: int, prompt: list[int]) -> None:
+    """torch.profiler over 20 steps of the real decode loop (`Generator.step`): the host's own
+    work per step (the packed inputs, the copies, reading tokens back) beside the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmopt.engines.native.generator import SamplingParams
+
+    n = min(24, args.new_tokens)
+    for i in range(batch):
+        gen.add(i, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    gen.step()  # the prefills
+    for _ in range(2):
+        gen.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps = 0
+    with profile(activities=acts) as prof:
+        while steps < 20 and not all(gen.finished(i) for i in range(batch)):
+            gen.step()
+            steps += 1
+        sync(args.device)
+    for i in range(batch):
+        gen.remove(i)
+    print(
+        f"--- profile: batch {batch}, {steps} steps of the decode loop (overlap {gen.overlap}) ---"
+    )
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60
+        )
+    )
 
 
 def run_hf(args, model, prompt: list[int], cache: str) -> dict:
@@ -299,6 +341,14 @@ def main() -> None:
         help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather only)",
     )
     ap.add_argument(
+        "--overlap",
+        nargs="+",
+        choices=["on", "off"],
+        default=None,
+        help="overlapped greedy decode on/off, interleaved per point (default: the generator's, "
+        "on for CUDA)",
+    )
+    ap.add_argument(
         "--int4-triton",
         action="store_true",
         help="int4 through the opt-in Triton fused-dequant kernels instead of tinygemm (CUDA)",
@@ -350,14 +400,16 @@ def main() -> None:
     for mode in modes:
         model, sqnr = build(args, mode, dtype, cfg_dict, prompt)
         wbytes = weight_bytes(model)
+        overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
         points = [
-            (b, path)
+            (b, path, ov)
             for b in (args.batches if mode in ("bf16", "fp32") else [1])
             for path in args.attention
+            for ov in overlaps
         ]
-        for b, path in points:
+        for b, path, ov in points:
             A.ENABLED = path == "triton"
-            r = run_native(args, model, b, prompt, compile_)
+            r = run_native(args, model, b, prompt, compile_, ov)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
             r.update(
@@ -369,7 +421,7 @@ def main() -> None:
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
             if b == 1 and mode in ("bf16", "fp32") and native_tokens is None:
                 native_tokens = r["tokens"]
-            if b == 1 and path != args.attention[0]:  # greedy tokens against the first path
+            if b == 1 and (path, ov) != (args.attention[0], overlaps[0]):  # against the first
                 first = next(x for x in tokens_b1 if x[0] == mode)[1]
                 r["greedy_equal_to_first_path"] = sum(
                     a == c for a, c in zip(first, r["tokens"], strict=False)
@@ -396,14 +448,16 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     print(
-        f"\n{'mode':6s} {'attn':6s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'dev ms':>7s} {'GB/s':>8s} "
-        f"{'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}"
+        f"\n{'mode':6s} {'attn':6s} {'ovl':3s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} "
+        f"{'dev ms':>7s} {'host ms':>7s} {'GB/s':>8s} {'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}"
     )
     for r in results["native"]:
         q = r.get("logits_sqnr_db_vs_dense")
         print(
-            f"{r['mode']:6s} {r['attention']:6s} {r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
-            f"{r['ms_per_step_device_only']:7.2f} {r['achieved_GBps']:8.1f} "
+            f"{r['mode']:6s} {r['attention']:6s} {'on' if r['overlap'] else 'off':3s} "
+            f"{r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
+            f"{r['ms_per_step_device_only']:7.2f} {r['host_ms_per_step']:7.2f} "
+            f"{r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
             f"{'-' if q is None else format(q, '.1f'):>8s}"
         )

@@ -4,8 +4,9 @@ Modules, in reading order: `config` (which HF configs run), `model` (the decoder
 (quantized kernels), `weights` (loading HF / compressed-tensors folders, random models),
 `blocks` (the KV block pool: free list, block tables, swap to host), `sampling` (logits to
 tokens: temperature, top-k, top-p, seeds, logprobs), `compiled` (eager or compiled decode and
-prefill forwards, their shapes and warm-up), `generator` (continuous batching: add / step /
-remove over those), `engine` (the registry plugin: `load` and `load_generator`).
+prefill forwards, their shapes and warm-up), `inputs` (the decode step's packed inputs kept
+between steps, and a step in flight), `generator` (continuous batching: add / step / remove over
+those), `engine` (the registry plugin: `load` and `load_generator`).
 
 The engine-neutral types (`SamplingParams`, `TokenEvent`, `OutOfBlocks`, the `BatchGenerator`
 protocol) live in `llmopt.engines.generation`; they are importable from here too.

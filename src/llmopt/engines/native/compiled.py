@@ -1,11 +1,13 @@
 """The generator's forwards as they run: eager or `torch.compile`d, and the few shapes they see.
 
 A decode step takes one packed (rows, 2 + width) int64 tensor: each row a sequence's last token,
-its position and its block table (then its ring's block ids, for a model whose local layers
-hold only their window: `ring_blocks`). Rows are padded to one of `batch_sizes` (1, 2, 4, 8... by
-default) and tables to a length bucket (`table_width`), so a compiled decode (CUDA graphs on a
-GPU: `mode="reduce-overhead"`) has one graph per (batch, width) pair. Each new pair costs a
-compile (a minute or more for a large model): a compiled step never cuts tables below
+its position and its block table (then its ring's block ids, for a model whose local layers hold
+only their window: `ring_blocks`), and `carry`, the greedy tokens of the step before: a token
+written as -(j + 1) is row j's entry of `carry` (`inputs.carried`), so the next step can be
+launched before this one's tokens reach the host. Rows are padded to one of `batch_sizes` (1, 2,
+4, 8... by default) and tables to a length bucket (`table_width`), so a compiled decode (CUDA
+graphs on a GPU: `mode="reduce-overhead"`) has one graph per (batch, width) pair. Each new pair
+costs a compile (a minute or more for a large model): a compiled step never cuts tables below
 `min_bucket_tokens`, and `warmup` compiles the pairs up front so no request waits for one.
 
 A compiled prefill (`compile_prefill`) runs first-chunk prefills through `torch.compile` with
@@ -54,8 +56,11 @@ def wait(device: torch.device) -> None:
 class CompiledSteps:
     """The decode step and the first-chunk prefill forward of one model, and their shapes.
 
-    `decode(packed)` returns (logits (rows, V), greedy tokens (rows,), their logprobs (rows,)):
-    the argmax runs inside the (compiled) graph, so an all-greedy step reads back rows of ints.
+    `decode(packed, carry)` returns (logits (rows, V), greedy tokens (rows,), their logprobs
+    (rows,)): the argmax runs inside the (compiled) graph, so an all-greedy step reads back rows
+    of ints. `carry` (max_batch,) is a persistent device tensor the generator copies a step's
+    greedy tokens into; a packed token -(j + 1) reads row j of it (resolved inside the graph, so
+    it costs no launch of its own).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class CompiledSteps:
         ring_blocks: int = 0,
     ):
         self.model, self.device = model, device
+        self.carry = torch.zeros(max_batch, dtype=torch.long, device=device)
         # With rings (local layers over a pool of their own), a packed decode row ends with the
         # sequence's `ring_blocks` ring block ids, after its block table: one more fixed-width
         # field, so the compiled shapes stay one per (batch, table width).
@@ -107,13 +113,15 @@ class CompiledSteps:
         if compile_prefill:
             self.enable_compiled_prefill()
 
-    def decode_eager(self, packed: torch.Tensor):
+    def decode_eager(self, packed: torch.Tensor, carry: torch.Tensor):
+        tok = packed[:, :1]
+        tok = torch.where(tok < 0, carry[(-1 - tok).clamp(min=0)], tok)
         r = self.ring_blocks
         if r:
             tables, rings = packed[:, 2:-r], packed[:, -r:]
-            logits = self.model(packed[:, :1], packed[:, 1:2], tables, local_tables=rings)
+            logits = self.model(tok, packed[:, 1:2], tables, local_tables=rings)
         else:
-            logits = self.model(packed[:, :1], packed[:, 1:2], packed[:, 2:])
+            logits = self.model(tok, packed[:, 1:2], packed[:, 2:])
         best, best_lp = greedy(logits)
         return logits, best, best_lp
 
@@ -143,7 +151,7 @@ class CompiledSteps:
                 width = 2 + nb + self.ring_blocks
                 packed = torch.zeros(bp, width, dtype=torch.long, device=self.device)
                 for _ in range(3):  # compile, then the CUDA-graph warm-up and recording runs
-                    self.decode(packed)
+                    self.decode(packed, self.carry)
 
     def enable_compiled_prefill(self) -> None:
         """Run first-chunk prefills through `torch.compile` from now on (`compile_prefill`)."""

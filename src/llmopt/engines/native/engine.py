@@ -172,6 +172,7 @@ def load_generator(
     batch_sizes: list[int] | tuple[int, ...] | None = None,
     min_bucket_tokens: int | None = None,
     compile_prefill: bool = False,
+    overlap: bool | None = None,
 ) -> Generator:
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
@@ -182,6 +183,8 @@ def load_generator(
         compile: torch.compile the decode step (default: on for CUDA, off for CPU).
         batch_sizes, min_bucket_tokens: the decode shapes (see `Generator`).
         compile_prefill: torch.compile the prefill forward too (dynamic shapes; see `Generator`).
+        overlap: launch the next greedy decode step before reading this one's tokens back
+            (default: on for CUDA; see `Generator`).
     """
     import torch
     from transformers import AutoTokenizer
@@ -209,6 +212,7 @@ def load_generator(
         batch_sizes=batch_sizes,
         min_bucket_tokens=min_bucket_tokens,
         compile_prefill=compile_prefill,
+        overlap=overlap,
     )
 
 

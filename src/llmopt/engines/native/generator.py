@@ -35,6 +35,21 @@ earlier chunks wrote). Chunks are right-padded together only while the padding f
 budget leaves, so the tokens a step computes (padding included) never exceed N. The decode step
 and its compiled shapes are the same with or without chunking.
 
+The decode step's inputs (`inputs.py`): one packed row per sequence, kept from step to step in
+a persistent host buffer (pinned on CUDA) per shape and written where something changed (token,
+position, a new block, a sequence joining); one non-blocking copy a step. Overlap (`overlap`,
+default on CUDA): when every sequence of a step is greedy without logprobs, the step after it is
+launched before its tokens are read back: that step's input tokens are this one's argmax,
+still on the device (`CompiledSteps.carry`), and each sequence's next block is taken before the
+launch (`_grow_ahead`). `step()` then reads back the step launched by the previous call (an
+event, pinned memory) and hands its tokens over, so the host's work (events, stop conditions,
+the scheduler, the next step's inputs) runs while the device computes. A sequence that
+finished on a token the host had not yet read has its row in the step in flight computed and
+dropped; `remove` and `swap_out` mark their rows dead the same way. Each call still returns one
+token per decoding sequence, the same tokens and events as the synchronous path. A step with a
+sampled sequence or logprobs, and a step whose batch gained a sequence the step in flight does
+not hold (a swap-in), run synchronously, and the overlap resumes on the next all-greedy step.
+
 `SamplingParams(prompt_logprobs=N)` asks for the log-probability of every prompt token given the
 ones before it (and the top N): the prefill keeps the final hidden states of that sequence's
 positions and runs the LM head and an fp32 log-softmax over them in chunks; the result comes
@@ -72,6 +87,7 @@ from llmopt.engines.generation import (
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool, PooledGenerator
 from llmopt.engines.native.compiled import CompiledSteps, wait
+from llmopt.engines.native.inputs import Flight, PackedInputs, arrange, carried
 from llmopt.engines.native.model import Transformer
 
 __all__ = ["Generator", "SamplingParams", "TokenEvent", "OutOfBlocks", "Swapped", "EngineTime"]
@@ -95,9 +111,13 @@ class EngineTime:
     """Where a generator's `step()` calls spent their time, cumulative since it was made.
 
     The forward timings include the wait for the device, so on a GPU they are device time plus
-    launch overhead; `step_s` also counts building the inputs and sampling. A server exports these
-    as counters (`llmopt_engine_*_total`), which is how its wall time is attributed: prefill,
-    decode, the rest of the step, and the time between steps (scheduling, streaming).
+    launch overhead; `step_s` also counts building the inputs and sampling. With `overlap`,
+    `decode_s` is the launches plus the waits for their tokens (the device time that overlapped
+    the host's work between steps is not in it), and `decode_steps` counts the steps read back
+    (one launched ahead and dropped, as after the last sequence finishes, is not counted). A
+    server exports these as counters (`llmopt_engine_*_total`), which is how its wall time is
+    attributed: prefill, decode, the rest of the step, and the time between steps (scheduling,
+    streaming).
     """
 
     prefill_s: float = 0.0
@@ -229,10 +249,14 @@ class Generator(PooledGenerator):
         compile_prefill: bool = False,
         local_kv: bool = True,
         local_blocks: int | None = None,
+        overlap: bool | None = None,
     ):
         """`local_kv`: give local (sliding-window) layers rings of their window in a pool of
         their own (see the module doc); `local_blocks`: that pool's size (default `max_batch x
-        ring + 1`, every sequence's ring and the scratch block)."""
+        ring + 1`, every sequence's ring and the scratch block). `overlap`: launch the next
+        all-greedy decode step before reading this one's tokens back (see the module doc;
+        default: on CUDA); off, every step is read back before the next is launched. Both give
+        the same tokens."""
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, (kv_dtype or model.model.norm.weight.dtype)
@@ -289,6 +313,21 @@ class Generator(PooledGenerator):
         self.eos_ids = eos_token_ids(cfg.eos_token_ids, tokenizer)
         self.compile_seconds = 0.0
         self.time = EngineTime()
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        self.inputs = PackedInputs(self.device, ring)
+        self._rows: list[Hashable] = []  # the decode batch's row order (`inputs.arrange`)
+        self._flight: Flight | None = None  # a decode step launched, not yet read back
+        self._launches = 0
+        # Host tensors the overlapped steps' tokens are read back into, used in turn (pinned on
+        # CUDA: a copy from the device into them does not block).
+        pin = self.device.type == "cuda"
+        self._landing = [
+            (
+                torch.zeros(max_batch, dtype=torch.long, pin_memory=pin),
+                torch.zeros(max_batch, dtype=torch.float32, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
 
     # (capacity: `PooledGenerator`)
     # --- lifecycle ------------------------------------------------------------------------
@@ -313,6 +352,8 @@ class Generator(PooledGenerator):
         Blocks held under `seq_id` are freed even when no sequence was recorded for it (what a
         failed admission may leave); KeyError when it holds nothing at all."""
         s = self.seqs.pop(seq_id, None)
+        if self._flight is not None:  # its row in a step in flight is computed and dropped
+            self._flight.dead.add(seq_id)
         pools = [p for p in (self.pool, self.local_pool) if p is not None]
         if s is not None and s.faulty:  # its KV (and scratch block 0) may hold NaN
             for p in pools:
@@ -372,6 +413,10 @@ class Generator(PooledGenerator):
         s = self.seqs[seq_id]
         if not s.prefilled:
             raise ValueError(f"sequence {seq_id!r} is still being prefilled; remove it instead")
+        if self._flight is not None:
+            self._flight.dead.add(seq_id)
+        # The copies are queued behind any step in flight, whose write of this sequence's
+        # next position (the KV of its last token) they take along.
         keys, values = self.pool.swap_out(seq_id)
         swapped = Swapped(s, keys, values)
         if self.local_pool is not None:
@@ -399,8 +444,15 @@ class Generator(PooledGenerator):
         the module docstring). None: prefill every new sequence whole.
         """
         decoding = [k for k, s in self.seqs.items() if s.prefilled and s.finish is None]
-        # Make room for the token each decoding sequence writes now, before any work is done.
-        self.pool.grow([k for k in decoding if self._needs_block(k)])
+        fl = self._flight
+        if fl is not None and not fl.covers(decoding, self.seqs):
+            # A sequence joined (swap-in) since it was launched: drop it. The synchronous step
+            # below computes its rows again and writes the same keys and values.
+            self._flight = fl = None
+        if fl is None:
+            # Make room for the token each decoding sequence writes now, before any work is
+            # done (a step in flight has its blocks already: `_grow_ahead`).
+            self.pool.grow([k for k in decoding if self._needs_block(k)])
         t0 = time.perf_counter()
         events = []
         pending = [k for k, s in self.seqs.items() if not s.prefilled]
@@ -539,35 +591,129 @@ class Generator(PooledGenerator):
     def decode_packed(self, packed: torch.Tensor):
         """One decode forward over packed rows of [token, position, block table..., ring...]
         (padded to the shapes `padded_batch` / `table_width` give; the ring's `ring` block ids
-        only with a local pool): (logits, greedy tokens, their logprobs)."""
-        return self.steps.decode(packed)
+        only with a local pool): (logits, greedy tokens, their logprobs). A token -(j + 1)
+        stands for row j's greedy token of the step before (`CompiledSteps.carry`)."""
+        return self.steps.decode(packed, self.steps.carry)
 
     @torch.inference_mode()
     def _decode_batch(self, keys: list[Hashable]) -> list[TokenEvent]:
-        b = len(keys)
-        bp = self.padded_batch(b)
-        nb = self.table_width(max(len(self.pool.table(k)) for k in keys))
-        # One host->device copy per step: rows of [token, position, block table..., ring...];
-        # padding rows (and table tails) point at scratch block 0 (of either pool).
-        rows = [[0] * (2 + nb + self.ring) for _ in range(bp)]
-        for i, k in enumerate(keys):
-            ids, blocks = self.seqs[k].ids, self.pool.table(k)
-            rows[i][0], rows[i][1] = ids[-1], len(ids) - 1
-            rows[i][2 : 2 + len(blocks)] = blocks
-            if self.local_pool is not None:
-                rows[i][2 + nb :] = self.local_pool.table(k)
-        packed = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        """One decode step for `keys`: their next tokens, as events in their order.
+
+        Synchronous unless `overlap` and every sequence is greedy without logprobs: then the
+        step after this one is launched (its tokens taken from this one's on the device) before
+        this one's tokens are read back, and it is what the next call reads."""
+        fl = self._flight
+        if fl is None:
+            if not self._overlaps(keys):
+                return self._decode_now(keys)
+            fl = self._launch(keys, None)
+        # Step N+1 for every sequence that decodes next time: these (those that finish on
+        # this step's token included: their rows are computed and dropped) and the ones whose
+        # prompt just completed in this step's prefill.
+        self._flight = None
+        nxt = [k for k, s in self.seqs.items() if s.prefilled and s.finish is None]
+        if self._overlaps(nxt) and self._grow_ahead(nxt, fl):
+            self._flight = self._launch(nxt, fl)
+        return self._land(fl)
+
+    def _overlaps(self, keys: list[Hashable]) -> bool:
+        """Whether a step over `keys` may run overlapped: greedy tokens only, no logprobs."""
+        if not self.overlap or not keys:
+            return False
+        return not any((p := self.seqs[k].params).logprobs or sampling.sampled(p) for k in keys)
+
+    def _grow_ahead(self, keys: list[Hashable], fl: Flight) -> bool:
+        """Give each of `keys` the block its next step writes into, before its tokens are
+        known; False (nothing taken) when the pool is short: the next step then runs
+        synchronously and asks for them (or raises `OutOfBlocks`) as it always does."""
+        need = []
+        for k in keys:
+            pos = len(self.seqs[k].ids) - (fl.row(k, self.seqs) is None)  # in flight: one more
+            if pos // self.block_size >= len(self.pool.table(k)):
+                need.append(k)
+        try:
+            self.pool.grow(need)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def _packed(self, rows: list[Hashable], tokens: list[int], positions: list[int]):
+        """The packed device tensor of a step over `rows` (`inputs.PackedInputs`)."""
+        tables = [self.pool.table(k) for k in rows]
+        rings = [self.local_pool.table(k) for k in rows] if self.local_pool is not None else None
+        bp = self.padded_batch(len(rows))
+        nb = self.table_width(max(len(t) for t in tables))
+        seqs = [self.seqs[k] for k in rows]
+        return self.inputs.fill(bp, nb, seqs, tables, rings, tokens, positions)
+
+    def _decode_now(self, keys: list[Hashable]) -> list[TokenEvent]:
+        """A synchronous decode step: launch, wait, read back, sample if asked."""
+        rows = self._rows = arrange(self._rows, keys)
+        seqs = [self.seqs[k] for k in rows]
+        packed = self._packed(rows, [s.ids[-1] for s in seqs], [len(s.ids) - 1 for s in seqs])
         t0 = time.perf_counter()
         logits, best, best_lp = self.decode_packed(packed)
         wait(self.device)
         self.time.decode_s += time.perf_counter() - t0
         self.time.decode_steps += 1
+        row_of = {k: i for i, k in enumerate(rows)}
+        order = [row_of[k] for k in keys]
         params = [self.seqs[k].params for k in keys]
         if any(p.logprobs or sampling.sampled(p) for p in params):
-            return self._emit_rows(keys, logits[:b].clone())
+            idx = torch.tensor(order, device=logits.device)
+            return self._emit_rows(keys, logits.index_select(0, idx))
         # All greedy without alternatives: argmax and its logprob came out of the same graph.
-        toks, lps = best[:b].tolist(), best_lp[:b].tolist()
-        return [self.append_token(k, t, lp, []) for k, t, lp in zip(keys, toks, lps, strict=True)]
+        toks, lps = best[: len(rows)].tolist(), best_lp[: len(rows)].tolist()
+        return [self.append_token(k, toks[i], lps[i], []) for k, i in zip(keys, order, strict=True)]
+
+    def _launch(self, keys: list[Hashable], prev: Flight | None) -> Flight:
+        """Queue a decode step over `keys` and the copies of its greedy tokens: to `carry` (the
+        next step's input) and to host memory (read by `_land`). A sequence in `prev` (launched,
+        not read back) takes its token from there (`inputs.carried`), one position further."""
+        t0 = time.perf_counter()
+        rows = self._rows = arrange(self._rows, keys)
+        seqs = [self.seqs[k] for k in rows]
+        tokens, positions = [], []
+        for k, s in zip(rows, seqs, strict=True):
+            j = prev.row(k, self.seqs) if prev is not None else None
+            if j is None:
+                tokens.append(s.ids[-1])
+                positions.append(len(s.ids) - 1)
+            else:
+                tokens.append(carried(j))
+                positions.append(len(s.ids))
+        packed = self._packed(rows, tokens, positions)
+        _, best, best_lp = self.decode_packed(packed)
+        tok_host, lp_host = self._landing[self._launches % 2]
+        self._launches += 1
+        n = best.shape[0]
+        self.steps.carry[:n].copy_(best)
+        tok_host[:n].copy_(best, non_blocking=True)
+        lp_host[:n].copy_(best_lp, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.time.decode_s += time.perf_counter() - t0
+        return Flight(list(keys), rows, seqs, tok_host, lp_host, done)
+
+    def _land(self, fl: Flight) -> list[TokenEvent]:
+        """Wait for a launched step's tokens and hand them to their sequences, skipping rows
+        whose sequence has finished, left or been replaced since the launch."""
+        t0 = time.perf_counter()
+        if fl.done is not None:
+            fl.done.synchronize()  # releases the GIL while the device works
+        self.time.decode_s += time.perf_counter() - t0
+        self.time.decode_steps += 1
+        b = len(fl.rows)
+        toks, lps = fl.tokens[:b].tolist(), fl.logprobs[:b].tolist()
+        events = []
+        for k in fl.keys:
+            i = fl.row(k, self.seqs)
+            if i is None or fl.seqs[i].finish is not None:
+                continue  # finished on the step before (a wasted row), removed or replaced
+            events.append(self.append_token(k, toks[i], lps[i], []))
+        return events
 
     def _emit_rows(self, keys: list[Hashable], logits: torch.Tensor) -> list[TokenEvent]:
         """Sample one token per sequence from its row of logits (B, V), all rows at once."""

@@ -465,10 +465,10 @@ def _count_prefill_tokens(gen: Generator) -> list[int]:
     counted: list[int] = []
     decode, in_decode = gen.steps.decode, [False]
 
-    def wrapped(packed):
+    def wrapped(packed, *rest):
         in_decode[0] = True
         try:
-            return decode(packed)
+            return decode(packed, *rest)
         finally:
             in_decode[0] = False
 

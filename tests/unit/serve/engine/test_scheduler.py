@@ -155,9 +155,9 @@ def _count_tokens(gen) -> list[int]:
     counted: list[int] = []
     decode = gen.steps.decode
 
-    def wrapped(packed):
+    def wrapped(packed, *rest):
         counted.append(-1)  # a decode step: the scheduler's count of running decodes applies
-        return decode(packed)
+        return decode(packed, *rest)
 
     gen.steps.decode = wrapped
     gen.model.register_forward_pre_hook(
