@@ -5,7 +5,8 @@ The guard (pure ASGI middleware, so it also covers streamed responses to their e
 - checks `Authorization: Bearer <key>` when the server has an API key (401);
 - bounds the request body (413), also for bodies sent without Content-Length;
 - refuses text that is not Unicode (a lone surrogate such as `"\\ud800"`, which JSON can
-  spell but UTF-8 cannot) with 400 naming the field, for every endpoint alike;
+  spell but UTF-8 cannot, escaped or as raw bytes) with 400 naming the field, for every
+  endpoint alike;
 - counts requests in flight (what draining waits for);
 - turns an unexpected error into a 500 with OpenAI's body (the connection stays usable);
 - when a request ends for any reason, closes its generations, so a sequence never outlives
@@ -115,7 +116,7 @@ class Guard:
                 chunks.append(chunk)
                 more = msg.get("more_body", False)
             body = b"".join(chunks)
-        if _SURROGATE.search(body):
+        if _maybe_surrogate(body):
             where = _surrogate_field(body)
             if where is not None:
                 ctx.metrics.rejected.labels("bad_text").inc()
@@ -183,6 +184,17 @@ _SURROGATE = re.compile(
     rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
     rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
 )
+
+
+# The same surrogate written as raw bytes (ED A0..BF xx): not UTF-8, but the JSON parser reads
+# bytes with `surrogatepass`, so it would reach the handlers as a lone surrogate all the same.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _maybe_surrogate(body: bytes) -> bool:
+    """Whether the body may hold a lone surrogate (then it is parsed to find it): an escape, raw
+    surrogate bytes, or a UTF-16/32 body (the parser detects those by their zero bytes)."""
+    return bool(_SURROGATE.search(body) or _RAW_SURROGATE.search(body) or 0 in body[:4])
 
 
 def _surrogate_field(body: bytes) -> str | None:

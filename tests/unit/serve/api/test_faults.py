@@ -114,6 +114,49 @@ def test_lone_surrogates_are_400(client, path, raw, param, settle):
     settle(client.ctx)
 
 
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        ("/v1/completions", b'{"model": M, "prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"model": M, "messages": [{"role": "user", "content": "\xed\xbf\xbf"}]}',
+            "messages.0.content",
+        ),
+        # An emoji as CESU-8 (each half of its surrogate pair as raw bytes): not UTF-8 either.
+        (
+            "/v1/completions",
+            b'{"model": M, "prompt": ["ok", "\xed\xa0\xbd\xed\xb8\x80"]}',
+            "prompt.1",
+        ),
+    ],
+    ids=["prompt", "chat", "cesu8"],
+)
+def test_raw_surrogate_bytes_are_400_too(client, path, raw, param, settle):
+    """The surrogate as raw bytes (ED A0 80) instead of an escape: not UTF-8, but the JSON parser
+    reads bytes with `surrogatepass`, so it reached the tokenizer as a lone surrogate (500)."""
+    body = raw.replace(b"M", json.dumps(client.ctx.served_name).encode(), 1)
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    e = _err(r, 400)
+    assert e["param"] == param and e["code"] == "invalid_text"
+    # A UTF-16 body, which the parser also takes (detected by its zero bytes), alike.
+    doc = json.dumps({"model": client.ctx.served_name, "prompt": "x\ud800"}, ensure_ascii=False)
+    r = client.post(
+        "/v1/completions",
+        content=doc.encode("utf-16-le", "surrogatepass"),
+        headers={"content-type": "application/json"},
+    )
+    assert _err(r, 400)["param"] == "prompt"
+    # Other bytes that are not UTF-8 fail the parse: 400 with OpenAI's body, `param` null.
+    r = client.post(
+        "/v1/completions",
+        content=b'{"model": "m", "prompt": "\xff"}',
+        headers={"content-type": "application/json"},
+    )
+    assert _err(r, 400)["param"] is None
+    settle(client.ctx)
+
+
 def test_requests_that_can_never_fit_are_400_not_429(client, settle):
     """n=16 (inside the documented limit) or 20 prompts, on a server that takes 4 sequences at
     a time (2 running + 2 queued), got a 429 that could never clear."""
@@ -218,6 +261,8 @@ def test_embedding_limits_per_request(tiny_bert_dir, make_client):
             c.post("/v1/embeddings", content=b'{"model": "x", "input": "\\ud800"}'), 400
         )  # the surrogate is found before the model name is checked
         assert e["param"] == "input"
+        raw = b'{"model": "x", "input": ["ok", "a\xed\xb0\x80"]}'  # as raw bytes
+        assert _err(c.post("/v1/embeddings", content=raw), 400)["param"] == "input.1"
     # The default: OpenAI's 2048 inputs per request.
     assert ServeSettings().embed_max_inputs == 2048
 
@@ -293,6 +338,27 @@ def test_nan_in_one_row_fails_one_request_and_shows_in_health(client, settle):
     assert h["status"] == "ok" and "numerical fault" in h["engine"]["last_error"]
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    settle(client.ctx)
+
+
+def test_health_degrades_while_blocks_are_lost(client, settle):
+    """The block invariant, broken on purpose: blocks taken from the real pool by no sequence
+    (what a leak looks like). After the next step /health says `degraded` (503, so a load
+    balancer can route elsewhere) and /metrics counts them; once they are back, `ok`."""
+    gen, name = client.ctx.engine.sched.gen, client.ctx.served_name
+    body = {"model": name, "prompt": "abc", "max_tokens": 2}
+    assert client.get("/health").json()["status"] == "ok"
+    lost = gen.pool.take(3)  # the engine thread is idle: nothing else touches the pool
+    assert client.post("/v1/completions", json=body).status_code == 200
+    time.sleep(0.1)  # the step's stats are published
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "degraded"
+    assert r.json()["engine"]["leaked_blocks"] == 3
+    assert "llmopt_kv_cache_leaked_blocks 3.0" in client.get("/metrics").text
+    gen.pool.give_back(lost)
+    assert client.post("/v1/completions", json=body).status_code == 200
+    time.sleep(0.1)
+    assert client.get("/health").json()["status"] == "ok"
     settle(client.ctx)
 
 
