@@ -199,10 +199,11 @@ def _maybe_surrogate(body: bytes) -> bool:
 
 def _surrogate_field(body: bytes) -> str | None:
     """The dotted path of the first string in the JSON `body` that is not valid Unicode ("" for
-    the body itself), or None when every string is (or the body is not JSON: the app says so)."""
+    the body itself), or None when every string is (or the body is not JSON, or nested too deep
+    to parse: the app says so, with a 400)."""
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
     stack: list[tuple[list[str], Any]] = [([], doc)]
     while stack:

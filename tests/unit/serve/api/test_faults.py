@@ -154,6 +154,15 @@ def test_raw_surrogate_bytes_are_400_too(client, path, raw, param, settle):
         headers={"content-type": "application/json"},
     )
     assert _err(r, 400)["param"] is None
+    # Nested deeper than the parser goes, with a surrogate inside: the guard's own parse
+    # raised RecursionError out of the middleware (the connection was dropped).
+    deep = b"[" * 100_000 + b'"\\ud800"' + b"]" * 100_000
+    r = client.post(
+        "/v1/completions",
+        content=b'{"model": "m", "prompt": ' + deep + b"}",
+        headers={"content-type": "application/json"},
+    )
+    assert _err(r, 400)["param"] is None
     settle(client.ctx)
 
 
