@@ -97,8 +97,12 @@ def test_self_signed_cert_is_trusted_for_loopback(maker, tmp_path, monkeypatch):
     for host in ("127.0.0.1", "localhost"):
         a, b = socket.socketpair()
         with a, b:
-            t = threading.Thread(target=lambda: server.wrap_socket(a, server_side=True).close())
+            t = threading.Thread(target=_accept, args=(server, a))
             t.start()
             with client.wrap_socket(b, server_hostname=host) as tls:
                 assert tls.version() is not None
             t.join(10)
+
+
+def _accept(ctx, sock) -> None:
+    ctx.wrap_socket(sock, server_side=True).close()  # the server's side of the handshake

@@ -222,6 +222,32 @@ def _surrogate_field(body: bytes) -> str | None:
     return None
 
 
+def _field_path(loc: list[Any], body: Any, missing: bool) -> str | None:
+    """The dotted path of the field a validation error is about (`messages.0.content`), or
+    None. pydantic's `loc` also names the member of a union it tried (`prompt.str`,
+    `prompt.list[int].1`): those are not fields, so only the parts that index into the body
+    are kept (and a missing field's name, at the end).
+
+    >>> _field_path(["messages", 0, "content", "str"], {"messages": [{"content": [1]}]}, False)
+    'messages.0.content'
+    >>> _field_path(["prompt", "list[int]", 1], {"prompt": [1, "a"]}, False)
+    'prompt.1'
+    >>> _field_path(["model"], {"prompt": "x"}, True)
+    'model'
+    """
+    parts, node = [], body
+    for i, x in enumerate(loc):
+        if isinstance(node, dict) and isinstance(x, str):
+            if x in node or (missing and i == len(loc) - 1):
+                parts.append(x)
+                node = node.get(x)
+        elif isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node):
+            parts.append(str(x))
+            node = node[x]
+        # else: the name of a union's member pydantic tried, not a field
+    return ".".join(parts) or None
+
+
 def _authorized(header: bytes, key: str) -> bool:
     scheme, _, token = header.decode("latin-1").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), key)
@@ -258,13 +284,13 @@ def create_app(ctx: ServerContext) -> Any:
     async def _invalid(_r: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        loc = list(first.get("loc", ()))[1:]  # after "body"
         if first.get("type") == "json_invalid":
             # Its loc holds a character position, not a field: param is null.
             pos = f" (at character {loc[0]})" if loc else ""
             msg, param = f"the request body is not valid JSON{pos}", None
         else:
+            param = _field_path(loc, getattr(e, "body", None), first.get("type") == "missing")
             msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
         return json_response(error_body(msg, "invalid_request_error", param), 400)
 

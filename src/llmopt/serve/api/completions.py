@@ -242,8 +242,9 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     # token; it is generated and dropped, as vLLM does.
     score_only = max_tokens == 0
     max_tokens = max(1, max_tokens)
-    for ids in prompts:
-        ctx.check_length(len(ids), max_tokens)
+    for i, ids in enumerate(prompts):
+        where = f"prompt.{i}" if len(prompts) > 1 else "prompt"
+        ctx.check_length(len(ids), max_tokens, where)
     # echo + logprobs: the engine also scores the prompt (OpenAI's legacy prompt logprobs).
     scored = req.logprobs if req.echo and req.logprobs is not None else None
     gens = _start(ctx, request, req, prompts, max_tokens, req.logprobs or 0, scored)
@@ -337,7 +338,8 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
     req.check_unsupported()
     ids = _chat_prompt(ctx, req)
     max_tokens = req.limit or max(1, ctx.max_seq_len - len(ids))  # OpenAI: up to the context
-    ctx.check_length(len(ids), max_tokens)
+    which = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    ctx.check_length(len(ids), max_tokens, "messages", which)
     k = req.top_logprobs or 0
     gens = _start(ctx, request, req, [ids], max_tokens, k if req.logprobs else 0)
     cid, created = new_id("chatcmpl"), now()

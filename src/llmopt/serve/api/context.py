@@ -70,10 +70,20 @@ class ServerContext:
                 code="unsupported_endpoint",
             )
 
-    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+    def check_length(
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        prompt_param: str = "prompt",
+        tokens_param: str = "max_tokens",
+    ) -> None:
+        """400 unless the prompt and `max_tokens` fit the context and the KV cache. `param` names
+        what to change: the prompt (`prompt_param`) when it alone does not fit, else the
+        completion's length (`tokens_param`)."""
         total = prompt_len + max_tokens
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        blocks = math.ceil(total / self.block_size)
         if total > self.max_seq_len:
             raise APIError(
                 400,
@@ -81,16 +91,16 @@ class ServerContext:
                 f"tokens. However, you requested {total} tokens ({prompt_len} in the "
                 f"prompt, {max_tokens} for the completion). Please reduce the prompt "
                 "or max_tokens.",
-                param="max_tokens",
+                param=prompt_param if prompt_len >= self.max_seq_len else tokens_param,
                 code="context_length_exceeded",
             )
-        blocks = math.ceil(total / self.block_size)
         if self.num_blocks and blocks > self.num_blocks:
+            alone = math.ceil((prompt_len + 1) / self.block_size) > self.num_blocks
             raise APIError(
                 400,
                 f"{total} tokens need {blocks} KV-cache blocks; the server has "
                 f"{self.num_blocks} in all (start it with more --num-blocks)",
-                param="max_tokens",
+                param=prompt_param if alone else tokens_param,
                 code="context_length_exceeded",
             )
 

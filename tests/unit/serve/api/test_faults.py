@@ -187,6 +187,41 @@ def test_json_errors_have_no_position_as_param(client):
     assert e["param"] is None and "not valid JSON" in e["message"]
 
 
+def test_param_is_a_field_of_the_body(client, embed_client):
+    """`param` names a field the client sent (or a required one it did not), never the member
+    of a union pydantic tried (`messages.0.content.str`), and the field to change: the prompt
+    when it alone is longer than the context, else the completion's length."""
+    name, emb = client.ctx.served_name, embed_client.ctx.served_name
+    long = "hello " * 150  # more tokens than the tiny server's 120
+    cases = [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [1, 2]}]},
+            "messages.0.content",
+        ),
+        ("/v1/completions", {"prompt": [[1, 2], "a"]}, "prompt"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream_options": {"include_usage": []}},
+            "stream_options.include_usage",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"prompt": ["ok", long], "max_tokens": 2}, "prompt.1"),
+        ("/v1/completions", {"prompt": long, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 500}, "max_tokens"),
+    ]
+    for path, body, param in cases:
+        assert _err(client.post(path, json={"model": name} | body), 400)["param"] == param, body
+    r = embed_client.post("/v1/embeddings", json={"model": emb, "input": [[1, 2], "a"]})
+    assert _err(r, 400)["param"] == "input"
+
+
 def test_retry_after_comes_from_the_queue(tiny_llama_dir):
     """Retry-After was always 1 (no request had finished yet to estimate from); now the age of
     the oldest request in flight bounds the latency below, one latency per batch queued."""
