@@ -406,6 +406,50 @@ def test_health_degrades_while_blocks_are_lost(client, settle):
     settle(client.ctx)
 
 
+def test_drain_cut_ends_every_request_truthfully_and_frees_its_blocks(client, settle):
+    """The end of the drain window (`serve.drain.cut_generations`, on the server's event loop)
+    with a non-streamed request and a stream under way: the first gets 503 `shutting_down`, the
+    second its error event and `[DONE]`, and every block they held comes back."""
+    from llmopt.serve.drain import cut_generations
+
+    ctx, name = client.ctx, client.ctx.served_name
+    gen = ctx.engine.sched.gen
+    real_step = gen.step
+
+    def paced(*a, **kw):  # the real step, slowed to a real model's pace: cut mid-way
+        time.sleep(0.02)
+        return real_step(*a, **kw)
+
+    gen.step = paced
+    body = {"model": name, "prompt": "abc", "max_tokens": 100, "ignore_eos": True}
+    got: dict = {}
+
+    def plain():
+        got["plain"] = client.post("/v1/completions", json=body)
+
+    def stream():
+        with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            got["stream"] = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+
+    threads = [threading.Thread(target=f) for f in (plain, stream)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(ctx.engine.sched.running) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # both are decoding
+    assert client.portal.call(cut_generations, ctx) == 2
+    for t in threads:
+        t.join(30)
+    e = _err(got["plain"], 503)
+    assert e["code"] == "shutting_down" and "--drain-timeout" in e["message"]
+    lines = got["stream"]
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "shutting_down"
+    assert 0 < sum(1 for x in lines[:-2] if json.loads(x).get("choices")) < 100
+    gen.step = real_step
+    settle(ctx)
+
+
 @pytest.mark.parametrize("stage", ["queued", "prefill", "decoding"])
 def test_client_gone_at_each_stage_frees_everything(client, settle, stage):
     """A client that goes away while its request waits in the queue, right after it was sent,
