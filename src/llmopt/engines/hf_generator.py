@@ -202,7 +202,11 @@ class HFGenerator(PooledGenerator):
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
         self.pool.allocate(seq_id, swapped.num_blocks, "swap-in needs")
-        _move_cache(swapped.seq.cache, self.device)
+        try:
+            _move_cache(swapped.seq.cache, self.device)  # may fail: out of device memory
+        except BaseException:
+            self.pool.release(seq_id)  # all or nothing, as add: the blocks are not kept
+            raise
         self.seqs[seq_id] = swapped.seq
 
     # --- stepping ---------------------------------------------------------------------------

@@ -225,8 +225,14 @@ class OpenVinoGenerator(HFGenerator):
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
         self.pool.allocate(seq_id, swapped.num_blocks, "swap-in needs")
-        request = self._take_request()
-        for st in request.query_state():
-            st.state = ov.Tensor(swapped.state[st.name])
+        request = None
+        try:
+            request = self._take_request()
+            for st in request.query_state():
+                st.state = ov.Tensor(swapped.state[st.name])
+        except BaseException:  # all or nothing, as add: the blocks and the request go back
+            self.pool.release(seq_id)
+            self._give_back(_Slot(request) if request is not None else None)
+            raise
         swapped.seq.cache = _Slot(request, swapped.pos)
         self.seqs[seq_id] = swapped.seq

@@ -90,6 +90,34 @@ def test_swap_out_and_in_continues_exactly(tiny_gpt2_dir):
     assert got == want
 
 
+class _Unmovable:
+    """A cache whose tensors cannot be moved (as when the device is out of memory)."""
+
+    @property
+    def layers(self):
+        raise RuntimeError("out of memory (injected)")
+
+
+def test_a_failed_swap_in_holds_nothing(tiny_gpt2_dir):
+    """swap_in is all or nothing, as add: when moving the cache back fails, the blocks it took
+    are free again, and the same swapped sequence comes back later and continues exactly."""
+    gen = load_hf_generator(tiny_gpt2_dir, max_batch=2)
+    want = _reference(tiny_gpt2_dir, PROMPTS["a"], 10)
+    gen.add("a", PROMPTS["a"], SamplingParams(max_tokens=10, ignore_eos=True))
+    got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
+    swapped = gen.swap_out("a")
+    free, cache = gen.free_blocks, swapped.seq.cache
+    swapped.seq.cache = _Unmovable()
+    with pytest.raises(RuntimeError, match="injected"):
+        gen.swap_in("a", swapped)
+    assert gen.free_blocks == free and not gen.pool.tables and not gen.running
+    swapped.seq.cache = cache
+    gen.swap_in("a", swapped)
+    while not gen.finished("a"):
+        got += [ev.token_id for ev in gen.step()]
+    assert got == want
+
+
 def test_block_account_limits_admission_and_growth(tiny_gpt2_dir):
     gen = load_hf_generator(tiny_gpt2_dir, max_batch=4, block_size=4, num_blocks=6)  # 5 usable
     gen.add("a", list(range(40, 56)), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 blocks

@@ -120,6 +120,28 @@ def test_swap_out_and_in_continues_exactly(ir):
     assert got == want
 
 
+def test_a_failed_swap_in_holds_nothing(ir):
+    """swap_in is all or nothing, as add: when setting the state fails (here a state the host
+    copy lacks), the blocks and the infer request go back, and the sequence comes back later."""
+    src, art = ir
+    want = _tokens(_run(_gen(src, "hf"), {"a": PROMPTS["a"]}, SAMPLED))["a"]
+    gen = _gen(art, max_batch=2)
+    gen.add("a", PROMPTS["a"], SAMPLED)
+    got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
+    swapped = gen.swap_out("a")
+    free, idle = gen.free_blocks, len(gen._idle)
+    name, kept = next(iter(swapped.state.items()))
+    del swapped.state[name]
+    with pytest.raises(KeyError):
+        gen.swap_in("a", swapped)
+    assert gen.free_blocks == free and not gen.pool.tables and len(gen._idle) == idle
+    swapped.state[name] = kept
+    gen.swap_in("a", swapped)
+    while not gen.finished("a"):
+        got += [ev.token_id for ev in gen.step()]
+    assert got == want
+
+
 def test_prompt_logprobs_match_a_full_forward(ir):
     from transformers import AutoModelForCausalLM
 
