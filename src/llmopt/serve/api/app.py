@@ -351,8 +351,8 @@ def create_app(ctx: ServerContext) -> Any:
         return await chat_completions(ctx, req, request)
 
     @app.post("/v1/embeddings")
-    async def _embeddings(req: EmbeddingRequest) -> Response:
-        return await embeddings(ctx, req)
+    async def _embeddings(req: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings(ctx, req, request)
 
     app.add_middleware(Guard, ctx=ctx)
     return app

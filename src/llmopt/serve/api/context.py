@@ -8,10 +8,14 @@ Everything here runs on the event loop thread, so the counters need no lock.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from llmopt.engines.generation import TEMPERATURE_FLOOR, SamplingParams
 from llmopt.serve.api.protocol import APIError
@@ -19,7 +23,7 @@ from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 
-__all__ = ["ServerContext"]
+__all__ = ["ServerContext", "until_done_or_gone"]
 
 
 @dataclass
@@ -201,6 +205,28 @@ class ServerContext:
             logprobs=int(logprobs),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+async def until_done_or_gone(request: Request, coro: Any) -> Any:
+    """Await `coro` for a request that is not streamed; if the client disconnects first,
+    cancel it (its sequences are aborted, its embedding job dropped) and return a 499 response
+    (nobody is listening; the status is for the access log)."""
+    task = asyncio.ensure_future(coro)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -311,6 +311,18 @@ def test_embedding_limits_per_request(tiny_bert_dir, make_client):
     assert ServeSettings().embed_max_inputs == 2048
 
 
+class Paced:
+    """The real embedding runner, paced at 1 ms per text as a real model would take (the tiny
+    one is so fast that nobody would wait long enough to tell)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def embed(self, texts, batch_size):
+        time.sleep(1e-3 * len(texts))
+        return self.runner.embed(texts, batch_size=batch_size)
+
+
 def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
     """Fault 3: one request with 4,000 inputs held a 1-input request sent beside it for the
     whole of its run (here 2,000, within the default per-request limit; docs/serving.md has the
@@ -329,17 +341,6 @@ def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
         got[key] = [d["embedding"] for d in r.json()["data"]]
         done[key] = time.monotonic()
 
-    class Paced:
-        """The real runner, paced at 1 ms per text as a real model would take (the tiny one
-        is so fast that nobody would wait long enough to tell)."""
-
-        def __init__(self, runner):
-            self.runner = runner
-
-        def embed(self, texts, batch_size):
-            time.sleep(1e-3 * len(texts))
-            return self.runner.embed(texts, batch_size=batch_size)
-
     c.ctx.embedder.runner = Paced(c.ctx.embedder.runner)
     t = threading.Thread(target=send, args=("big", big))
     t.start()
@@ -355,6 +356,59 @@ def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
     alone = c.post("/v1/embeddings", json={"model": name, "input": [big[0], big[1999]]}).json()
     for want, have in zip(alone["data"], (got["big"][0], got["big"][1999]), strict=True):
         np.testing.assert_allclose(want["embedding"], have, atol=1e-5)
+
+
+def test_an_embedding_client_gone_stops_its_forwards(embed_client):
+    """A client that goes away while its 2,000-input request is being embedded: the request
+    ends at once (499 in the access log) and the batcher drops its job instead of running the
+    rest of its forwards for nobody; the next request is served."""
+    import asyncio
+
+    c, ctx = embed_client, embed_client.ctx
+    ctx.embedder.runner = Paced(ctx.embedder.runner)  # 2,000 texts: about 2 s of forwards
+    inputs = [f"text number {i} of the large request" for i in range(2000)]
+    body = json.dumps({"model": ctx.served_name, "input": inputs}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/embeddings",
+        "raw_path": b"/v1/embeddings",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def call():
+        sent, calls = [], []
+
+        async def receive():
+            calls.append(1)
+            if len(calls) == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.3)  # then the client goes away, its job under way
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            sent.append(msg)
+
+        t0 = time.monotonic()
+        await c.app(scope, receive, send)
+        return sent, time.monotonic() - t0
+
+    sent, took = c.portal.call(call)
+    assert sent[0]["status"] == 499 and took < 1.5, (sent[0], took)
+    assert ctx.outstanding == 0
+    time.sleep(0.05)  # the forward in progress ends
+    before = ctx.embedder.forwards
+    time.sleep(0.3)
+    assert ctx.embedder.forwards == before  # nothing more is computed for it
+    r = c.post("/v1/embeddings", json={"model": ctx.served_name, "input": ["a"]})
+    assert r.status_code == 200 and len(r.json()["data"]) == 1
 
 
 def test_nan_in_one_row_fails_one_request_and_shows_in_health(client, settle):
