@@ -217,7 +217,8 @@ def _drive(sched) -> dict:
 
 def test_a_bad_request_fails_alone_under_the_scheduler(tiny_gpt2_dir):
     """A request with an id past the embedding, beside two good ones: it is refused (a 400 at
-    the API), the others get transformers' tokens, and every block comes back."""
+    the API), the others get transformers' tokens (one of them at temperature 1e-40, which
+    overflowed the logits to inf: below the floor it is greedy), and every block comes back."""
     from llmopt.serve.engine.scheduler import Scheduler, Sequence
 
     gen = load_hf_generator(tiny_gpt2_dir, max_batch=4)
@@ -226,7 +227,8 @@ def test_a_bad_request_fails_alone_under_the_scheduler(tiny_gpt2_dir):
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     sched.submit(Sequence(1, PROMPTS["a"], greedy))
     sched.submit(Sequence(2, [40, 41, 300], greedy))
-    sched.submit(Sequence(3, PROMPTS["c"], greedy))
+    tiny = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1e-40, seed=1)
+    sched.submit(Sequence(3, PROMPTS["c"], tiny))
     out = _drive(sched)
     assert isinstance(out[2][0], ValueError) and len(out[2]) == 1
     assert out[1] == want["a"] and out[3] == want["c"]
