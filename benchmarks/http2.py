@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmopt.deploy.validate import self_signed_cert
+
 ARMS = {
     # arm: (server, client speaks HTTP/2)
     "uvicorn-h1": ("uvicorn", False),
@@ -53,41 +55,11 @@ def free_port() -> int:
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A throwaway certificate for 127.0.0.1 and its key (PEM), for `--tls`."""
-    import datetime as dt
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = dt.datetime.now(dt.UTC)
-    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(san, critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    crt, pem = folder / "cert.pem", folder / "key.pem"
-    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pem.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return crt, pem
+    """A throwaway certificate for 127.0.0.1 and localhost and its key (PEM), for `--tls`."""
+    made = self_signed_cert(folder, "cert.pem", "key.pem")
+    if made is None:
+        raise SystemExit("--tls needs cryptography (pip install cryptography) or openssl")
+    return made
 
 
 class Server:

@@ -337,7 +337,9 @@ def test_non_streamed_client_disconnect_cancels(server):
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "temperature": 3.5}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-        ({"model": MODEL, "prompt": "word " * 600, "max_tokens": 4}, 400, "max_tokens"),
+        # Too long for the context: the prompt alone, or with max_tokens (what to shorten).
+        ({"model": MODEL, "prompt": "word " * 600, "max_tokens": 4}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "word " * 100, "max_tokens": 500}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "extra_body": {"top_p": 0}}, 400, "top_p"),
     ],
 )

@@ -30,7 +30,7 @@ from llmopt.core.errors import EngineUnavailableError
 from llmopt.deploy.templates import NGINX_CERT_DIR
 from llmopt.planning.launch import check_vllm_args
 
-__all__ = ["CheckResult", "validate_bundle", "WEIGHT_SUFFIXES"]
+__all__ = ["CheckResult", "WEIGHT_SUFFIXES", "self_signed_cert", "validate_bundle"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".plan", ".engine")
 MAX_FILE = 1 << 20  # nothing in a bundle is bigger than a few KiB; a big file is a mistake
@@ -70,12 +70,26 @@ def _nginx_version(exe: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.groups()) if m else (0, 0, 0)
 
 
-def _throwaway_cert(folder: Path) -> bool:
-    """A self-signed tls.crt / tls.key in `folder` for `nginx -t` to load (it opens them at
-    parse time); by `cryptography` when importable, else the openssl command. False: neither."""
-    crt, key = folder / "tls.crt", folder / "tls.key"
+def self_signed_cert(
+    folder: str | Path,
+    cert_name: str = "tls.crt",
+    key_name: str = "tls.key",
+    days: int = 1,
+) -> tuple[Path, Path] | None:
+    """A throwaway self-signed certificate and its key (PEM files in `folder`), valid for
+    `localhost` and `127.0.0.1` (its subject alternative names) for `days`: what `nginx -t`
+    loads for a TLS config, and what the TLS tests and benchmarks serve and trust (a client
+    trusts it as its own CA: `ssl.create_default_context(cafile=cert)`). Made by
+    `cryptography` when importable, else the openssl command; None when neither is there.
+
+    Example:
+        >>> crt, key = self_signed_cert(tmp, "cert.pem", "key.pem")  # doctest: +SKIP
+    """
+    folder = Path(folder)
+    crt, key = folder / cert_name, folder / key_name
     try:
         import datetime as dt
+        import ipaddress
 
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
@@ -84,15 +98,18 @@ def _throwaway_cert(folder: Path) -> bool:
     except ImportError:
         openssl = shutil.which("openssl")
         if not openssl:
-            return False
+            return None
         rc, _ = _run(
             [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
-            + ["-nodes", "-subj", "/CN=localhost", "-days", "1"]
+            + ["-nodes", "-subj", "/CN=localhost", "-days", str(days)]
+            + ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+            + ["-addext", "basicConstraints=critical,CA:TRUE"]
             + ["-keyout", str(key), "-out", str(crt)]
         )
-        return rc == 0
+        return (crt, key) if rc == 0 else None
     pk = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
@@ -100,8 +117,11 @@ def _throwaway_cert(folder: Path) -> bool:
         .issuer_name(name)
         .public_key(pk.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + dt.timedelta(days=1))
+        .not_valid_before(now - dt.timedelta(minutes=5))  # a client's clock a little behind
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
+        # Its own CA: a client given it as `cafile` takes it as a trust anchor.
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(pk, hashes.SHA256())
     )
     crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -112,7 +132,7 @@ def _throwaway_cert(folder: Path) -> bool:
             serialization.NoEncryption(),
         )
     )
-    return True
+    return crt, key
 
 
 def _nginx_t(exe: str, conf: str) -> tuple[int, str]:
@@ -122,7 +142,7 @@ def _nginx_t(exe: str, conf: str) -> tuple[int, str]:
         (Path(tmp) / "nginx.conf").write_text(
             f"events {{}}\nhttp {{\n    include {tmp}/llm.conf;\n}}\n"
         )
-        if NGINX_CERT_DIR in conf and not _throwaway_cert(Path(tmp)):
+        if NGINX_CERT_DIR in conf and self_signed_cert(tmp) is None:
             return -1, "no certificate for the TLS config (pip install cryptography, or openssl)"
         rc, out = _run(
             [

@@ -250,7 +250,9 @@ class BatchGenerator(Protocol):
         ...
 
     def swap_in(self, seq_id: Hashable, swapped: Any) -> None:
-        """Bring a swapped-out sequence back; it continues as if it had never left."""
+        """Bring a swapped-out sequence back; it continues as if it had never left. All or
+        nothing, as `add`: when it raises, the generator holds nothing for `seq_id`, and
+        `swapped` can be brought back later."""
         ...
 
     # -- warm-up -------------------------------------------------------------------------------

@@ -39,12 +39,11 @@ from llmopt.engines.generation import (
     PromptLogprob,
     SamplingParams,
     TokenEvent,
-    check_seed,
     eos_token_ids,
 )
 from llmopt.engines.native import sampling
 from llmopt.engines.native.blocks import BlockPool, PooledGenerator
-from llmopt.engines.native.generator import EngineTime
+from llmopt.engines.native.generator import EngineTime, check_sampling_params
 
 __all__ = ["HFGenerator"]
 
@@ -143,13 +142,22 @@ class HFGenerator(PooledGenerator):
         eos = eos if eos is not None else getattr(cfg, "eos_token_id", None)
         self.eos_ids = eos_token_ids(eos, tokenizer)
         self.time = EngineTime()
+        # The ids the model embeds: its embedding's rows (a tokenizer may count fewer or more).
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+        text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+        self.vocab_size = int(rows or text_cfg.vocab_size)
 
     # (capacity: `PooledGenerator`)
     # --- lifecycle ------------------------------------------------------------------------
     def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
         n = self.check_admission(seq_id, prompt_ids, params.max_tokens)
-        # What can fail runs before the blocks are taken (add is all or nothing).
-        check_seed(params.seed)
+        # What can fail runs before the blocks are taken (add is all or nothing), and what
+        # would fail a step is refused here: every sequence's forward runs in the same step, so
+        # an id past the embedding (IndexError in the forward) would fail the whole batch.
+        vocab = self.vocab_size
+        if bad := [t for t in prompt_ids if not 0 <= int(t) < vocab]:
+            raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}")
+        check_sampling_params(params, vocab)  # the native engine's rules: the engines refuse alike
         rng = sampling.make_rng(params, self.device)
         self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
         self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
@@ -194,7 +202,11 @@ class HFGenerator(PooledGenerator):
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
         self.pool.allocate(seq_id, swapped.num_blocks, "swap-in needs")
-        _move_cache(swapped.seq.cache, self.device)
+        try:
+            _move_cache(swapped.seq.cache, self.device)  # may fail: out of device memory
+        except BaseException:
+            self.pool.release(seq_id)  # all or nothing, as add: the blocks are not kept
+            raise
         self.seqs[seq_id] = swapped.seq
 
     # --- stepping ---------------------------------------------------------------------------

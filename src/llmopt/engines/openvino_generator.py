@@ -41,10 +41,10 @@ import torch
 from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import get_recipe
 from llmopt.core.settings import EngineSettings
-from llmopt.engines.generation import GeneratorSpec, SamplingParams, eos_token_ids
+from llmopt.engines.generation import GeneratorSpec, eos_token_ids
 from llmopt.engines.hf_generator import DEFAULT_MAX_SEQ_LEN, HFGenerator, _Seq
 from llmopt.engines.native.blocks import BlockPool
-from llmopt.engines.native.generator import EngineTime, check_sampling_params
+from llmopt.engines.native.generator import EngineTime
 from llmopt.engines.openvino_lm import IR_FILE, compile_lm, lm_feeds
 
 __all__ = ["OpenVinoGenerator", "load_openvino_generator"]
@@ -147,17 +147,12 @@ class OpenVinoGenerator(HFGenerator):
         self.seqs: dict[Hashable, _Seq] = {}
         self.eos_ids = eos_token_ids(eos, tokenizer)
         self.time = EngineTime()
+        # What `add` checks ids and sampling parameters against (`HFGenerator.add`, before
+        # anything is taken). The ids matter most here: the IR's embedding is a Gather, which
+        # gives zeros for an id past the vocabulary instead of failing, so a bad id would
+        # generate from garbage without a word.
+        self.vocab_size = int(config["vocab_size"])
         self._idle: list[Any] = []  # infer requests with an empty state, for the next sequence
-
-    def add(self, seq_id: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
-        # Checked before anything is taken (add is all or nothing). The ids especially: the
-        # IR's embedding is a Gather, which gives zeros for an id past the vocabulary instead
-        # of failing, so a bad id would generate from garbage without a word.
-        vocab = int(self.config["vocab_size"])
-        if bad := [t for t in prompt_ids if not 0 <= int(t) < vocab]:
-            raise ValueError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}")
-        check_sampling_params(params, vocab)  # the native engine's rules: both refuse alike
-        super().add(seq_id, prompt_ids, params)
 
     # --- infer requests: one KV cache each -------------------------------------------------------
     def _take_request(self) -> Any:
@@ -230,8 +225,14 @@ class OpenVinoGenerator(HFGenerator):
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
         self.pool.allocate(seq_id, swapped.num_blocks, "swap-in needs")
-        request = self._take_request()
-        for st in request.query_state():
-            st.state = ov.Tensor(swapped.state[st.name])
+        request = None
+        try:
+            request = self._take_request()
+            for st in request.query_state():
+                st.state = ov.Tensor(swapped.state[st.name])
+        except BaseException:  # all or nothing, as add: the blocks and the request go back
+            self.pool.release(seq_id)
+            self._give_back(_Slot(request) if request is not None else None)
+            raise
         swapped.seq.cache = _Slot(request, swapped.pos)
         self.seqs[seq_id] = swapped.seq

@@ -71,3 +71,38 @@ def test_nginx_t_checks_both_configs(bundle, tmp_path):
     tls.write_text(tls.read_text().replace("ssl_protocols TLSv1.2", "ssl_protocols TLSv9"))
     results = {r.name: r for r in validate_bundle(broken)}
     assert results["nginx"].status == "failed", results["nginx"].detail
+
+
+@pytest.mark.parametrize("maker", ["cryptography", "openssl"])
+def test_self_signed_cert_is_trusted_for_loopback(maker, tmp_path, monkeypatch):
+    """The one throwaway certificate (`nginx -t`, the TLS serve tests, benchmarks/http2.py):
+    a client given it as its CA completes a handshake for 127.0.0.1 and for localhost, with
+    `cryptography` or, without it, the openssl command."""
+    import socket
+    import ssl
+    import sys
+    import threading
+
+    from llmopt.deploy.validate import self_signed_cert
+
+    if maker == "openssl":
+        if shutil.which("openssl") is None:
+            pytest.skip("no openssl command")
+        monkeypatch.setitem(sys.modules, "cryptography", None)  # as if not installed
+    crt, key = self_signed_cert(tmp_path, "cert.pem", "key.pem")
+    assert (crt, key) == (tmp_path / "cert.pem", tmp_path / "key.pem")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(crt, key)
+    client = ssl.create_default_context(cafile=str(crt))
+    for host in ("127.0.0.1", "localhost"):
+        a, b = socket.socketpair()
+        with a, b:
+            t = threading.Thread(target=_accept, args=(server, a))
+            t.start()
+            with client.wrap_socket(b, server_hostname=host) as tls:
+                assert tls.version() is not None
+            t.join(10)
+
+
+def _accept(ctx, sock) -> None:
+    ctx.wrap_socket(sock, server_side=True).close()  # the server's side of the handshake

@@ -90,6 +90,34 @@ def test_swap_out_and_in_continues_exactly(tiny_gpt2_dir):
     assert got == want
 
 
+class _Unmovable:
+    """A cache whose tensors cannot be moved (as when the device is out of memory)."""
+
+    @property
+    def layers(self):
+        raise RuntimeError("out of memory (injected)")
+
+
+def test_a_failed_swap_in_holds_nothing(tiny_gpt2_dir):
+    """swap_in is all or nothing, as add: when moving the cache back fails, the blocks it took
+    are free again, and the same swapped sequence comes back later and continues exactly."""
+    gen = load_hf_generator(tiny_gpt2_dir, max_batch=2)
+    want = _reference(tiny_gpt2_dir, PROMPTS["a"], 10)
+    gen.add("a", PROMPTS["a"], SamplingParams(max_tokens=10, ignore_eos=True))
+    got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
+    swapped = gen.swap_out("a")
+    free, cache = gen.free_blocks, swapped.seq.cache
+    swapped.seq.cache = _Unmovable()
+    with pytest.raises(RuntimeError, match="injected"):
+        gen.swap_in("a", swapped)
+    assert gen.free_blocks == free and not gen.pool.tables and not gen.running
+    swapped.seq.cache = cache
+    gen.swap_in("a", swapped)
+    while not gen.finished("a"):
+        got += [ev.token_id for ev in gen.step()]
+    assert got == want
+
+
 def test_block_account_limits_admission_and_growth(tiny_gpt2_dir):
     gen = load_hf_generator(tiny_gpt2_dir, max_batch=4, block_size=4, num_blocks=6)  # 5 usable
     gen.add("a", list(range(40, 56)), SamplingParams(max_tokens=8, ignore_eos=True))  # 4 blocks
@@ -149,3 +177,85 @@ def test_on_gpu_tokens_match_and_swap_goes_through_host_memory(tiny_gpt2_dir):
     assert got == want
     bf16 = load_hf_generator(tiny_gpt2_dir, "bf16", "cuda")
     assert len(_run(bf16, {"a": PROMPTS["a"]}, 10)["a"]) == 10
+
+
+# -- admission is a transaction; a fault in one sequence fails it alone (issue 21) --------------
+def test_a_refused_add_holds_nothing(tiny_gpt2_dir):
+    """What would fail later is refused by `add` before it takes a block: an id past the
+    model's embedding (its forward raised IndexError in the step, failing every sequence in
+    it), a seed a random generator cannot take, sampling parameters out of range."""
+    gen = load_hf_generator(tiny_gpt2_dir, max_batch=2, block_size=4, num_blocks=8)
+    free = gen.free_blocks
+    assert gen.vocab_size == 264
+    refused = [
+        ([1, 2, 264], SamplingParams(max_tokens=2), "vocabulary"),
+        ([1, -1], SamplingParams(max_tokens=2), "vocabulary"),
+        ([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.5, seed=2**64), "seed"),
+        ([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.5, seed=-(2**63) - 1), "seed"),
+        ([1, 2, 3], SamplingParams(max_tokens=2, logprobs=10**6), "logprobs"),
+        ([1, 2, 3], SamplingParams(max_tokens=2, temperature=float("nan")), "temperature"),
+        ([1, 2, 3], SamplingParams(max_tokens=2, top_p=0.0), "top_p"),
+        (list(range(1, 120)), SamplingParams(max_tokens=20), "exceeds the context"),
+    ]
+    for prompt, params, why in refused:
+        with pytest.raises(ValueError, match=why):
+            gen.add("x", prompt, params)
+        assert gen.free_blocks == free and not gen.running and not gen.pool.tables
+
+
+def _drive(sched) -> dict:
+    out: dict = {}
+    for _ in range(500):
+        if not sched.has_work():
+            return out
+        for seq, ev in sched.step():
+            out.setdefault(seq.seq_id, []).append(
+                ev if isinstance(ev, BaseException) else ev.token_id
+            )
+    raise AssertionError("scheduler did not finish")
+
+
+def test_a_bad_request_fails_alone_under_the_scheduler(tiny_gpt2_dir):
+    """A request with an id past the embedding, beside two good ones: it is refused (a 400 at
+    the API), the others get transformers' tokens (one of them at temperature 1e-40, which
+    overflowed the logits to inf: below the floor it is greedy), and every block comes back."""
+    from llmopt.serve.engine.scheduler import Scheduler, Sequence
+
+    gen = load_hf_generator(tiny_gpt2_dir, max_batch=4)
+    want = {k: _reference(tiny_gpt2_dir, PROMPTS[k], 6) for k in ("a", "c")}
+    sched = Scheduler(gen, 4, 256)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    sched.submit(Sequence(1, PROMPTS["a"], greedy))
+    sched.submit(Sequence(2, [40, 41, 300], greedy))
+    tiny = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1e-40, seed=1)
+    sched.submit(Sequence(3, PROMPTS["c"], tiny))
+    out = _drive(sched)
+    assert isinstance(out[2][0], ValueError) and len(out[2]) == 1
+    assert out[1] == want["a"] and out[3] == want["c"]
+    assert sched.check_invariants() == [] and gen.free_blocks == sched.capacity_blocks
+
+
+def test_a_nan_sequence_fails_alone(tiny_llama_nan_dir):
+    """A real NaN forward (token 5's embedding is NaN) in a batch of three: that sequence ends
+    with a SequenceFault after its prefill, the others get the tokens they get without it, and
+    the next sequences are clean (each sequence has a cache of its own: nothing to scrub)."""
+    from llmopt.serve.engine.scheduler import Scheduler, Sequence, SequenceFault
+
+    gen = load_hf_generator(tiny_llama_nan_dir, max_batch=4, block_size=4)
+    sched = Scheduler(gen, 4, 256)
+    p = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    a, b = [3, 4, 6, 7, 8], [9, 10]
+    for i, prompt in ((1, a), (2, b)):
+        sched.submit(Sequence(i, prompt, p))
+    clean = _drive(sched)
+    for i, prompt in ((11, a), (12, [9, 10, 5, 11, 12]), (13, b)):
+        sched.submit(Sequence(i, prompt, p))
+    mixed = _drive(sched)
+    assert len(mixed[12]) == 1 and isinstance(mixed[12][0], SequenceFault)
+    assert "numerical fault" in str(mixed[12][0])
+    assert mixed[11] == clean[1] and mixed[13] == clean[2]
+    for i, prompt in ((21, a), (22, b)):
+        sched.submit(Sequence(i, prompt, p))
+    after = _drive(sched)
+    assert after[21] == clean[1] and after[22] == clean[2]
+    assert sched.check_invariants() == [] and gen.free_blocks == sched.capacity_blocks

@@ -120,6 +120,28 @@ def test_swap_out_and_in_continues_exactly(ir):
     assert got == want
 
 
+def test_a_failed_swap_in_holds_nothing(ir):
+    """swap_in is all or nothing, as add: when setting the state fails (here a state the host
+    copy lacks), the blocks and the infer request go back, and the sequence comes back later."""
+    src, art = ir
+    want = _tokens(_run(_gen(src, "hf"), {"a": PROMPTS["a"]}, SAMPLED))["a"]
+    gen = _gen(art, max_batch=2)
+    gen.add("a", PROMPTS["a"], SAMPLED)
+    got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
+    swapped = gen.swap_out("a")
+    free, idle = gen.free_blocks, len(gen._idle)
+    name, kept = next(iter(swapped.state.items()))
+    del swapped.state[name]
+    with pytest.raises(KeyError):
+        gen.swap_in("a", swapped)
+    assert gen.free_blocks == free and not gen.pool.tables and len(gen._idle) == idle
+    swapped.state[name] = kept
+    gen.swap_in("a", swapped)
+    while not gen.finished("a"):
+        got += [ev.token_id for ev in gen.step()]
+    assert got == want
+
+
 def test_prompt_logprobs_match_a_full_forward(ir):
     from transformers import AutoModelForCausalLM
 
@@ -203,3 +225,44 @@ def test_what_it_refuses_to_load(ir, tmp_path):
         _gen(src)  # an HF folder: nothing the engine built
     with pytest.raises(LlmoptError, match="on the CPU"):
         _gen(art, device="cuda")
+
+
+def test_a_nan_sequence_fails_alone(tiny_llama_nan_dir, tmp_path):
+    """A real NaN forward in the plugin (the tiny Llama with token 5's embedding NaN, built as
+    an IR) in a batch of three: that sequence alone ends with a SequenceFault, the others get
+    the tokens they get without it, and the infer request it leaves (reset, then reused by the
+    next sequences) poisons no one."""
+    from llmopt.serve.engine.scheduler import Scheduler, Sequence, SequenceFault
+
+    art = tmp_path / "nan-ir"
+    art.mkdir()
+    info = inspect_model(tiny_llama_nan_dir)
+    get_engine("openvino").build(tiny_llama_nan_dir, info, get_recipe("fp32"), art)
+    gen = _gen(art, block_size=4, max_batch=3)
+    sched = Scheduler(gen, 3, 256)
+    a, b = [3, 4, 6, 7, 8], [9, 10]
+
+    def drive() -> dict:
+        out: dict = {}
+        for _ in range(500):
+            if not sched.has_work():
+                return out
+            for seq, ev in sched.step():
+                out.setdefault(seq.seq_id, []).append(
+                    ev if isinstance(ev, BaseException) else ev.token_id
+                )
+        raise AssertionError("scheduler did not finish")
+
+    for i, prompt in ((1, a), (2, b)):
+        sched.submit(Sequence(i, prompt, SAMPLED))
+    clean = drive()
+    for i, prompt in ((11, a), (12, [9, 10, 5, 11, 12]), (13, b)):
+        sched.submit(Sequence(i, prompt, SAMPLED))
+    mixed = drive()
+    assert len(mixed[12]) == 1 and isinstance(mixed[12][0], SequenceFault)
+    assert mixed[11] == clean[1] and mixed[13] == clean[2]
+    for i, prompt in ((21, a), (22, b), (23, [9, 10])):  # three: the faulty one's request too
+        sched.submit(Sequence(i, prompt, SAMPLED))
+    after = drive()
+    assert after[21] == clean[1] and after[22] == clean[2] and after[23] == clean[2]
+    assert sched.check_invariants() == [] and gen.free_blocks == sched.capacity_blocks

@@ -113,11 +113,15 @@ class BlockPool:
     def swap_in(self, seq_id: Hashable, keys: list[torch.Tensor], values: list[torch.Tensor]):
         """Allocate blocks for `seq_id` (any ids) and copy a `swap_out`'s keys and values in."""
         blocks = self.allocate(seq_id, int(keys[0].shape[0]) if keys else 0, "swap-in needs")
-        device = self.views[0].device
-        idx = torch.tensor(blocks, device=device)
-        host = [t for kv in zip(keys, values, strict=True) for t in kv]
-        for view, buf in zip(self.views, host, strict=True):
-            view.index_copy_(0, idx, buf.to(device, non_blocking=True))
+        try:
+            device = self.views[0].device
+            idx = torch.tensor(blocks, device=device)
+            host = [t for kv in zip(keys, values, strict=True) for t in kv]
+            for view, buf in zip(self.views, host, strict=True):
+                view.index_copy_(0, idx, buf.to(device, non_blocking=True))
+        except BaseException:
+            self.release(seq_id)  # all or nothing: a failed copy keeps no blocks
+            raise
 
 
 def block_views(layers, block_size: int) -> list[torch.Tensor]:

@@ -433,7 +433,11 @@ class Generator(PooledGenerator):
         self._check_ring_free()
         self.pool.swap_in(seq_id, swapped.keys, swapped.values)
         if self.local_pool is not None:  # cannot run short now (checked above)
-            self.local_pool.swap_in(seq_id, swapped.local_keys, swapped.local_values)
+            try:
+                self.local_pool.swap_in(seq_id, swapped.local_keys, swapped.local_values)
+            except BaseException:
+                self.pool.release(seq_id)  # all or nothing, as add
+                raise
         self.seqs[seq_id] = swapped.seq
 
     # --- stepping -------------------------------------------------------------------------

@@ -5,7 +5,8 @@ The guard (pure ASGI middleware, so it also covers streamed responses to their e
 - checks `Authorization: Bearer <key>` when the server has an API key (401);
 - bounds the request body (413), also for bodies sent without Content-Length;
 - refuses text that is not Unicode (a lone surrogate such as `"\\ud800"`, which JSON can
-  spell but UTF-8 cannot) with 400 naming the field, for every endpoint alike;
+  spell but UTF-8 cannot, escaped or as raw bytes) with 400 naming the field, for every
+  endpoint alike;
 - counts requests in flight (what draining waits for);
 - turns an unexpected error into a 500 with OpenAI's body (the connection stays usable);
 - when a request ends for any reason, closes its generations, so a sequence never outlives
@@ -115,7 +116,7 @@ class Guard:
                 chunks.append(chunk)
                 more = msg.get("more_body", False)
             body = b"".join(chunks)
-        if _SURROGATE.search(body):
+        if _maybe_surrogate(body):
             where = _surrogate_field(body)
             if where is not None:
                 ctx.metrics.rejected.labels("bad_text").inc()
@@ -185,12 +186,24 @@ _SURROGATE = re.compile(
 )
 
 
+# The same surrogate written as raw bytes (ED A0..BF xx): not UTF-8, but the JSON parser reads
+# bytes with `surrogatepass`, so it would reach the handlers as a lone surrogate all the same.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _maybe_surrogate(body: bytes) -> bool:
+    """Whether the body may hold a lone surrogate (then it is parsed to find it): an escape, raw
+    surrogate bytes, or a UTF-16/32 body (the parser detects those by their zero bytes)."""
+    return bool(_SURROGATE.search(body) or _RAW_SURROGATE.search(body) or 0 in body[:4])
+
+
 def _surrogate_field(body: bytes) -> str | None:
     """The dotted path of the first string in the JSON `body` that is not valid Unicode ("" for
-    the body itself), or None when every string is (or the body is not JSON: the app says so)."""
+    the body itself), or None when every string is (or the body is not JSON, or nested too deep
+    to parse: the app says so, with a 400)."""
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
     stack: list[tuple[list[str], Any]] = [([], doc)]
     while stack:
@@ -207,6 +220,32 @@ def _surrogate_field(body: bytes) -> str | None:
         elif isinstance(x, list):
             stack.extend(([*path, str(i)], v) for i, v in reversed(list(enumerate(x))))
     return None
+
+
+def _field_path(loc: list[Any], body: Any, missing: bool) -> str | None:
+    """The dotted path of the field a validation error is about (`messages.0.content`), or
+    None. pydantic's `loc` also names the member of a union it tried (`prompt.str`,
+    `prompt.list[int].1`): those are not fields, so only the parts that index into the body
+    are kept (and a missing field's name, at the end).
+
+    >>> _field_path(["messages", 0, "content", "str"], {"messages": [{"content": [1]}]}, False)
+    'messages.0.content'
+    >>> _field_path(["prompt", "list[int]", 1], {"prompt": [1, "a"]}, False)
+    'prompt.1'
+    >>> _field_path(["model"], {"prompt": "x"}, True)
+    'model'
+    """
+    parts, node = [], body
+    for i, x in enumerate(loc):
+        if isinstance(node, dict) and isinstance(x, str):
+            if x in node or (missing and i == len(loc) - 1):
+                parts.append(x)
+                node = node.get(x)
+        elif isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node):
+            parts.append(str(x))
+            node = node[x]
+        # else: the name of a union's member pydantic tried, not a field
+    return ".".join(parts) or None
 
 
 def _authorized(header: bytes, key: str) -> bool:
@@ -245,13 +284,13 @@ def create_app(ctx: ServerContext) -> Any:
     async def _invalid(_r: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        loc = list(first.get("loc", ()))[1:]  # after "body"
         if first.get("type") == "json_invalid":
             # Its loc holds a character position, not a field: param is null.
             pos = f" (at character {loc[0]})" if loc else ""
             msg, param = f"the request body is not valid JSON{pos}", None
         else:
+            param = _field_path(loc, getattr(e, "body", None), first.get("type") == "missing")
             msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
         return json_response(error_body(msg, "invalid_request_error", param), 400)
 
@@ -312,8 +351,8 @@ def create_app(ctx: ServerContext) -> Any:
         return await chat_completions(ctx, req, request)
 
     @app.post("/v1/embeddings")
-    async def _embeddings(req: EmbeddingRequest) -> Response:
-        return await embeddings(ctx, req)
+    async def _embeddings(req: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings(ctx, req, request)
 
     app.add_middleware(Guard, ctx=ctx)
     return app

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from llmopt.engines.generation import SEED_MAX
-from llmopt.serve.api.context import ServerContext
+from llmopt.serve.api.context import ServerContext, until_done_or_gone
 from llmopt.serve.api.generation import Delta, Generation, merge
 from llmopt.serve.api.protocol import APIError, ChatRequest, CompletionRequest, new_id, now
 from llmopt.serve.api.protocol_responses import (
@@ -76,26 +76,6 @@ def _start(
                 Generation(ctx, ids, params, stops, req.priority, deadline, _registry(request))
             )
     return gens
-
-
-async def _until_done_or_gone(request: Request, coro: Any) -> Any:
-    """Await `coro`; if the client disconnects first, cancel it (freeing its sequences)."""
-    task = asyncio.ensure_future(coro)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return Response(status_code=499)  # nobody is listening; the status is for the access log
 
 
 def _usage(prompts: list[list[int]], gens: list[Generation], generated: bool = True) -> UsageInfo:
@@ -242,8 +222,9 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
     # token; it is generated and dropped, as vLLM does.
     score_only = max_tokens == 0
     max_tokens = max(1, max_tokens)
-    for ids in prompts:
-        ctx.check_length(len(ids), max_tokens)
+    for i, ids in enumerate(prompts):
+        where = f"prompt.{i}" if len(prompts) > 1 else "prompt"
+        ctx.check_length(len(ids), max_tokens, where)
     # echo + logprobs: the engine also scores the prompt (OpenAI's legacy prompt logprobs).
     scored = req.logprobs if req.echo and req.logprobs is not None else None
     gens = _start(ctx, request, req, prompts, max_tokens, req.logprobs or 0, scored)
@@ -279,7 +260,7 @@ async def completions(ctx: ServerContext, req: CompletionRequest, request: Reque
         )
         return _streaming(body)
 
-    result = await _until_done_or_gone(request, _collect(gens))
+    result = await until_done_or_gone(request, _collect(gens))
     if isinstance(result, Response):
         ctx.metrics.requests.labels("completions", "disconnected").inc()
         return result
@@ -337,7 +318,8 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
     req.check_unsupported()
     ids = _chat_prompt(ctx, req)
     max_tokens = req.limit or max(1, ctx.max_seq_len - len(ids))  # OpenAI: up to the context
-    ctx.check_length(len(ids), max_tokens)
+    which = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    ctx.check_length(len(ids), max_tokens, "messages", which)
     k = req.top_logprobs or 0
     gens = _start(ctx, request, req, [ids], max_tokens, k if req.logprobs else 0)
     cid, created = new_id("chatcmpl"), now()
@@ -365,7 +347,7 @@ async def chat_completions(ctx: ServerContext, req: ChatRequest, request: Reques
         include = bool(req.stream_options and req.stream_options.include_usage)
         return _streaming(_stream(ctx, gens, [ids], include, first, chunk, stream_choice, "chat"))
 
-    result = await _until_done_or_gone(request, _collect(gens))
+    result = await until_done_or_gone(request, _collect(gens))
     if isinstance(result, Response):
         ctx.metrics.requests.labels("chat", "disconnected").inc()
         return result

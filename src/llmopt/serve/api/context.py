@@ -8,10 +8,14 @@ Everything here runs on the event loop thread, so the counters need no lock.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from llmopt.engines.generation import TEMPERATURE_FLOOR, SamplingParams
 from llmopt.serve.api.protocol import APIError
@@ -19,7 +23,7 @@ from llmopt.serve.engine.client import EngineClient
 from llmopt.serve.metrics import ServeMetrics
 from llmopt.serve.settings import ServeSettings
 
-__all__ = ["ServerContext"]
+__all__ = ["ServerContext", "until_done_or_gone"]
 
 
 @dataclass
@@ -70,10 +74,20 @@ class ServerContext:
                 code="unsupported_endpoint",
             )
 
-    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+    def check_length(
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        prompt_param: str = "prompt",
+        tokens_param: str = "max_tokens",
+    ) -> None:
+        """400 unless the prompt and `max_tokens` fit the context and the KV cache. `param` names
+        what to change: the prompt (`prompt_param`) when it alone does not fit, else the
+        completion's length (`tokens_param`)."""
         total = prompt_len + max_tokens
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        blocks = math.ceil(total / self.block_size)
         if total > self.max_seq_len:
             raise APIError(
                 400,
@@ -81,16 +95,16 @@ class ServerContext:
                 f"tokens. However, you requested {total} tokens ({prompt_len} in the "
                 f"prompt, {max_tokens} for the completion). Please reduce the prompt "
                 "or max_tokens.",
-                param="max_tokens",
+                param=prompt_param if prompt_len >= self.max_seq_len else tokens_param,
                 code="context_length_exceeded",
             )
-        blocks = math.ceil(total / self.block_size)
         if self.num_blocks and blocks > self.num_blocks:
+            alone = math.ceil((prompt_len + 1) / self.block_size) > self.num_blocks
             raise APIError(
                 400,
                 f"{total} tokens need {blocks} KV-cache blocks; the server has "
                 f"{self.num_blocks} in all (start it with more --num-blocks)",
-                param="max_tokens",
+                param=prompt_param if alone else tokens_param,
                 code="context_length_exceeded",
             )
 
@@ -191,6 +205,28 @@ class ServerContext:
             logprobs=int(logprobs),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+async def until_done_or_gone(request: Request, coro: Any) -> Any:
+    """Await `coro` for a request that is not streamed; if the client disconnects first,
+    cancel it (its sequences are aborted, its embedding job dropped) and return a 499 response
+    (nobody is listening; the status is for the access log)."""
+    task = asyncio.ensure_future(coro)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

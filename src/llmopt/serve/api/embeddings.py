@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
 
-from llmopt.serve.api.context import ServerContext
+from llmopt.serve.api.context import ServerContext, until_done_or_gone
 from llmopt.serve.api.protocol import APIError, EmbeddingRequest
 from llmopt.serve.api.protocol_responses import (
     EmbeddingData,
@@ -207,7 +208,7 @@ def _settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
         fut.set_result(value)
 
 
-async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
+async def embeddings(ctx: ServerContext, req: EmbeddingRequest, request: Request) -> Response:
     ctx.check_model(req.model)
     ctx.require("embedding", "/v1/embeddings")
     if req.dimensions is not None:
@@ -250,7 +251,11 @@ async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
     key = object()
     ctx.started[id(key)] = t0
     try:
-        vecs = await asyncio.wait_for(ctx.embedder.embed(texts), ctx.settings.request_timeout_s)
+        # A client that goes away takes its job out of the batcher (its future is cancelled,
+        # which the batcher checks before every forward): a large request stops costing
+        # forwards the moment nobody waits for it.
+        job = asyncio.wait_for(ctx.embedder.embed(texts), ctx.settings.request_timeout_s)
+        vecs = await until_done_or_gone(request, job)
     except TimeoutError:
         raise APIError(504, "request timed out", type="timeout_error", code="timeout") from None
     except APIError:
@@ -261,13 +266,16 @@ async def embeddings(ctx: ServerContext, req: EmbeddingRequest) -> JSONResponse:
     finally:
         ctx.outstanding -= 1
         ctx.started.pop(id(key), None)
+    if isinstance(vecs, Response):  # the client is gone
+        ctx.metrics.requests.labels("embeddings", "disconnected").inc()
+        return vecs
     ctx.metrics.e2e.observe(time.monotonic() - t0)
     ctx.note_latency(time.monotonic() - t0)
     ctx.metrics.prompt_tokens.inc(sum(lens))
     ctx.metrics.requests.labels("embeddings", "ok").inc()
     usage = EmbeddingUsage(prompt_tokens=sum(lens), total_tokens=sum(lens))
 
-    def render() -> JSONResponse:
+    def render() -> Response:
         data = []
         for i, v in enumerate(vecs):
             emb: Any = (

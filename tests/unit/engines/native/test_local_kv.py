@@ -297,3 +297,27 @@ def test_a_faulty_sequence_s_ring_is_scrubbed_on_remove(tmp_path):
         assert not view[[0, *ring]].isnan().any()
     got, _ = gen.generate(prompt, GREEDY)  # on the same ring
     assert got == alone
+
+
+def test_a_failed_swap_in_keeps_neither_blocks_nor_ring(tmp_path):
+    """swap_in is all or nothing, as add: when copying the ring back fails (here a host copy of
+    the wrong shape), the global blocks already taken are free again and no ring is held; the
+    sequence comes back later and ends with its own tokens."""
+    _, gen = _generator(tmp_path, max_batch=3)
+    prompt = _prompts()[0]
+    alone = gen.generate(prompt, GREEDY)[0]
+    gen.add(0, prompt, GREEDY)
+    for _ in range(12):
+        gen.step()
+    swapped = gen.swap_out(0)
+    free, local, ring_keys = gen.free_blocks, gen.local_pool.free, swapped.local_keys[0]
+    swapped.local_keys[0] = ring_keys[:, :1]
+    with pytest.raises(RuntimeError):
+        gen.swap_in(0, swapped)
+    assert gen.free_blocks == free and gen.local_pool.free == local
+    assert not gen.pool.tables and not gen.local_pool.tables and not gen.running
+    swapped.local_keys[0] = ring_keys
+    gen.swap_in(0, swapped)
+    while not gen.finished(0):
+        gen.step()
+    assert gen.remove(0)[len(prompt) :] == alone

@@ -114,6 +114,58 @@ def test_lone_surrogates_are_400(client, path, raw, param, settle):
     settle(client.ctx)
 
 
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        ("/v1/completions", b'{"model": M, "prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"model": M, "messages": [{"role": "user", "content": "\xed\xbf\xbf"}]}',
+            "messages.0.content",
+        ),
+        # An emoji as CESU-8 (each half of its surrogate pair as raw bytes): not UTF-8 either.
+        (
+            "/v1/completions",
+            b'{"model": M, "prompt": ["ok", "\xed\xa0\xbd\xed\xb8\x80"]}',
+            "prompt.1",
+        ),
+    ],
+    ids=["prompt", "chat", "cesu8"],
+)
+def test_raw_surrogate_bytes_are_400_too(client, path, raw, param, settle):
+    """The surrogate as raw bytes (ED A0 80) instead of an escape: not UTF-8, but the JSON parser
+    reads bytes with `surrogatepass`, so it reached the tokenizer as a lone surrogate (500)."""
+    body = raw.replace(b"M", json.dumps(client.ctx.served_name).encode(), 1)
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    e = _err(r, 400)
+    assert e["param"] == param and e["code"] == "invalid_text"
+    # A UTF-16 body, which the parser also takes (detected by its zero bytes), alike.
+    doc = json.dumps({"model": client.ctx.served_name, "prompt": "x\ud800"}, ensure_ascii=False)
+    r = client.post(
+        "/v1/completions",
+        content=doc.encode("utf-16-le", "surrogatepass"),
+        headers={"content-type": "application/json"},
+    )
+    assert _err(r, 400)["param"] == "prompt"
+    # Other bytes that are not UTF-8 fail the parse: 400 with OpenAI's body, `param` null.
+    r = client.post(
+        "/v1/completions",
+        content=b'{"model": "m", "prompt": "\xff"}',
+        headers={"content-type": "application/json"},
+    )
+    assert _err(r, 400)["param"] is None
+    # Nested deeper than the parser goes, with a surrogate inside: the guard's own parse
+    # raised RecursionError out of the middleware (the connection was dropped).
+    deep = b"[" * 100_000 + b'"\\ud800"' + b"]" * 100_000
+    r = client.post(
+        "/v1/completions",
+        content=b'{"model": "m", "prompt": ' + deep + b"}",
+        headers={"content-type": "application/json"},
+    )
+    assert _err(r, 400)["param"] is None
+    settle(client.ctx)
+
+
 def test_requests_that_can_never_fit_are_400_not_429(client, settle):
     """n=16 (inside the documented limit) or 20 prompts, on a server that takes 4 sequences at
     a time (2 running + 2 queued), got a 429 that could never clear."""
@@ -133,6 +185,41 @@ def test_json_errors_have_no_position_as_param(client):
     )
     e = _err(r, 400)
     assert e["param"] is None and "not valid JSON" in e["message"]
+
+
+def test_param_is_a_field_of_the_body(client, embed_client):
+    """`param` names a field the client sent (or a required one it did not), never the member
+    of a union pydantic tried (`messages.0.content.str`), and the field to change: the prompt
+    when it alone is longer than the context, else the completion's length."""
+    name, emb = client.ctx.served_name, embed_client.ctx.served_name
+    long = "hello " * 150  # more tokens than the tiny server's 120
+    cases = [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [1, 2]}]},
+            "messages.0.content",
+        ),
+        ("/v1/completions", {"prompt": [[1, 2], "a"]}, "prompt"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream_options": {"include_usage": []}},
+            "stream_options.include_usage",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"prompt": ["ok", long], "max_tokens": 2}, "prompt.1"),
+        ("/v1/completions", {"prompt": long, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 500}, "max_tokens"),
+    ]
+    for path, body, param in cases:
+        assert _err(client.post(path, json={"model": name} | body), 400)["param"] == param, body
+    r = embed_client.post("/v1/embeddings", json={"model": emb, "input": [[1, 2], "a"]})
+    assert _err(r, 400)["param"] == "input"
 
 
 def test_retry_after_comes_from_the_queue(tiny_llama_dir):
@@ -218,8 +305,22 @@ def test_embedding_limits_per_request(tiny_bert_dir, make_client):
             c.post("/v1/embeddings", content=b'{"model": "x", "input": "\\ud800"}'), 400
         )  # the surrogate is found before the model name is checked
         assert e["param"] == "input"
+        raw = b'{"model": "x", "input": ["ok", "a\xed\xb0\x80"]}'  # as raw bytes
+        assert _err(c.post("/v1/embeddings", content=raw), 400)["param"] == "input.1"
     # The default: OpenAI's 2048 inputs per request.
     assert ServeSettings().embed_max_inputs == 2048
+
+
+class Paced:
+    """The real embedding runner, paced at 1 ms per text as a real model would take (the tiny
+    one is so fast that nobody would wait long enough to tell)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def embed(self, texts, batch_size):
+        time.sleep(1e-3 * len(texts))
+        return self.runner.embed(texts, batch_size=batch_size)
 
 
 def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
@@ -240,17 +341,6 @@ def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
         got[key] = [d["embedding"] for d in r.json()["data"]]
         done[key] = time.monotonic()
 
-    class Paced:
-        """The real runner, paced at 1 ms per text as a real model would take (the tiny one
-        is so fast that nobody would wait long enough to tell)."""
-
-        def __init__(self, runner):
-            self.runner = runner
-
-        def embed(self, texts, batch_size):
-            time.sleep(1e-3 * len(texts))
-            return self.runner.embed(texts, batch_size=batch_size)
-
     c.ctx.embedder.runner = Paced(c.ctx.embedder.runner)
     t = threading.Thread(target=send, args=("big", big))
     t.start()
@@ -266,6 +356,59 @@ def test_a_small_embedding_request_overtakes_a_large_one(embed_client):
     alone = c.post("/v1/embeddings", json={"model": name, "input": [big[0], big[1999]]}).json()
     for want, have in zip(alone["data"], (got["big"][0], got["big"][1999]), strict=True):
         np.testing.assert_allclose(want["embedding"], have, atol=1e-5)
+
+
+def test_an_embedding_client_gone_stops_its_forwards(embed_client):
+    """A client that goes away while its 2,000-input request is being embedded: the request
+    ends at once (499 in the access log) and the batcher drops its job instead of running the
+    rest of its forwards for nobody; the next request is served."""
+    import asyncio
+
+    c, ctx = embed_client, embed_client.ctx
+    ctx.embedder.runner = Paced(ctx.embedder.runner)  # 2,000 texts: about 2 s of forwards
+    inputs = [f"text number {i} of the large request" for i in range(2000)]
+    body = json.dumps({"model": ctx.served_name, "input": inputs}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/embeddings",
+        "raw_path": b"/v1/embeddings",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def call():
+        sent, calls = [], []
+
+        async def receive():
+            calls.append(1)
+            if len(calls) == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.3)  # then the client goes away, its job under way
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            sent.append(msg)
+
+        t0 = time.monotonic()
+        await c.app(scope, receive, send)
+        return sent, time.monotonic() - t0
+
+    sent, took = c.portal.call(call)
+    assert sent[0]["status"] == 499 and took < 1.5, (sent[0], took)
+    assert ctx.outstanding == 0
+    time.sleep(0.05)  # the forward in progress ends
+    before = ctx.embedder.forwards
+    time.sleep(0.3)
+    assert ctx.embedder.forwards == before  # nothing more is computed for it
+    r = c.post("/v1/embeddings", json={"model": ctx.served_name, "input": ["a"]})
+    assert r.status_code == 200 and len(r.json()["data"]) == 1
 
 
 def test_nan_in_one_row_fails_one_request_and_shows_in_health(client, settle):
@@ -294,6 +437,71 @@ def test_nan_in_one_row_fails_one_request_and_shows_in_health(client, settle):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     settle(client.ctx)
+
+
+def test_health_degrades_while_blocks_are_lost(client, settle):
+    """The block invariant, broken on purpose: blocks taken from the real pool by no sequence
+    (what a leak looks like). After the next step /health says `degraded` (503, so a load
+    balancer can route elsewhere) and /metrics counts them; once they are back, `ok`."""
+    gen, name = client.ctx.engine.sched.gen, client.ctx.served_name
+    body = {"model": name, "prompt": "abc", "max_tokens": 2}
+    assert client.get("/health").json()["status"] == "ok"
+    lost = gen.pool.take(3)  # the engine thread is idle: nothing else touches the pool
+    assert client.post("/v1/completions", json=body).status_code == 200
+    time.sleep(0.1)  # the step's stats are published
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "degraded"
+    assert r.json()["engine"]["leaked_blocks"] == 3
+    assert "llmopt_kv_cache_leaked_blocks 3.0" in client.get("/metrics").text
+    gen.pool.give_back(lost)
+    assert client.post("/v1/completions", json=body).status_code == 200
+    time.sleep(0.1)
+    assert client.get("/health").json()["status"] == "ok"
+    settle(client.ctx)
+
+
+def test_drain_cut_ends_every_request_truthfully_and_frees_its_blocks(client, settle):
+    """The end of the drain window (`serve.drain.cut_generations`, on the server's event loop)
+    with a non-streamed request and a stream under way: the first gets 503 `shutting_down`, the
+    second its error event and `[DONE]`, and every block they held comes back."""
+    from llmopt.serve.drain import cut_generations
+
+    ctx, name = client.ctx, client.ctx.served_name
+    gen = ctx.engine.sched.gen
+    real_step = gen.step
+
+    def paced(*a, **kw):  # the real step, slowed to a real model's pace: cut mid-way
+        time.sleep(0.02)
+        return real_step(*a, **kw)
+
+    gen.step = paced
+    body = {"model": name, "prompt": "abc", "max_tokens": 100, "ignore_eos": True}
+    got: dict = {}
+
+    def plain():
+        got["plain"] = client.post("/v1/completions", json=body)
+
+    def stream():
+        with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            got["stream"] = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+
+    threads = [threading.Thread(target=f) for f in (plain, stream)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(ctx.engine.sched.running) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # both are decoding
+    assert client.portal.call(cut_generations, ctx) == 2
+    for t in threads:
+        t.join(30)
+    e = _err(got["plain"], 503)
+    assert e["code"] == "shutting_down" and "--drain-timeout" in e["message"]
+    lines = got["stream"]
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "shutting_down"
+    assert 0 < sum(1 for x in lines[:-2] if json.loads(x).get("choices")) < 100
+    gen.step = real_step
+    settle(ctx)
 
 
 @pytest.mark.parametrize("stage", ["queued", "prefill", "decoding"])

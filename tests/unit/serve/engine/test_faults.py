@@ -102,6 +102,29 @@ def test_scheduler_frees_what_a_failed_add_kept(tiny_llama_dir):
     _idle_and_whole(sched)
 
 
+def test_a_failed_swap_in_holds_nothing(tiny_llama_dir):
+    """swap_in is all or nothing, as add: when copying the keys and values back fails (here a
+    host copy of the wrong shape), the blocks it took are free again; the sequence comes back
+    later and continues exactly as if it had never left."""
+    gen = _gen(tiny_llama_dir)
+    p = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)
+    want, _ = gen.generate([3, 4, 5, 6, 7], p)
+    gen.add("a", [3, 4, 5, 6, 7], p)
+    got = [ev.token_id for ev in gen.step()] + [ev.token_id for ev in gen.step()]
+    swapped = gen.swap_out("a")
+    free, keys = gen.free_blocks, swapped.keys[0]
+    swapped.keys[0] = keys[:, :1]  # the wrong shape: the copy into the cache raises
+    with pytest.raises(RuntimeError):
+        gen.swap_in("a", swapped)
+    assert gen.free_blocks == free and not gen.pool.tables and not gen.running
+    swapped.keys[0] = keys
+    gen.swap_in("a", swapped)
+    while not gen.finished("a"):
+        got += [ev.token_id for ev in gen.step()]
+    gen.remove("a")
+    assert got == want and gen.free_blocks == gen.num_blocks - 1
+
+
 def test_tiny_temperature_is_greedy(tiny_llama_dir):
     """The issue's second fault: temperature 1e-40 (the API allows 0-2) overflowed the logits to
     inf and failed the whole batch. Below the floor it samples greedily."""
