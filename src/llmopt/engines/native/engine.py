@@ -156,6 +156,7 @@ class NativeEngine(Engine):
             max_seq_len=spec.max_seq_len,
             batch_sizes=spec.batch_sizes,
             compile_prefill=spec.compile_prefill,
+            prefix_caching=spec.prefix_caching,
         )
 
 
@@ -172,6 +173,7 @@ def load_generator(
     batch_sizes: list[int] | tuple[int, ...] | None = None,
     min_bucket_tokens: int | None = None,
     compile_prefill: bool = False,
+    prefix_caching: bool = False,
 ) -> Generator:
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
@@ -182,6 +184,7 @@ def load_generator(
         compile: torch.compile the decode step (default: on for CUDA, off for CPU).
         batch_sizes, min_bucket_tokens: the decode shapes (see `Generator`).
         compile_prefill: torch.compile the prefill forward too (dynamic shapes; see `Generator`).
+        prefix_caching: reuse the KV blocks of prompt prefixes computed before (see `Generator`).
     """
     import torch
     from transformers import AutoTokenizer
@@ -209,6 +212,7 @@ def load_generator(
         batch_sizes=batch_sizes,
         min_bucket_tokens=min_bucket_tokens,
         compile_prefill=compile_prefill,
+        prefix_caching=prefix_caching,
     )
 
 
