@@ -112,6 +112,16 @@ def serve(
             "vLLM's own default with --engine vllm.",
         ),
     ] = None,
+    prefix_caching: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching",
+            help="Reuse the KV blocks of prompt prefixes computed before (vLLM's automatic "
+            "prefix caching; hit rate in /metrics and /health). Default: on for the native "
+            "engine (as vLLM V1); the hf and openvino engines have none. With --engine vllm, "
+            "--no-prefix-caching passes --no-enable-prefix-caching.",
+        ),
+    ] = None,
     swap_space: Annotated[
         float,
         typer.Option(
@@ -250,6 +260,7 @@ def serve(
         enable_chunked_prefill=enable_chunked_prefill,
         engine_process=engine_process,
         compile_prefill=compile_prefill,
+        enable_prefix_caching=prefix_caching,
         swap_space_gib=swap_space,
         http2=http2,
         ssl_certfile=ssl_certfile,

@@ -25,6 +25,7 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "PromptLogprob",
+    "PrefixCacheStats",
     "GeneratorSpec",
     "BatchGenerator",
     "TEMPERATURE_FLOOR",
@@ -143,6 +144,25 @@ class TokenEvent:
     error: str | None = None
 
 
+@dataclass
+class PrefixCacheStats:
+    """A generator's prefix-cache lookups, cumulative, in prompt tokens (vLLM's
+    `prefix_cache_queries` / `prefix_cache_hits`): `queries` counts the prompt tokens of every
+    sequence admitted with a lookup, `hits` those of them found in cached KV blocks (not
+    prefilled). A recomputed (preempted) sequence looks up its prompt + generated tokens again.
+
+    >>> PrefixCacheStats(queries=200, hits=150).hit_rate
+    0.75
+    """
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 @dataclass(frozen=True)
 class GeneratorSpec:
     """What to load as a batch generator, and its shape. Plain values only: it is pickled to
@@ -159,6 +179,8 @@ class GeneratorSpec:
         max_seq_len: prompt + generated tokens of one sequence at most (None: the engine's).
         batch_sizes: decode batch shapes (None: the engine's).
         compile_prefill: compile the prefill forward too.
+        prefix_caching: reuse the KV blocks of prompt prefixes computed before (an engine
+            without a prefix cache ignores it).
         settings: the run's candidate's engine settings (`EngineSettings.to_dict()`: threads
             and the engine's own options), for an engine whose generator runs with them (the
             openvino engine: its KV-cache precision, inference precision, threads); None: the
@@ -175,6 +197,7 @@ class GeneratorSpec:
     max_seq_len: int | None = None
     batch_sizes: tuple[int, ...] | None = None
     compile_prefill: bool = False
+    prefix_caching: bool = False
     settings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -190,8 +213,11 @@ class BatchGenerator(Protocol):
     """Continuous batching over a paged KV cache, as the serve scheduler, engine loop, engine
     process, swap verdict and warm-up use it. Sequence ids are any hashable the caller picks.
 
-    A generator may also keep `time` (cumulative step timings, exported as metrics); the
-    scheduler reads it with `getattr`, so it is not required here.
+    A generator may also keep `time` (cumulative step timings, exported as metrics) and
+    `prefix_cache` (its `PrefixCacheStats`, None or absent without a prefix cache); the
+    scheduler reads them with `getattr`, so they are not required here. With a prefix cache,
+    `free_blocks` counts the cached blocks no sequence holds (they are evicted when needed) and
+    sequences may share blocks, so `blocks_of` of two sequences may overlap.
     """
 
     tokenizer: Any
@@ -205,7 +231,7 @@ class BatchGenerator(Protocol):
     # -- capacity ------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        """KV blocks not allocated to any sequence."""
+        """KV blocks not allocated to any sequence (cached ones no sequence holds included)."""
         ...
 
     def blocks_needed(self, n_tokens: int) -> int:

@@ -196,6 +196,8 @@ def _vllm_overrides(argv: list[str], settings: ServeSettings) -> list[str]:
         argv = [a for a in argv if a != "--enable-chunked-prefill"] + [
             "--no-enable-chunked-prefill"
         ]
+    if settings.enable_prefix_caching is False:  # None: vLLM's default (on)
+        argv = [a for a in argv if a != "--enable-prefix-caching"] + ["--no-enable-prefix-caching"]
     return argv
 
 

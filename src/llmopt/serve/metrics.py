@@ -47,6 +47,8 @@ class EngineStats(Protocol):
     swapped: int
     swap_used_bytes: int
     engine_time: Any  # cumulative step timings (EngineTime), or None
+    prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of them, found cached
 
     @property
     def kv_usage(self) -> float: ...
@@ -94,6 +96,23 @@ class ServeMetrics:
             "llmopt_kv_cache_leaked_blocks",
             "KV-cache blocks allocated to no running sequence (the block invariant: always 0; "
             "/health degrades otherwise).",
+            registry=r,
+        )
+        # vLLM's prefix-cache counters (`vllm:prefix_cache_queries` / `_hits`), in tokens.
+        self.prefix_queries = Counter(
+            "llmopt_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (a recomputed sequence's again).",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "llmopt_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their KV reused, not computed).",
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "llmopt_prefix_cache_hit_rate",
+            "Prefix-cache hits / queries since the start (0-1; rate() of the counters gives it "
+            "over a window).",
             registry=r,
         )
         self.tokens_per_s = Gauge(
@@ -166,6 +185,14 @@ class ServeMetrics:
         self.swapped.set(st.swapped)
         self.swap_used.set(st.swap_used_bytes)
         self.kv_leaked.set(getattr(st, "leaked_blocks", 0))
+        queries, hits = int(st.prefix_cache_queries), int(st.prefix_cache_hits)
+        for name, counter, value in (
+            ("prefix_queries", self.prefix_queries, queries),
+            ("prefix_hits", self.prefix_hits, hits),
+        ):  # cumulative in the engine: the counters advance by the difference
+            counter.inc(max(0, value - self._engine_seen.get(name, 0)))
+            self._engine_seen[name] = value
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
         if st.engine_time is not None:  # cumulative: the counters advance by the difference
             for f, counter in self.engine_time.items():
                 value = float(getattr(st.engine_time, f))

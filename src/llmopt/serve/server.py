@@ -156,6 +156,7 @@ def _generation_context(
         max_seq_len=settings.max_seq_len,
         batch_sizes=settings.batch_sizes(),
         compile_prefill=compile_prefill,
+        prefix_caching=settings.enable_prefix_caching is not False,
         settings=engine_settings,
     )
     chunked = settings.enable_chunked_prefill
@@ -202,6 +203,7 @@ def _generation_context(
         "enable_chunked_prefill": engine.chunked_prefill,
         "engine_process": engine_process,
         "compile_prefill": compile_prefill,
+        "enable_prefix_caching": engine.prefix_caching,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         **shape,
     }
@@ -212,6 +214,12 @@ def _generation_context(
             src = "flag"  # the switches are not planned: given, or the engine's default
         if src == "default" and getattr(settings, key) is None:
             note = note or _DEFAULT_NOTES.get(key, "the engine's default")
+        if (
+            key == "enable_prefix_caching"
+            and not value
+            and settings.enable_prefix_caching is not False
+        ):
+            note = _NO_PREFIX_CACHE.format(engine=engine_name)  # asked for (or the default)
         log.info("setting %s = %s (%s%s)", key, value, src, f": {note}" if note else "")
         view[key] = {"value": value, "source": src}
     return ServerContext(
@@ -316,7 +324,13 @@ _DEFAULT_NOTES = {
     "forwards instead of one and served less on a GPU (docs/serving.md)",
     "engine_process": "on for CUDA, off on the CPU (docs/serving.md)",
     "compile_prefill": "on for CUDA, off on the CPU (docs/serving.md)",
+    "enable_prefix_caching": "on for the native engine, as vLLM V1; --no-prefix-caching turns "
+    "it off (docs/serving.md)",
 }
+_NO_PREFIX_CACHE = (
+    "the {engine} engine has no prefix cache here (the hf and openvino engines have none; the "
+    "native engine keeps it off for models whose sliding-window layers hold rings)"
+)
 
 # The engine thread and the event loop share one interpreter. When the GPU finishes a step, the
 # engine thread needs the GIL back to read the tokens and launch the next step, while the event

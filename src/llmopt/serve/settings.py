@@ -31,6 +31,10 @@ class ServeSettings:
             prompts never stalls the running streams for a whole prefill. None: the engine's
             default: off for the native engine (`NATIVE_CHUNKED_PREFILL`), vLLM's own for
             `--engine vllm`.
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before (vLLM's
+            automatic prefix caching: full blocks found by the hash of their tokens and every
+            token before them). None: the engine's default: on for the native engine (as vLLM
+            V1); the hf and openvino engines have no prefix cache.
         swap_space_gib: host memory for the KV caches of sequences preempted by swapping (vLLM's
             `--swap-space`); used only where swapping beats recomputing for this model and
             device (`serve/swap.py`); 0: preemption by recompute only.
@@ -83,6 +87,7 @@ class ServeSettings:
     enable_chunked_prefill: bool | None = None
     engine_process: bool | None = None
     compile_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
     swap_space_gib: float = 4.0
     block_size: int = 16
     num_blocks: int | None = None

@@ -45,6 +45,12 @@ def test_commands_come_from_the_plan(tiny_llama_dir, tmp_path, monkeypatch):
         "--no-enable-chunked-prefill"
         in external.external_command("vllm", str(tiny_llama_dir), off).argv
     )
+    assert "--no-enable-prefix-caching" not in argv  # vLLM's default (on) stands
+    off = ServeSettings(port=9123, enable_prefix_caching=False)
+    assert (
+        "--no-enable-prefix-caching"
+        in external.external_command("vllm", str(tiny_llama_dir), off).argv
+    )
     with pytest.raises(ValueError, match="GGUF"):
         external.external_command("llamacpp", str(tiny_llama_dir), s)
     gguf = tmp_path / "m.gguf"

@@ -1,13 +1,25 @@
-"""The paged KV cache's block pool: which blocks are free and which sequence holds which.
+"""The paged KV cache's block pool: which blocks are free, which sequence holds which, and (with
+prefix caching) which full blocks hold which tokens.
 
 Block 0 is scratch (padding rows and table tails point at it) and is never handed out. Blocks
 come off a free list, lowest ids first, and go back in reverse, so a sequence freed and admitted
-again gets the same blocks. Running short raises `OutOfBlocks`; the pool never evicts anyone.
+again gets the same blocks. Running short raises `OutOfBlocks`; the pool never evicts a sequence.
 
     pool = BlockPool(num_blocks=9, block_size=16)
     pool.allocate("a", pool.blocks_needed(40))   # [1, 2, 3]
     pool.grow(["a"])                             # one more block for the next token
     pool.release("a")
+
+Every block has a reference count: the tables holding it (and `take` callers). Without prefix
+caching each block has one holder at most. With it (`caching=True`, vLLM's automatic prefix
+caching), a block that is full and written can be `register`ed under the chained hash of its
+tokens (`block_hashes`: the hash of the previous block's hash and this block's token ids, so
+equal hashes mean equal tokens at equal positions from the start of the sequence). A new
+sequence whose prompt starts with the same tokens `match`es those blocks and `allocate`s them
+into its table (one more reference each) instead of computing them again. A block whose last
+holder lets go stays registered but evictable (counted in `free`): allocation takes never-used
+free blocks first, then evicts the least recently released registered ones, which forget their
+hash. A shared block is only ever read: a sequence writes past the blocks it matched, in its own.
 
 The cache tensors themselves live in the model's attention layers; a pool given them
 (`layers`) also moves a sequence's blocks to host memory and back (`swap_out`, `swap_in`:
@@ -16,66 +28,209 @@ preemption that keeps the KV cache).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 
 import torch
 
 from llmopt.engines.generation import OutOfBlocks, TokenEvent, finish_reason
 
-__all__ = ["BlockPool", "PooledGenerator", "block_views"]
+__all__ = ["BlockPool", "PooledGenerator", "block_views", "block_hashes"]
+
+# The hash the first block of every sequence chains from.
+_ROOT = b"llmopt-kv-prefix"
+
+
+def block_hashes(
+    ids: Sequence[int], block_size: int, parent: bytes | None = None, start: int = 0
+) -> list[bytes]:
+    """The chained hashes of the full blocks of `ids` from block `start` on (`parent`: the hash
+    of block `start - 1`; None for the first block): SHA-256 of the parent hash and the block's
+    token ids, so a hash names a block's tokens and every token before them. A cryptographic hash,
+    as vLLM's `sha256` option: a collision would hand one request another's keys and values.
+
+    >>> h = block_hashes([1, 2, 3, 4, 5], 2)
+    >>> len(h), h == block_hashes([1, 2, 3, 4], 2), h[1] == block_hashes([9, 9, 3, 4], 2)[1]
+    (2, True, False)
+    >>> block_hashes([1, 2, 3, 4], 2, parent=h[0], start=1) == h[1:]
+    True
+    """
+    out = []
+    prev = _ROOT if parent is None else parent
+    for b in range(start, len(ids) // block_size):
+        toks = ids[b * block_size : (b + 1) * block_size]
+        prev = hashlib.sha256(prev + struct.pack(f"<{block_size}q", *toks)).digest()
+        out.append(prev)
+    return out
 
 
 class BlockPool:
-    """A free list of KV block ids and the block table of every sequence holding some."""
+    """A free list of KV block ids, the block table of every sequence holding some, a reference
+    count per block, and (with `caching`) the registered full blocks by hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, layers=None):
+    def __init__(self, num_blocks: int, block_size: int, layers=None, caching: bool = False):
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self._free = list(range(self.num_blocks - 1, 0, -1))  # pop() gives low ids first
         self.tables: dict[Hashable, list[int]] = {}
+        self._refs = [0] * self.num_blocks  # holders of each block (tables and `take` callers)
+        self.caching = bool(caching)
+        self._cached: dict[bytes, int] = {}  # hash -> registered block
+        self._hash_of: dict[int, bytes] = {}  # registered block -> its hash
+        # Registered blocks nobody holds, least recently released first: evicted in this order.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         # The caches the blocks index: the model's attention layers (after `setup_cache`).
         self.views = block_views(layers, self.block_size) if layers is not None else []
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Blocks allocation can take: never used or released, and registered but held by none."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks (held or evictable)."""
+        return len(self._cached)
+
+    def refs(self, block: int) -> int:
+        """How many tables (and `take` callers) hold `block`."""
+        return self._refs[block]
 
     def blocks_needed(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
 
     def take(self, n: int, what: str = "") -> list[int]:
-        """`n` free blocks, owned by the caller (no table); OutOfBlocks if fewer are free."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"{what or 'need'} {n} KV blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        """`n` free blocks, owned by the caller (no table); OutOfBlocks if fewer are free.
+        Never-used blocks first, then the least recently released registered ones (evicted:
+        their hash is forgotten)."""
+        if n > self.free:
+            raise OutOfBlocks(f"{what or 'need'} {n} KV blocks, {self.free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self._forget(b)
+            self._refs[b] = 1
+            out.append(b)
+        return out
 
     def give_back(self, blocks: Sequence[int]) -> None:
-        """Return blocks from `take` (or a table) to the free list."""
-        self._free.extend(reversed(blocks))
+        """Let go of blocks from `take` (or a table): a block nobody holds any more goes back
+        to the free list, or, registered, to the evictable end of the cache (a table's last
+        block first, so a chain is evicted from its tail)."""
+        for b in reversed(blocks):
+            assert self._refs[b] > 0, f"block {b} given back more often than taken"
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            if b in self._hash_of:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
 
-    def allocate(self, seq_id: Hashable, n: int, what: str = "") -> list[int]:
-        """A new table of `n` blocks for `seq_id` (which must hold none)."""
+    def allocate(
+        self, seq_id: Hashable, n: int, what: str = "", cached: Sequence[int] = ()
+    ) -> list[int]:
+        """A new table of `n` blocks for `seq_id` (which must hold none): the registered blocks
+        `cached` (from `match`; one more holder each) followed by new ones. All or nothing."""
         assert seq_id not in self.tables, f"sequence {seq_id!r} already holds blocks"
-        table = self.tables[seq_id] = self.take(n, what)
+        cached = list(cached)
+        assert len(cached) <= n, "more cached blocks than the table holds"
+        revived = sum(self._refs[b] == 0 for b in cached)  # evictable now, held after this
+        if n - len(cached) > self.free - revived:
+            raise OutOfBlocks(
+                f"{what or 'need'} {n - len(cached)} KV blocks, {self.free - revived} free"
+            )
+        for b in cached:
+            assert b in self._hash_of, f"block {b} is not registered"
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+        table = self.tables[seq_id] = cached + self.take(n - len(cached), what)
         return table
 
     def grow(self, seq_ids: list[Hashable]) -> None:
         """One more block for each of `seq_ids`, all or none (OutOfBlocks names them)."""
-        if len(seq_ids) > len(self._free):
+        if len(seq_ids) > self.free:
             raise OutOfBlocks(
-                f"{len(seq_ids)} sequences need a new KV block, {len(self._free)} free", seq_ids
+                f"{len(seq_ids)} sequences need a new KV block, {self.free} free", seq_ids
             )
-        for k in seq_ids:
-            self.tables[k].append(self._free.pop())
+        for k, b in zip(seq_ids, self.take(len(seq_ids)), strict=True):
+            self.tables[k].append(b)
 
     def release(self, seq_id: Hashable) -> list[int]:
-        """Free `seq_id`'s blocks; returns the table it held."""
+        """Free `seq_id`'s blocks (those others still hold stay theirs); returns its table."""
         table = self.tables.pop(seq_id)
         self.give_back(table)
         return table
 
     def table(self, seq_id: Hashable) -> list[int]:
         return self.tables[seq_id]
+
+    # -- the prefix cache ------------------------------------------------------------------------
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The registered blocks of the longest prefix of `hashes` (empty without caching)."""
+        out = []
+        for h in hashes if self.caching else ():
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def register(self, block: int, h: bytes) -> bool:
+        """Record that `block` (full, written, held by its writer) holds the tokens hashed `h`.
+        False (nothing recorded) without caching, or when another block already holds them:
+        this one then stays private and is freed, not cached, when released."""
+        if not self.caching or h in self._cached or block in self._hash_of:
+            return False
+        assert self._refs[block] > 0, f"block {block} registered while nobody holds it"
+        self._cached[h], self._hash_of[block] = block, h
+        return True
+
+    def uncache(self, blocks: Sequence[int]) -> None:
+        """Forget the hashes of `blocks` (their contents are not to be reused: a sequence that
+        held them failed numerically); an evictable one goes back to the free list."""
+        for b in blocks:
+            if b in self._hash_of:
+                self._forget(b)
+                if b in self._evictable:
+                    del self._evictable[b]
+                    self._free.append(b)
+
+    def _forget(self, block: int) -> None:
+        del self._cached[self._hash_of.pop(block)]
+
+    def check(self) -> list[str]:
+        """What is wrong with the pool's books (empty: nothing), for pools whose blocks are all
+        held through tables: reference counts against the tables, free and evictable blocks
+        held by nobody, every block accounted for once, registered blocks both ways."""
+        problems = []
+        held = Counter(b for t in self.tables.values() for b in t)
+        if 0 in held:
+            problems.append("scratch block 0 is in a table")
+        bad = [b for b in range(1, self.num_blocks) if self._refs[b] != held[b]]
+        if bad:
+            problems.append(f"reference counts differ from the tables for blocks {bad[:5]}")
+        free, evictable = set(self._free), set(self._evictable)
+        if len(free) != len(self._free):
+            problems.append("a block is on the free list twice")
+        if free & evictable or (free | evictable) & set(held):
+            problems.append("a block is free (or evictable) and held")
+        if len(free) + len(evictable) + len(held) != self.num_blocks - 1:
+            problems.append(
+                f"{len(free)} free + {len(evictable)} evictable + {len(held)} held != "
+                f"{self.num_blocks - 1} blocks"
+            )
+        if any(b not in self._hash_of for b in evictable) or free & set(self._hash_of):
+            problems.append("an evictable block is unregistered, or a free one registered")
+        if {b: h for h, b in self._cached.items()} != self._hash_of:
+            problems.append("the hash -> block and block -> hash maps disagree")
+        return problems
 
     def scrub(self, blocks: Sequence[int]) -> None:
         """Zero `blocks` in every layer's keys and values. After a numerical fault a block may

@@ -156,6 +156,7 @@ class NativeEngine(Engine):
             max_seq_len=spec.max_seq_len,
             batch_sizes=spec.batch_sizes,
             compile_prefill=spec.compile_prefill,
+            prefix_caching=spec.prefix_caching,
         )
 
 
@@ -173,6 +174,7 @@ def load_generator(
     min_bucket_tokens: int | None = None,
     compile_prefill: bool = False,
     overlap: bool | None = None,
+    prefix_caching: bool = False,
 ) -> Generator:
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
@@ -185,6 +187,7 @@ def load_generator(
         compile_prefill: torch.compile the prefill forward too (dynamic shapes; see `Generator`).
         overlap: launch the next greedy decode step before reading this one's tokens back
             (default: on for CUDA; see `Generator`).
+        prefix_caching: reuse the KV blocks of prompt prefixes computed before (see `Generator`).
     """
     import torch
     from transformers import AutoTokenizer
@@ -213,6 +216,7 @@ def load_generator(
         min_bucket_tokens=min_bucket_tokens,
         compile_prefill=compile_prefill,
         overlap=overlap,
+        prefix_caching=prefix_caching,
     )
 
 

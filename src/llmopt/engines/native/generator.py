@@ -64,6 +64,21 @@ back on `remove` (or `swap_out`); `free_blocks`, `blocks_needed` and `kv_bytes_p
 the global pool only, the part that grows with a sequence (a ring is a fixed cost per sequence,
 and the local pool holds one for each of `max_batch` sequences). With a context no longer than
 the ring (or `local_kv=False`) every layer indexes the one pool, as before.
+
+Prefix caching (`prefix_caching=True`; what `llmopt serve` turns on), vLLM's automatic prefix
+caching: once a prefill chunk (or a decode step) has filled a block, the block is registered in
+the pool under the chained hash of its tokens (`blocks.block_hashes`). `add` looks the new
+prompt's full blocks up, longest cached chain first, puts the blocks found into the sequence's
+table (shared: one more reference each) and starts its prefill after them, through the paged
+path as a later chunk would. The block holding the last prompt token is never reused (at least
+one token is computed, for the first token's logits), so a sequence's first write is always in
+a block of its own and no shared block is ever written. A sequence that asks for prompt
+log-probabilities skips the lookup (they need every prompt position's hidden state). Released
+blocks stay cached until their space is needed (`BlockPool`); a sequence that failed numerically
+takes its blocks out of the cache, and only the blocks it alone held are scrubbed. Swapping out
+copies the shared blocks too; swapped back in, the sequence holds private copies. `prefix_cache`
+counts lookups and hits in tokens. With rings (local layers) prefix caching stays off: a ring is
+overwritten as its sequence moves on, so its blocks name no fixed prefix.
 """
 
 from __future__ import annotations
@@ -78,6 +93,7 @@ import torch
 
 from llmopt.engines.generation import (
     OutOfBlocks,
+    PrefixCacheStats,
     PromptLogprob,
     SamplingParams,
     TokenEvent,
@@ -85,7 +101,7 @@ from llmopt.engines.generation import (
     eos_token_ids,
 )
 from llmopt.engines.native import sampling
-from llmopt.engines.native.blocks import BlockPool, PooledGenerator
+from llmopt.engines.native.blocks import BlockPool, PooledGenerator, block_hashes
 from llmopt.engines.native.compiled import CompiledSteps, wait
 from llmopt.engines.native.inputs import Flight, PackedInputs, arrange, carried
 from llmopt.engines.native.model import Transformer
@@ -104,6 +120,8 @@ class _Seq:
     done: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
     plp: list | None = None  # prompt log-probabilities gathered so far, chunk by chunk
     faulty: bool = False  # its logits went NaN/inf: its blocks may hold NaN
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
+    registered: int = 0  # blocks of its table offered to the prefix cache (or found there)
 
 
 @dataclass
@@ -250,13 +268,15 @@ class Generator(PooledGenerator):
         local_kv: bool = True,
         local_blocks: int | None = None,
         overlap: bool | None = None,
+        prefix_caching: bool = False,
     ):
         """`local_kv`: give local (sliding-window) layers rings of their window in a pool of
         their own (see the module doc); `local_blocks`: that pool's size (default `max_batch x
         ring + 1`, every sequence's ring and the scratch block). `overlap`: launch the next
         all-greedy decode step before reading this one's tokens back (see the module doc;
         default: on CUDA); off, every step is read back before the next is launched. Both give
-        the same tokens."""
+        the same tokens. `prefix_caching`: reuse the KV blocks of prompt prefixes computed
+        before (see the module doc; stays off with rings)."""
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, (kv_dtype or model.model.norm.weight.dtype)
@@ -302,7 +322,9 @@ class Generator(PooledGenerator):
         )
         # The global pool's views are the layers it indexes: all of them without rings.
         glob = [ly for ly in layers if not (ring and ly.local)]
-        self.pool = BlockPool(self.num_blocks, block_size, glob)
+        self.prefix_caching = bool(prefix_caching) and not ring
+        self.prefix_cache = PrefixCacheStats() if self.prefix_caching else None
+        self.pool = BlockPool(self.num_blocks, block_size, glob, caching=self.prefix_caching)
         self.local_pool: BlockPool | None = None
         if ring:
             local = [ly for ly in layers if ly.local]
@@ -342,10 +364,20 @@ class Generator(PooledGenerator):
         check_sampling_params(params, vocab)
         rng = sampling.make_rng(params, self.device)
         self._check_ring_free()
-        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs")
+        bs, hashes, cached = self.block_size, [], []
+        lookup = self.prefix_caching and params.prompt_logprobs is None
+        if lookup:  # the full blocks before the last prompt token's (see the module doc)
+            hashes = block_hashes(prompt_ids[: (n - 1) // bs * bs], bs)
+            cached = self.pool.match(hashes)
+        self.pool.allocate(seq_id, self.blocks_needed(n), "prompt needs", cached=cached)
         if self.local_pool is not None:  # cannot fail now (checked above)
             self.local_pool.allocate(seq_id, self.ring, "ring needs")
-        self.seqs[seq_id] = _Seq(list(prompt_ids), n, params, rng)
+        s = _Seq(list(prompt_ids), n, params, rng, done=len(cached) * bs, hashes=hashes)
+        s.registered = len(cached)
+        self.seqs[seq_id] = s
+        if lookup and self.prefix_cache is not None:
+            self.prefix_cache.queries += n
+            self.prefix_cache.hits += s.done
 
     def remove(self, seq_id: Hashable) -> list[int]:
         """Forget a sequence and free its blocks; returns its prompt + generated token ids.
@@ -357,7 +389,9 @@ class Generator(PooledGenerator):
         pools = [p for p in (self.pool, self.local_pool) if p is not None]
         if s is not None and s.faulty:  # its KV (and scratch block 0) may hold NaN
             for p in pools:
-                p.scrub([0, *p.tables.get(seq_id, [])])
+                table = p.tables.get(seq_id, [])
+                p.uncache(table)  # nobody is to reuse them
+                p.scrub([0, *(b for b in table if p.refs(b) == 1)])  # not what others still read
         held = [p for p in pools if seq_id in p.tables]
         if not held and s is None:
             raise KeyError(seq_id)
@@ -439,6 +473,8 @@ class Generator(PooledGenerator):
                 self.pool.release(seq_id)  # all or nothing, as add
                 raise
         self.seqs[seq_id] = swapped.seq
+        swapped.seq.registered = 0  # new blocks: offer them to the cache again
+        self._cache_blocks([seq_id])
 
     # --- stepping -------------------------------------------------------------------------
     def step(self, prefill_budget: int | None = None) -> list[TokenEvent]:
@@ -484,6 +520,27 @@ class Generator(PooledGenerator):
         for group in plan_prefill(chunks, fresh, left, self.max_prefill_tokens):
             events.extend(self._prefill(group))
         return events
+
+    def _cache_blocks(self, keys: list[Hashable]) -> None:
+        """Register the blocks of `keys` filled (and written) since they were last offered, with
+        the chained hashes of their tokens (prefix caching; see the module doc)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for k in keys:
+            s = self.seqs[k]
+            # Tokens whose KV is written: the prefilled part of the prompt, or all but the
+            # token sampled last.
+            full = (len(s.ids) - 1 if s.prefilled else s.done) // bs
+            if s.faulty or full <= s.registered:
+                continue
+            if len(s.hashes) < full:
+                parent = s.hashes[-1] if s.hashes else None
+                s.hashes += block_hashes(s.ids[: full * bs], bs, parent, len(s.hashes))
+            table = self.pool.table(k)
+            for i in range(s.registered, full):
+                self.pool.register(table[i], s.hashes[i])
+            s.registered = full
 
     def _needs_block(self, seq_id: Hashable) -> bool:
         return (len(self.seqs[seq_id].ids) - 1) // self.block_size >= len(self.pool.table(seq_id))
@@ -542,13 +599,14 @@ class Generator(PooledGenerator):
                 continue  # more chunks to come
             s.prefilled = True
             complete.append(i)
-        if not complete:
-            return []
-        rows = logits[torch.tensor(complete, device=logits.device)]
-        events = self._emit_rows([keys[i] for i in complete], rows)
-        for ev in events:
-            s = self.seqs[ev.seq_id]
-            ev.prompt_logprobs, s.plp = s.plp, None
+        events = []
+        if complete:
+            rows = logits[torch.tensor(complete, device=logits.device)]
+            events = self._emit_rows([keys[i] for i in complete], rows)
+            for ev in events:
+                s = self.seqs[ev.seq_id]
+                ev.prompt_logprobs, s.plp = s.plp, None
+        self._cache_blocks(keys)
         return events
 
     def _prompt_logprobs(
@@ -665,10 +723,13 @@ class Generator(PooledGenerator):
         params = [self.seqs[k].params for k in keys]
         if any(p.logprobs or sampling.sampled(p) for p in params):
             idx = torch.tensor(order, device=logits.device)
-            return self._emit_rows(keys, logits.index_select(0, idx))
-        # All greedy without alternatives: argmax and its logprob came out of the same graph.
-        toks, lps = best[: len(rows)].tolist(), best_lp[: len(rows)].tolist()
-        return [self.append_token(k, toks[i], lps[i], []) for k, i in zip(keys, order, strict=True)]
+            events = self._emit_rows(keys, logits.index_select(0, idx))
+        else:  # all greedy without alternatives: argmax and its logprob came out of the graph
+            toks, lps = best[: len(rows)].tolist(), best_lp[: len(rows)].tolist()
+            picked = zip(keys, order, strict=True)
+            events = [self.append_token(k, toks[i], lps[i], []) for k, i in picked]
+        self._cache_blocks(keys)
+        return events
 
     def _launch(self, keys: list[Hashable], prev: Flight | None) -> Flight:
         """Queue a decode step over `keys` and the copies of its greedy tokens: to `carry` (the
@@ -711,12 +772,14 @@ class Generator(PooledGenerator):
         self.time.decode_steps += 1
         b = len(fl.rows)
         toks, lps = fl.tokens[:b].tolist(), fl.logprobs[:b].tolist()
-        events = []
+        events, landed = [], []
         for k in fl.keys:
             i = fl.row(k, self.seqs)
             if i is None or fl.seqs[i].finish is not None:
                 continue  # finished on the step before (a wasted row), removed or replaced
             events.append(self.append_token(k, toks[i], lps[i], []))
+            landed.append(k)
+        self._cache_blocks(landed)
         return events
 
     def _emit_rows(self, keys: list[Hashable], logits: torch.Tensor) -> list[TokenEvent]:

@@ -37,6 +37,11 @@ class EngineClient(Protocol):
         """Usable KV-cache blocks."""
         ...
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine reuses the KV blocks of cached prompt prefixes."""
+        ...
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start stepping; events are delivered on `loop`."""
         ...

@@ -60,6 +60,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="llmopt-engine", daemon=True)
         self.error: BaseException | None = None  # last engine error (shown by /health)
         self.leaked_blocks = 0  # the block invariant after the last step (shown by /health)
+        self.prefix_cache: dict[str, Any] = {}  # the prefix cache after the last step (/health)
         metrics.kv_total.set(self.sched.capacity_blocks)
         self._publish()
 
@@ -75,13 +76,20 @@ class EngineLoop:
     def capacity_blocks(self) -> int:
         return self.sched.capacity_blocks
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the generator reuses cached prompt prefixes."""
+        return bool(getattr(self.gen, "prefix_caching", False))
+
     def describe(self) -> dict[str, Any]:
-        """For /health: where the engine runs, and its last error (a failed step)."""
+        """For /health: where the engine runs, its last error (a failed step), the block
+        invariant and the prefix cache's counts."""
         return {
             "mode": "thread",
             "alive": True,
             "last_error": None if self.error is None else repr(self.error),
             "leaked_blocks": self.leaked_blocks,
+            "prefix_cache": self.prefix_cache,
         }
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -151,6 +159,7 @@ class EngineLoop:
     def _publish(self) -> None:
         st = self.sched.stats()
         self.leaked_blocks = st.leaked_blocks
+        self.prefix_cache = st.prefix_cache()
         self.metrics.publish(st)
 
 

@@ -13,8 +13,8 @@ and the step loop live in a child process started with `spawn` (CUDA cannot be u
     call_soon_threadsafe -> each request's queue   stats, tokens, preemptions)
 
 The interface is `EngineLoop`'s (`EngineClient`: `submit`, `abort`, `start`, `stop`, `error`,
-`max_num_seqs`, `chunked_prefill`, `capacity_blocks`), so `Generation` and the app do not know
-which one runs.
+`max_num_seqs`, `chunked_prefill`, `capacity_blocks`, `prefix_caching`), so `Generation` and the
+app do not know which one runs.
 Messages are pickled by `multiprocessing.Connection` between this process and a child it
 started itself (nothing is loaded from a file). An engine exception is sent as its type name and
 text and raised again here; if the child dies, every open request fails with a 500 and `/health`
@@ -74,6 +74,7 @@ class EngineProcess:
         self.error: BaseException | None = None  # the engine process died (nothing served)
         self.last_error: str | None = None  # the last failed step or sequence (still serving)
         self.leaked_blocks = 0  # the block invariant after the last step
+        self.prefix_cache: dict[str, Any] = {}  # the prefix cache after the last step
         self._ids = itertools.count(1)
         self._sinks: dict[int, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,6 +99,7 @@ class EngineProcess:
         self.max_num_seqs = int(self.info["max_num_seqs"])
         self.chunked_prefill = bool(self.info["chunked_prefill"])
         self.capacity_blocks = int(self.info["capacity_blocks"])
+        self.prefix_caching = bool(self.info["prefix_caching"])
         metrics.kv_total.set(self.capacity_blocks)
         self._reader = threading.Thread(target=self._read, name="llmopt-engine-reader", daemon=True)
 
@@ -134,6 +136,7 @@ class EngineProcess:
             "alive": self.error is None and self._proc.is_alive(),
             "last_error": str(self.error) if self.error is not None else self.last_error,
             "leaked_blocks": self.leaked_blocks,
+            "prefix_cache": self.prefix_cache,
         }
 
     # -- called on the event loop -------------------------------------------------------------
@@ -186,6 +189,7 @@ class EngineProcess:
             if step_error is not None:
                 self.last_error = step_error
             self.leaked_blocks = int(getattr(stats, "leaked_blocks", 0))
+            self.prefix_cache = stats.prefix_cache()
             m = self.metrics
             if tokens:
                 m.count_generated(tokens)
@@ -248,6 +252,7 @@ def _engine_main(conn: Any, spec: GeneratorSpec, warmup: dict, sched_kwargs: dic
                 "block_size": int(gen.block_size),
                 "num_blocks": int(gen.num_blocks),
                 "max_seq_len": int(gen.max_seq_len),
+                "prefix_caching": bool(getattr(gen, "prefix_caching", False)),
             },
         )
     )

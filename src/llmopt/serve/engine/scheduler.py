@@ -2,12 +2,17 @@
 
 The scheduler owns three queues: `waiting` (new requests, by priority then arrival: FIFO when
 every priority is equal), `running` (sequences in the engine's batch) and `preempted` (evicted
-to make room; re-admitted before any waiting request). Each `step()`:
+to make room; re-admitted before any waiting request of the same or a lower priority). Each
+`step()`:
 
 1. admits sequences while the batch has a free slot, the step's token budget
    (`max_num_batched_tokens`: prompt tokens to prefill plus one per running decode) allows, and
    the engine has the KV blocks for the whole prompt while keeping one block per running
-   sequence plus a small watermark free (so admitting does not force a preemption next step);
+   sequence plus a small watermark free (so admitting does not force a preemption next step).
+   When the sequence at the head of the queues finds the batch full or too few blocks free, and
+   sequences of a lower priority (a higher number) run, the lowest-priority, latest-arrived of
+   them are preempted (as in 3) until it fits: vLLM's priority scheduling. Only a strictly
+   lower priority is preempted, and only when preempting all of those would make room;
 2. runs one engine step (prefills, or prefill chunks, of the admitted; one decode for every
    running sequence);
 3. when the engine reports that running sequences need a new block and none is free
@@ -111,6 +116,26 @@ class SchedulerStats:
     engine_time: Any = None  # the generator's cumulative EngineTime, where it keeps one
     # KV blocks allocated but held by no running sequence (the block invariant: 0 always).
     leaked_blocks: int = 0
+    # The engine's prefix cache (`PrefixCacheStats`, cumulative prompt tokens looked up and
+    # found cached); all 0 and `prefix_caching` False for an engine without one.
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    priority_preemptions: int = 0  # preemptions to admit a higher-priority sequence
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+    def prefix_cache(self) -> dict[str, Any]:
+        """The prefix cache as `/health` shows it (cumulative, in prompt tokens)."""
+        return {
+            "enabled": self.prefix_caching,
+            "queries": self.prefix_cache_queries,
+            "hits": self.prefix_cache_hits,
+            "hit_rate": round(self.prefix_cache_hit_rate, 4),
+        }
 
     @property
     def kv_usage(self) -> float:
@@ -165,6 +190,7 @@ class Scheduler:
         self._preempted: list[tuple[int, int, Sequence]] = []  # heap by (priority, order)
         self._order = itertools.count()
         self.preemptions_total = 0
+        self.priority_preemptions = 0
         self.chunked_prefill = chunked_prefill
         self.capacity_blocks = int(gen.free_blocks)  # usable blocks (the engine may keep scratch)
         self.swap_space_bytes = int(swap_space_bytes)
@@ -206,6 +232,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pre = sum(s.status == "preempted" for s in self._queued.values())
         swapped = sum(s.swapped is not None for s in self._queued.values())
+        pc = getattr(self.gen, "prefix_cache", None)
         return SchedulerStats(
             len(self._queued) - pre,
             len(self.running),
@@ -217,13 +244,21 @@ class Scheduler:
             self.swap_used_bytes,
             getattr(self.gen, "time", None),
             self.leaked_blocks(),
+            pc is not None,
+            int(pc.queries) if pc is not None else 0,
+            int(pc.hits) if pc is not None else 0,
+            self.priority_preemptions,
         )
 
     def leaked_blocks(self) -> int:
         """KV blocks allocated but not held by any running sequence: the block invariant (free
-        + held by the running = capacity; nothing held with nothing running) says 0."""
-        held = sum(len(self.gen.blocks_of(sid)) for sid in self.running)
-        return self.capacity_blocks - int(self.gen.free_blocks) - held
+        + held by the running = capacity; nothing held with nothing running) says 0. A block
+        that running sequences share (prefix caching) counts once; a cached block nobody holds
+        counts as free (the engine evicts it when it needs the room)."""
+        held = set()
+        for sid in self.running:
+            held.update(self.gen.blocks_of(sid))
+        return self.capacity_blocks - int(self.gen.free_blocks) - len(held)
 
     def check_invariants(self) -> list[str]:
         """What is wrong with the scheduler's books (empty: nothing): leaked KV blocks, swap
@@ -304,12 +339,18 @@ class Scheduler:
 
     # -- internals ----------------------------------------------------------------------------
     def _peek(self) -> tuple[list, Sequence] | None:
+        """The next sequence to admit and its heap: the higher priority of the two heads, the
+        preempted one on a tie."""
+        heads = []
         for heap in (self._preempted, self._waiting):
             while heap and heap[0][2].seq_id not in self._queued:
                 heapq.heappop(heap)  # aborted while queued
             if heap:
-                return heap, heap[0][2]
-        return None
+                heads.append((heap[0][2].priority, heap))
+        if not heads:
+            return None
+        _, heap = min(heads, key=lambda h: h[0])  # min is stable: preempted first on a tie
+        return heap, heap[0][2]
 
     def _prefill_budget(self) -> int:
         """This step's tokens for prefill chunks: the budget less one per running decode."""
@@ -324,27 +365,30 @@ class Scheduler:
         else:
             budget = self.max_num_batched_tokens - len(self.running)  # decode tokens this step
         prefilled = False
-        while len(self.running) < self.max_num_seqs:
+        while True:
             head = self._peek()
             if head is None:
                 break
             heap, seq = head
-            if seq.swapped is not None:  # back from host memory: no prefill, one decode token
+            if seq.swapped is None:
+                n = len(seq.tokens)
+                if self.chunked_prefill and budget <= 0:
+                    break  # no room for a first chunk this step
+                if not self.chunked_prefill and prefilled and n > budget:
+                    break  # the next step has room; a lone long prompt is still admitted
+                need = self.gen.blocks_needed(n)
+            else:  # back from host memory: no prefill, one decode token
+                need = seq.swapped.num_blocks
+            if not self._fits(need):
+                freed = self._preempt_for(seq, need)
+                if freed is None:
+                    break  # strict order: a later, smaller request does not overtake
+                budget += freed
+            if seq.swapped is not None:
                 if not self._swap_in(seq, heap):
                     break
                 budget -= 1
                 continue
-            n = len(seq.tokens)
-            if self.chunked_prefill and budget <= 0:
-                break  # no room for a first chunk this step
-            if not self.chunked_prefill and prefilled and n > budget:
-                break  # the next step has room; a lone long prompt is still admitted
-            # Keep one block per running sequence (its next decode may need one) plus the
-            # watermark: admitting into that room would only force a preemption next step, and
-            # re-admitting a just-preempted sequence into it would repeat forever.
-            reserve = len(self.running) + self.watermark if self.running else 0
-            if self.gen.blocks_needed(n) > self.gen.free_blocks - reserve:
-                break  # strict order: a later, smaller request does not overtake
             try:
                 self.gen.add(seq.seq_id, seq.tokens, seq.engine_params())
             except self.OutOfBlocks:
@@ -363,9 +407,49 @@ class Scheduler:
             del self._queued[seq.seq_id]
             self.running[seq.seq_id] = seq
             seq.status = "running"
-            budget -= n
+            # What it computes: less than its prompt where the engine found a cached prefix.
+            budget -= self.gen.prefill_pending(seq.seq_id)
             prefilled = True
         return failed
+
+    def _fits(self, need: int, running: int | None = None, free: int | None = None) -> bool:
+        """Whether a sequence needing `need` KV blocks can be admitted: a batch slot, and the
+        blocks while one block per running sequence plus the watermark stay free (admitting
+        into that room would only force a preemption next step, and re-admitting a
+        just-preempted sequence into it would repeat forever)."""
+        running = len(self.running) if running is None else running
+        free = int(self.gen.free_blocks) if free is None else free
+        reserve = running + self.watermark if running else 0
+        return running < self.max_num_seqs and need <= free - reserve
+
+    def _preempt_for(self, seq: Sequence, need: int) -> int | None:
+        """Preempt running sequences of a lower priority than `seq`, lowest priority and latest
+        arrival first, until `seq` fits (vLLM's priority scheduling). None, preempting nobody,
+        when there are none or preempting all of them would not make room; else the step's
+        tokens their preemption gave back (their pending prefill, or a decode token each)."""
+        victims = sorted(
+            (r for r in self.running.values() if r.priority > seq.priority),
+            key=lambda r: r.key,
+            reverse=True,
+        )
+        running, free, take = len(self.running), int(self.gen.free_blocks), 0
+        for v in victims:  # the fewest victims that make room (shared blocks free fewer)
+            running, free, take = running - 1, free + len(self.gen.blocks_of(v.seq_id)), take + 1
+            if self._fits(need, running, free):
+                break
+        else:
+            return None
+        tokens = 0
+        for v in victims[:take]:
+            if self._fits(need):
+                break
+            if self.chunked_prefill:
+                tokens += self.gen.prefill_pending(v.seq_id) or 1
+            else:
+                tokens += 1
+            self._evict(v, f"to admit sequence {seq.seq_id} (priority {seq.priority})")
+            self.priority_preemptions += 1
+        return tokens if self._fits(need) else None
 
     def _forget(self, seq_id: int) -> None:
         """After a failed `add`: make sure the engine holds nothing for `seq_id` (the protocol
@@ -381,8 +465,7 @@ class Scheduler:
             log.exception("remove(%s) failed after a refused add", seq_id)
 
     def _swap_in(self, seq: Sequence, heap: list) -> bool:
-        reserve = len(self.running) + self.watermark if self.running else 0
-        if seq.swapped.num_blocks > self.gen.free_blocks - reserve:
+        if not self._fits(seq.swapped.num_blocks):
             return False  # strict order, as for prompts
         try:
             self.gen.swap_in(seq.seq_id, seq.swapped)
@@ -400,23 +483,27 @@ class Scheduler:
         victims = sorted(self.running.values(), key=lambda s: s.key, reverse=True)
         need = {sid for sid in needing if sid in self.running} or set(self.running)
         while victims and self.gen.free_blocks < len(need & set(self.running)):
-            v = victims.pop(0)
-            how = "recompute"
-            nbytes = len(self.gen.blocks_of(v.seq_id)) * self.gen.block_size * self._kv_token
-            if (
-                self.swap
-                and self.gen.prefill_pending(v.seq_id) == 0
-                and self.swap_used_bytes + nbytes <= self.swap_space_bytes
-            ):
-                v.swapped = self.gen.swap_out(v.seq_id)
-                self.swap_used_bytes += v.swapped.nbytes
-                self.swaps_total += 1
-                how = "swapped to host"
-            else:
-                v.tokens = list(self.gen.remove(v.seq_id))
-            del self.running[v.seq_id]
-            v.status, v.preemptions = "preempted", v.preemptions + 1
-            self._queued[v.seq_id] = v
-            heapq.heappush(self._preempted, (v.priority, v.order, v))
-            self.preemptions_total += 1
-            log.info("preempted sequence %s (%s, %d tokens)", v.seq_id, how, len(v.tokens))
+            self._evict(victims.pop(0), "out of KV blocks")
+
+    def _evict(self, v: Sequence, why: str) -> None:
+        """Preempt running sequence `v`: swap its KV cache out where that pays and fits, else
+        remove it to recompute; either way it is queued again with the preempted."""
+        how = "recompute"
+        nbytes = len(self.gen.blocks_of(v.seq_id)) * self.gen.block_size * self._kv_token
+        if (
+            self.swap
+            and self.gen.prefill_pending(v.seq_id) == 0
+            and self.swap_used_bytes + nbytes <= self.swap_space_bytes
+        ):
+            v.swapped = self.gen.swap_out(v.seq_id)
+            self.swap_used_bytes += v.swapped.nbytes
+            self.swaps_total += 1
+            how = "swapped to host"
+        else:
+            v.tokens = list(self.gen.remove(v.seq_id))
+        del self.running[v.seq_id]
+        v.status, v.preemptions = "preempted", v.preemptions + 1
+        self._queued[v.seq_id] = v
+        heapq.heappush(self._preempted, (v.priority, v.order, v))
+        self.preemptions_total += 1
+        log.info("preempted sequence %s (%s, %d tokens): %s", v.seq_id, how, len(v.tokens), why)

@@ -41,3 +41,5 @@ def warm_generator(gen: BatchGenerator, warmup_tokens: int, device: str) -> None
     t0 = time.perf_counter()
     gen.generate(gen.tokenizer("Hello")["input_ids"] or [0], SamplingParams(max_tokens=2))
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
+    if (pc := getattr(gen, "prefix_cache", None)) is not None:  # the warm-up is not traffic
+        pc.queries = pc.hits = 0

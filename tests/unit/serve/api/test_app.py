@@ -468,6 +468,51 @@ def test_chunked_prefill_setting_reaches_the_scheduler(tiny_llama_dir):
     assert ctx.engine.sched.gen.steps.prefill_forward is ctx.engine.sched.gen.model
 
 
+def _metric(text: str, name: str) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def test_prefix_caching_on_by_default_with_hits_in_metrics_and_health(
+    tiny_llama_dir, make_client, settle
+):
+    shared = [(7 * i + 3) % 250 + 1 for i in range(40)]  # 10 blocks of 4
+    body = {"model": "tiny-llama", "max_tokens": 3, "temperature": 0}
+    with make_client(tiny_llama_dir) as c:
+        ctx = c.ctx
+        assert ctx.effective["enable_prefix_caching"] == {"value": True, "source": "default"}
+        assert ctx.engine.sched.gen.prefix_caching
+        texts = []
+        for tail in ([11, 12], [21, 22, 23]):
+            r = c.post("/v1/completions", json=body | {"prompt": shared + tail})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        settle(ctx)
+        m = c.get("/metrics").text
+        # 42 + 43 prompt tokens looked up; the second found the 10 shared blocks.
+        assert _metric(m, "llmopt_prefix_cache_queries_total") == 85
+        assert _metric(m, "llmopt_prefix_cache_hits_total") == 40
+        assert _metric(m, "llmopt_prefix_cache_hit_rate") == pytest.approx(40 / 85)
+        health = c.get("/health").json()
+        assert health["settings"]["enable_prefix_caching"]["value"] is True
+        assert health["engine"]["prefix_cache"] == {
+            "enabled": True,
+            "queries": 85,
+            "hits": 40,
+            "hit_rate": round(40 / 85, 4),
+        }
+    with make_client(tiny_llama_dir, enable_prefix_caching=False) as c:
+        assert c.ctx.effective["enable_prefix_caching"] == {"value": False, "source": "flag"}
+        assert not c.ctx.engine.sched.gen.prefix_caching
+        for tail, text in zip(([11, 12], [21, 22, 23]), texts, strict=True):
+            r = c.post("/v1/completions", json=body | {"prompt": shared + tail})
+            assert r.json()["choices"][0]["text"] == text  # the same output without the cache
+        settle(c.ctx)
+        m = c.get("/metrics").text
+        assert _metric(m, "llmopt_prefix_cache_queries_total") == 0
+        assert c.get("/health").json()["engine"]["prefix_cache"]["enabled"] is False
+
+
 def test_native_switches_default_on_for_cuda_and_flags_win():
     from llmopt.serve.server import native_switches
 
