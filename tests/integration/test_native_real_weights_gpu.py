@@ -1,10 +1,12 @@
 """SmolLM2-135M's real weights through the native engine on a CUDA GPU, every GPU format against
 the fp32 model on the same GPU: held-out perplexity change and logit SQNR within bounds set from
-the CPU measurements (docs/quantization.md; `benchmarks/real_weights.py` on the CPU: bf16 -0.2%,
-int8 +0.2% / 29.7 dB, int4 g64 round-to-nearest +23% / 6.4 dB). FP8 weights and the float8 KV
-cache do not run on the CPU: their bounds are looser guesses, to be replaced by measured ones.
-Skipped without a GPU. `SMOLLM2_DIR` names an HF folder of the model where the built-in package
-is not installed (the H200 run converts the GGUF itself: benchmarks/h200_runs.sh realweights)."""
+the measurements (`benchmarks/real_weights.py`, 8 x 512 tokens, docs/benchmarks.md "Real weights
+on the H200"; H200 / CPU: bf16 +0.09% / +0.12%, 37.1 / 36.8 dB; int8 +0.10% / +0.17%, 30.6 / 30.6
+dB; int4 g64 round-to-nearest +31% / +29%, 7.0 / 6.7 dB; kv-fp8 +0.43% / +0.41%, 30.2 / 30.3 dB;
+FP8 weights and activations, GPU only, +1.68%, 22.7 dB), with ~5 dB of margin for this test's
+shorter 4 x 256 windows. Skipped without a GPU. `SMOLLM2_DIR` names an HF folder of the model
+where the built-in package is not installed (the H200 run converts the GGUF itself:
+benchmarks/h200_runs.sh realweights)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ pytestmark = [
 
 # (format, largest perplexity change, smallest logit SQNR in dB)
 BOUNDS = [
-    ("bf16", 0.01, 25.0),
-    ("int8", 0.02, 22.0),
-    ("int4", 0.40, 3.0),
-    ("fp8", 0.10, 8.0),
-    ("kv-fp8", 0.05, 12.0),
+    ("bf16", 0.01, 30.0),
+    ("int8", 0.01, 25.0),
+    ("int4", 0.40, 5.0),
+    ("fp8", 0.05, 18.0),
+    ("kv-fp8", 0.02, 25.0),
 ]
 
 

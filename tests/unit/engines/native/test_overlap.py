@@ -374,3 +374,36 @@ def test_decode_benchmark_runs_both_paths_and_reports_host_time(tmp_path):
     for r in res:
         want = r["ms_per_step"] - r["ms_per_step_device_only"]
         assert r["host_ms_per_step"] == pytest.approx(want)
+
+
+def test_overlap_with_prefix_caching_gives_the_synchronous_tokens(tiny_llama_dir):
+    """Prefix caching and the overlapped decode together: prompts sharing a prefix, joining while
+    others decode, give the events of the synchronous, uncached path, and every block comes back
+    (decode-written blocks are registered on the landed path too)."""
+    shared = list(range(30, 47))  # 4 full blocks of 4, then a tail
+    prompts = {f"s{i}": shared + [80 + i, 90 + i] for i in range(4)}
+
+    def run(overlap: bool, cache: bool) -> Log:
+        gen = _gen(tiny_llama_dir, overlap, prefix_caching=cache)
+        log, pending, live = Log(), list(prompts), set()
+        for step in range(200):
+            if pending and step in (0, 1, 3, 4):  # join while others decode
+                k = pending.pop(0)
+                gen.add(k, prompts[k], _greedy(7 + step))
+                live.add(k)
+            if not live:
+                break
+            evs = gen.step()
+            log.record(step, evs)
+            for ev in evs:
+                if ev.finish_reason:
+                    gen.remove(ev.seq_id)
+                    live.discard(ev.seq_id)
+        assert not live and not pending
+        assert gen.free_blocks == gen.num_blocks - 1
+        return log
+
+    want = run(False, False)
+    for overlap, cache in ((True, True), (False, True), (True, False)):
+        got = run(overlap, cache)
+        assert [e[1:] for e in got.events] == [e[1:] for e in want.events], (overlap, cache)
