@@ -16,6 +16,8 @@ from llmopt.engines.hf_generator import HFGenerator
 from llmopt.engines.native.config import native_refusal
 from llmopt.engines.torch_hf import load_hf_generator
 
+from ..serve.engine.test_faults import _drive
+
 
 @pytest.fixture
 def tiny_gpt2_dir(tiny_llama_dir: Path, tmp_path: Path) -> Path:
@@ -201,18 +203,6 @@ def test_a_refused_add_holds_nothing(tiny_gpt2_dir):
         with pytest.raises(ValueError, match=why):
             gen.add("x", prompt, params)
         assert gen.free_blocks == free and not gen.running and not gen.pool.tables
-
-
-def _drive(sched) -> dict:
-    out: dict = {}
-    for _ in range(500):
-        if not sched.has_work():
-            return out
-        for seq, ev in sched.step():
-            out.setdefault(seq.seq_id, []).append(
-                ev if isinstance(ev, BaseException) else ev.token_id
-            )
-    raise AssertionError("scheduler did not finish")
 
 
 def test_a_bad_request_fails_alone_under_the_scheduler(tiny_gpt2_dir):

@@ -15,6 +15,8 @@ from llmopt.engines import get_engine, served_by_llmopt
 from llmopt.engines.generation import BatchGenerator, GeneratorSpec, OutOfBlocks, SamplingParams
 from llmopt.model.info import inspect_model
 
+from ..serve.engine.test_faults import _drive
+
 pytest.importorskip("openvino")
 pytest.importorskip("nncf")
 
@@ -241,28 +243,16 @@ def test_a_nan_sequence_fails_alone(tiny_llama_nan_dir, tmp_path):
     gen = _gen(art, block_size=4, max_batch=3)
     sched = Scheduler(gen, 3, 256)
     a, b = [3, 4, 6, 7, 8], [9, 10]
-
-    def drive() -> dict:
-        out: dict = {}
-        for _ in range(500):
-            if not sched.has_work():
-                return out
-            for seq, ev in sched.step():
-                out.setdefault(seq.seq_id, []).append(
-                    ev if isinstance(ev, BaseException) else ev.token_id
-                )
-        raise AssertionError("scheduler did not finish")
-
     for i, prompt in ((1, a), (2, b)):
         sched.submit(Sequence(i, prompt, SAMPLED))
-    clean = drive()
+    clean = _drive(sched)
     for i, prompt in ((11, a), (12, [9, 10, 5, 11, 12]), (13, b)):
         sched.submit(Sequence(i, prompt, SAMPLED))
-    mixed = drive()
+    mixed = _drive(sched)
     assert len(mixed[12]) == 1 and isinstance(mixed[12][0], SequenceFault)
     assert mixed[11] == clean[1] and mixed[13] == clean[2]
     for i, prompt in ((21, a), (22, b), (23, [9, 10])):  # three: the faulty one's request too
         sched.submit(Sequence(i, prompt, SAMPLED))
-    after = drive()
+    after = _drive(sched)
     assert after[21] == clean[1] and after[22] == clean[2] and after[23] == clean[2]
     assert sched.check_invariants() == [] and gen.free_blocks == sched.capacity_blocks
