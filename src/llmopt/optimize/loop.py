@@ -371,11 +371,21 @@ def _full_rung(
             est = _full_estimate(run, c.id, ref_full_s, ref_screen_s)
             if c.id not in st.screen_scores:  # no screen timed its server's start
                 est += SCREEN_STARTS * start_s(c)  # the full verify and bench start it too
-            if not done and not budget.fits(est, executor.parallel):
-                rest = est * (len(queue) + 1)
-                st.cut_one(
-                    c.id, budget.exhausted("full verification", est, rest, executor.parallel)
+            # Once a candidate has passed, another full verification must leave time for one
+            # side-by-side round (rung 3) of the reference, that candidate and this one: a
+            # choice made on numbers measured minutes apart is what the rung exists to prevent.
+            winners = [i for i in confirmed if i != ref.id]
+            keep = (
+                sum(pair_estimate(run, i) for i in (ref.id, max(winners, key=confirmed.get), c.id))
+                if winners
+                else 0.0
+            )
+            if not done and not budget.fits(est + keep, executor.parallel):
+                rest = est * (len(queue) + 1) + keep
+                what = "full verification" + (
+                    " (keeping time to compare the best so far side by side)" if keep else ""
                 )
+                st.cut_one(c.id, budget.exhausted(what, est + keep, rest, executor.parallel))
                 continue
             wave.append(
                 Task(c.id, ([("build", "full")] if not early_stop else []) + FULL, "full", ref.id)

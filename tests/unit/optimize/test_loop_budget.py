@@ -151,3 +151,32 @@ def test_no_budget_runs_everything(tmp_path, monkeypatch, budget_s):
     st, run = _simulate(tmp_path, monkeypatch, QUICK_START, QUICK_TIMES, QUICK_SPEED, budget_s, 0)
     for c in QUICK_START[1:]:
         assert run.candidate(c.id).done("bench", "screen"), st.cut
+
+
+def test_a_second_full_verification_leaves_time_to_compare_side_by_side(tmp_path, monkeypatch):
+    """The quick start's default budget on a quiet machine: Q8_0 and Q6_K both screened well and
+    Q8_0 passed at full fidelity. Verifying Q6_K fully too would leave too little for the
+    side-by-side round, so the choice would rest on separate runs; it is cut instead."""
+    cands = [
+        Candidate("hf-fp32", "hf", "fp32", reference=True),
+        Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0"),
+        Candidate("llamacpp-gguf-q6_k", "llamacpp", "gguf-q6_k"),
+    ]
+    times = {
+        ("hf-fp32", "bench", "screen"): 9,
+        ("hf-fp32", "verify", "full"): 23,
+        ("hf-fp32", "bench", "full"): 32,
+        ("llamacpp-gguf-q8_0", "verify", "screen"): 11,
+        ("llamacpp-gguf-q8_0", "bench", "screen"): 6,
+        ("llamacpp-gguf-q8_0", "verify", "full"): 27,
+        ("llamacpp-gguf-q8_0", "bench", "full"): 20,
+        ("llamacpp-gguf-q6_k", "verify", "screen"): 7,
+        ("llamacpp-gguf-q6_k", "bench", "screen"): 6,
+        ("llamacpp-gguf-q6_k", "verify", "full"): 26,
+        ("llamacpp-gguf-q6_k", "bench", "full"): 19,
+    }
+    speed = {"hf-fp32": 29.0, "llamacpp-gguf-q8_0": 74.0, "llamacpp-gguf-q6_k": 71.0}
+    st, run = _simulate(tmp_path, monkeypatch, cands, times, speed, 300, 75)
+    assert run.candidate("llamacpp-gguf-q8_0").done("bench", "full"), st.cut
+    assert run.candidate("llamacpp-gguf-q8_0").done("bench", "pair1"), st.events
+    assert "side by side" in st.cut.get("llamacpp-gguf-q6_k", ""), st.cut
