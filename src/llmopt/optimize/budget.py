@@ -118,11 +118,13 @@ class Budget:
     def left(self) -> float | None:
         return None if self.seconds is None else self.seconds - self.elapsed
 
-    def fits(self, estimate_s: float, parallel: int = 1) -> bool:
-        """Whether a task of `estimate_s` (spread over `parallel` workers) fits before the end."""
+    def fits(self, estimate_s: float, parallel: int = 1, reserve_s: float | None = None) -> bool:
+        """Whether a task of `estimate_s` (spread over `parallel` workers) fits before the end,
+        keeping `reserve_s` (default: the budget's) for what comes after it."""
         if self.seconds is None:
             return True
-        return self.elapsed + estimate_s / max(1, parallel) <= self.seconds - self.reserve_s
+        keep = self.reserve_s if reserve_s is None else reserve_s
+        return self.elapsed + estimate_s / max(1, parallel) <= self.seconds - keep
 
     def floor_allows(self, started: int, floor: int = SCREEN_FLOOR) -> bool:
         """Whether a screen must start anyway: fewer than `floor` started and time is left

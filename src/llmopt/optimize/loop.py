@@ -431,7 +431,10 @@ def _paired_rung(
             if all(p.trusted for p in pr.values()):
                 break
         done = all(run.candidate(i).done("bench", f"pair{r}") for i in ids)
-        if not done and not budget.fits(sum(per.values())):
+        # The side-by-side rounds are the last measurement before the selection, which with
+        # best/ and the report takes seconds: they may use half of the reserve (the stage
+        # deadline's margin), which the other rungs keep whole.
+        if not done and not budget.fits(sum(per.values()), reserve_s=budget.reserve_s / 2):
             st.events.append(
                 f"side by side: round {r} not run (needs ~{sum(per.values()):.0f} s, "
                 f"{max(0.0, budget.left or 0.0):.0f} s left)"

@@ -180,3 +180,23 @@ def test_a_second_full_verification_leaves_time_to_compare_side_by_side(tmp_path
     assert run.candidate("llamacpp-gguf-q8_0").done("bench", "full"), st.cut
     assert run.candidate("llamacpp-gguf-q8_0").done("bench", "pair1"), st.events
     assert "side by side" in st.cut.get("llamacpp-gguf-q6_k", ""), st.cut
+
+
+def test_the_side_by_side_round_may_use_half_the_reserve(tmp_path, monkeypatch):
+    """The quick start again: Q6_K screened faster and was verified first (failing at full
+    fidelity), then Q8_0 passed, leaving 36 s of 300 for a 24 s side-by-side round. Selection and
+    the report need seconds, so the round runs inside half of the 20 s reserve."""
+    cands = [
+        Candidate("hf-fp32", "hf", "fp32", reference=True),
+        Candidate("llamacpp-gguf-q8_0", "llamacpp", "gguf-q8_0"),
+    ]
+    times = {
+        ("hf-fp32", "bench", "full"): 32,
+        ("llamacpp-gguf-q8_0", "bench", "full"): 17,
+        ("llamacpp-gguf-q8_0", "verify", "full"): 25,
+    }
+    speed = {"hf-fp32": 29.0, "llamacpp-gguf-q8_0": 74.0}
+    # Started late enough that one round (~16 + ~9 s) fits only within half the reserve.
+    st, run = _simulate(tmp_path, monkeypatch, cands, times, speed, 300, 184)
+    assert run.candidate("llamacpp-gguf-q8_0").done("bench", "full"), st.cut
+    assert run.candidate("llamacpp-gguf-q8_0").done("bench", "pair1"), st.events
