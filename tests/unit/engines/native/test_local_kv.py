@@ -250,19 +250,20 @@ def test_the_engine_runner_uses_rings(tmp_path):
     assert runner.gen.local_pool.free == runner.gen.local_blocks - 1
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.slow),
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+# The compiled paths: slow on the CPU (inductor), CUDA graphs where a GPU is present.
+CPU_SLOW_OR_CUDA = [
+    pytest.param("cpu", marks=pytest.mark.slow),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", CPU_SLOW_OR_CUDA)
 def test_compiled_decode_and_prefill_carry_the_rings(tmp_path, device):
     """The compiled decode step (rings packed after the block table: one more fixed-width
     field; CUDA graphs on a GPU) and the compiled prefill give the eager generator's tokens,

@@ -20,7 +20,7 @@ from llmopt.engines.native import load_generator
 from llmopt.engines.native.inputs import PackedInputs, arrange
 from llmopt.serve.engine.scheduler import Scheduler, Sequence
 
-from .test_local_kv import _generator, _prompts
+from .test_local_kv import CPU_SLOW_OR_CUDA, _generator, _prompts
 from .test_local_kv import _run as _run_rings
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -322,19 +322,7 @@ def test_arrange_keeps_rows_and_fills_holes():
     assert arrange([1, 2, 3, 4, 5], [5]) == [5]
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.slow),
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_SLOW_OR_CUDA)
 def test_compiled_overlap_gives_the_synchronous_events(tiny_llama_dir, device):
     """The compiled decode step (CUDA graphs on a GPU, where the copies to and from the device
     really run behind the host): the carried tokens are resolved inside the graph, its outputs
