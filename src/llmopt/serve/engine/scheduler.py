@@ -376,9 +376,12 @@ class Scheduler:
                     break  # no room for a first chunk this step
                 if not self.chunked_prefill and prefilled and n > budget:
                     break  # the next step has room; a lone long prompt is still admitted
-                need = self.gen.blocks_needed(n)
-            else:  # back from host memory: no prefill, one decode token
-                need = seq.swapped.num_blocks
+                # Its prompt and the position of the token its prefill samples, which the next
+                # step writes: admitted with one block short, that step runs out of blocks, the
+                # newest sequence (this one) is preempted, and admission repeats forever.
+                need = self.gen.blocks_needed(n + 1)
+            else:  # back from host memory: no prefill, one decode token (maybe a new block)
+                need = seq.swapped.num_blocks + 1
             if not self._fits(need):
                 freed = self._preempt_for(seq, need)
                 if freed is None:
@@ -465,8 +468,8 @@ class Scheduler:
             log.exception("remove(%s) failed after a refused add", seq_id)
 
     def _swap_in(self, seq: Sequence, heap: list) -> bool:
-        if not self._fits(seq.swapped.num_blocks):
-            return False  # strict order, as for prompts
+        if not self._fits(seq.swapped.num_blocks + 1):
+            return False  # strict order, as for prompts (+1: its next decode's block)
         try:
             self.gen.swap_in(seq.seq_id, seq.swapped)
         except (self.OutOfBlocks, ValueError):

@@ -226,3 +226,29 @@ def test_books_and_outputs_under_any_mix(tiny_llama_dir, ops, swap, chunked):
     for sid in d.finished:
         prompt, n = prompts[sid]
         assert d.out[sid] == _alone(tiny_llama_dir, prompt, n), sid
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_readmitted_sequence_gets_the_block_its_next_step_writes(tiny_llama_dir, swap):
+    """Hypothesis found it: a sequence swapped back in (or recomputed) with exactly its blocks
+    ran out of blocks on its first decode beside a running one, was preempted again as the
+    newest, and re-admitted the next step, forever, while the running one made no progress."""
+    gen = _gen(tiny_llama_dir, num_blocks=14, prefix_caching=True)
+    sched = Scheduler(
+        gen,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        watermark=0,
+        chunked_prefill=True,
+        swap_space_bytes=(1 << 30) if swap else 0,
+        swap_pays=swap,
+    )
+    d = Driver(sched)
+    prompts = {}
+    for sid, arg in enumerate([4, 4, 0, 4, 0]):
+        prompts[sid] = (PREFIX[: 4 * arg + 2] + [100 + sid, 101 + sid], 4 + 2 * arg)
+        sched.submit(Sequence(sid, prompts[sid][0], _greedy(prompts[sid][1])))
+    d.run(limit=200)
+    assert sorted(d.finished) == list(range(5))
+    for sid, (prompt, n) in prompts.items():
+        assert d.out[sid] == _alone(tiny_llama_dir, prompt, n), sid
