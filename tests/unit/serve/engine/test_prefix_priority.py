@@ -46,6 +46,21 @@ def _alone(folder, prompt: list[int], n: int) -> list[int]:
     return _ALONE[key]
 
 
+def _tight(folder, swap: bool, chunked: bool):
+    """A prefix-caching generator and scheduler over a KV cache too small for all (14 blocks)."""
+    gen = _gen(folder, num_blocks=14, prefix_caching=True)
+    sched = Scheduler(
+        gen,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        watermark=0,
+        chunked_prefill=chunked,
+        swap_space_bytes=(1 << 30) if swap else 0,
+        swap_pays=swap,
+    )
+    return gen, sched
+
+
 class Driver:
     """Steps a scheduler, keeping every sequence's tokens and the order they finished in, and
     checks the books after every step."""
@@ -197,16 +212,7 @@ def test_books_and_outputs_under_any_mix(tiny_llama_dir, ops, swap, chunked):
     small for all: the scheduler's and the pool's books hold after every step (shared and
     cached blocks counted right), and every sequence that finishes has the tokens it would
     have had alone."""
-    gen = _gen(tiny_llama_dir, num_blocks=14, prefix_caching=True)
-    sched = Scheduler(
-        gen,
-        max_num_seqs=3,
-        max_num_batched_tokens=24,
-        watermark=0,
-        chunked_prefill=chunked,
-        swap_space_bytes=(1 << 30) if swap else 0,
-        swap_pays=swap,
-    )
+    gen, sched = _tight(tiny_llama_dir, swap, chunked)
     d = Driver(sched)
     prompts: dict[int, tuple[list[int], int]] = {}
     for op, arg, prio in ops:
@@ -233,16 +239,7 @@ def test_a_readmitted_sequence_gets_the_block_its_next_step_writes(tiny_llama_di
     """Hypothesis found it: a sequence swapped back in (or recomputed) with exactly its blocks
     ran out of blocks on its first decode beside a running one, was preempted again as the
     newest, and re-admitted the next step, forever, while the running one made no progress."""
-    gen = _gen(tiny_llama_dir, num_blocks=14, prefix_caching=True)
-    sched = Scheduler(
-        gen,
-        max_num_seqs=3,
-        max_num_batched_tokens=24,
-        watermark=0,
-        chunked_prefill=True,
-        swap_space_bytes=(1 << 30) if swap else 0,
-        swap_pays=swap,
-    )
+    gen, sched = _tight(tiny_llama_dir, swap, chunked=True)
     d = Driver(sched)
     prompts = {}
     for sid, arg in enumerate([4, 4, 0, 4, 0]):
