@@ -95,7 +95,11 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import load_model, quantize_model_, random_model
 
-    quant = None if mode in ("bf16", "fp32") else mode
+    from llmopt.engines.native import linear as L
+
+    base, _, kernel = mode.partition("@")
+    quant = None if base in ("bf16", "fp32") else base
+    L.INT4_TRITON = kernel != "tinygemm"  # int4's layout is chosen as the layer is built
     if args.model:
         from llmopt.assets.models import resolve_model
 
@@ -318,9 +322,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument(
-        "--modes", nargs="+", default=None, help="bf16 int8 int4 fp8 (default: all that run here)"
+        "--modes",
+        nargs="+",
+        default=None,
+        help="bf16 int8 int4 fp8 (default: all that run here); CUDA kernel variants: "
+        "int4@tinygemm (PyTorch's tinygemm instead of the Triton kernel), int8@gemv and "
+        "fp8@gemv (the CUDA-core GEMV instead of the tensor-core kernel)",
     )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument(
+        "--quant-batches", nargs="+", type=int, default=[1], help="batches of quantized modes"
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
@@ -348,11 +360,6 @@ def main() -> None:
         help="overlapped greedy decode on/off, interleaved per point (default: the generator's, "
         "on for CUDA)",
     )
-    ap.add_argument(
-        "--int4-triton",
-        action="store_true",
-        help="int4 through the opt-in Triton fused-dequant kernels instead of tinygemm (CUDA)",
-    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
@@ -364,7 +371,6 @@ def main() -> None:
     from llmopt.engines.native import attention as A
     from llmopt.engines.native import linear as L
 
-    L.INT4_TRITON = args.int4_triton
     cuda = torch.device(args.device).type == "cuda"
     dtype = (
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
@@ -403,12 +409,13 @@ def main() -> None:
         overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
         points = [
             (b, path, ov)
-            for b in (args.batches if mode in ("bf16", "fp32") else [1])
+            for b in (args.batches if mode in ("bf16", "fp32") else args.quant_batches)
             for path in args.attention
             for ov in overlaps
         ]
         for b, path, ov in points:
             A.ENABLED = path == "triton"
+            L.WO8_KERNEL = "gemv" if mode.endswith("@gemv") else "dot"
             r = run_native(args, model, b, prompt, compile_, ov)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
 #   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
+#   bash benchmarks/h200_runs.sh native-tests sweep decode                    # weight-only kernels
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
@@ -11,7 +12,7 @@
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
 # text, for verification; .devdata/site/gensim holds the data file it is parsed from). The issue-24
-# steps (native-tests, decode-ab, overlap, attention, kernels, decode) need none of these: the image's torch,
+# steps (native-tests, decode-ab, overlap, attention, kernels, sweep, decode) need none of these: the image's torch,
 # triton and pytest suffice. Results go to $OUT (default /tmp/h200-out).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
@@ -79,12 +80,23 @@ for step in "$@"; do
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
       rm -rf "$W/run-8b" ;;  # ~50 GB of artifacts: the next step needs the disk (64 GiB)
-    decode)  # quantized formats at batch 1 (int4: the Triton fused-dequant GEMV, issue 24)
-      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-int4 int8 fp8} --batches 1 \
-        --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+    decode)  # quantized formats at batch 1, each kernel against the one it replaced (issue 24):
+      # int4 Triton vs tinygemm, int8/FP8 tensor-core kernel vs the CUDA-core GEMV
+      python3 benchmarks/decode.py --shape llama-3.1-8b --batches 1 \
+        --modes ${MODES:-int4 int4@tinygemm int8 int8@gemv fp8 fp8@gemv} \
+        --new-tokens ${NEW_TOKENS:-128} ${PROFILE:-} --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+      grep -v "^ " "$OUT/decode.log" | tail -9 ;;
+    sweep)  # every config of the Triton weight-only kernels, per 8B shape and row count
+      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 16} --sweep --json "$OUT/sweep.json" \
+        > "$OUT/sweep.log" 2>&1; grep -E "^sweep|precompiled|copy" "$OUT/sweep.log" ;;
+    smol-decode)  # SmolLM2 real weights (from `realweights`), every format at batch 1
+      python3 benchmarks/decode.py --model "$W/smollm2-135m" --batches 1 \
+        --modes bf16 int8 int4 fp8 --json "$OUT/smol-decode.json" > "$OUT/smol-decode.log" 2>&1
+      grep -v "^ " "$OUT/smol-decode.log" | tail -6 ;;
     native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed)
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
-        tests/unit/engines/native/test_linear_int4.py 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
+        tests/unit/engines/native/test_linear_int4.py tests/unit/engines/native/test_engine.py \
+        -k "attention or int4 or triton or gpu" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
     decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
         --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \

@@ -6,6 +6,7 @@ dominate at small M). Used to pick the kernels of `llmopt.engines.native.linear`
 
     python benchmarks/linear_kernels.py            # on the GPU if there is one, else CPU shapes
     python benchmarks/linear_kernels.py --m 1 8 64
+    python benchmarks/linear_kernels.py --m 1 4 16 --sweep   # every Triton config, CUDA only
 
 Each kernel's GB/s is also given as a share of the device-to-device copy rate measured in the
 same run (bytes read + written), the ceiling a weight read can approach.
@@ -87,18 +88,22 @@ def kernels(n: int, k: int, m: int, device: str):
     fn, c = rotate(n * k * 2, dense)
     yield "bf16", n * k * 2, fn, xf @ w.float().t(), c
     q, s = L.quantize_int8(w.float())
-    fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
-    yield "int8-wo", n * k, fn, xf @ (q.float() * s[:, None]).t(), c
+    ref8 = xf @ (q.float() * s[:, None]).t()
+    if device == "cuda" and m <= L.TRITON_M:  # both Triton kernels, the chosen one first
+        for kern in (L.WO8_KERNEL, {"dot": "gemv", "gemv": "dot"}[L.WO8_KERNEL]):
+            sc = s.to(device=device, dtype=dt)
+            fn, c = rotate(n * k, lambda kern=kern: _raw(L.wo_mm, q.clone(), sc, kern))
+            yield f"int8-{kern}", n * k, fn, ref8, c
+    else:
+        fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
+        yield "int8-wo", n * k, fn, ref8, c
     if k % 128 == 0:
         q4, s4 = L.quantize_int4(w.float(), 128)
         deq = (q4.float().reshape(n, -1, 128) * s4[..., None]).reshape(n, k)
-        L.INT4_TRITON = device == "cuda"  # the opt-in Triton kernels; tinygemm below
         fn, c = rotate(n * k // 2, lambda: L.Int4Linear(q4, s4, 128, None, dt))
-        triton_ = L.Int4Linear(q4, s4, 128, None, dt).triton_kernel
-        kern = "int4-g128-triton" if triton_ else "int4-g128"
-        L.INT4_TRITON = False
+        kern = "int4-g128-triton" if L.Int4Linear(q4, s4, 128, None, dt).triton_kernel else "int4"
         yield kern, n * k // 2, fn, xf @ deq.t(), c
-        if device == "cuda":  # PyTorch's tinygemm, as before the Triton kernels
+        if device == "cuda":  # PyTorch's tinygemm, the fallback
             u = q4.to(torch.int32) + 8
             u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
             sz = torch.stack([s4.t(), torch.zeros_like(s4).t()], dim=-1).to(dt).contiguous()
@@ -112,7 +117,136 @@ def kernels(n: int, k: int, m: int, device: str):
     if device == "cuda" and L.fp8_supported():
         qf, sf = L.quantize_fp8(w.float())
         fn, c = rotate(n * k, lambda: L.Fp8Linear(qf.clone(), sf, None, dt))
-        yield "fp8-w8a8", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
+        yield "fp8", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
+
+
+def _raw(mm, w, scale, kern):
+    return lambda x: mm(x, w, scale, kern)
+
+
+# --sweep: every config of each Triton kernel, launched directly (no autotuner), to choose the
+# autotune lists of `triton_kernels`. Configs: (BLOCK_N, BLOCK_K or TILES, warps, stages).
+SWEEP_WO8 = [
+    (bn, bk, w, st)
+    for bn in (16, 32, 64)
+    for bk in (256, 512, 1024)
+    for w, st in ((4, 3), (4, 5), (8, 4))
+    if bn * bk <= 32768
+]
+SWEEP_INT4 = [
+    (bn, t, w, st)
+    for bn in (16, 32, 64, 128)
+    for t in (1, 2, 4)
+    for w, st in ((4, 3), (4, 5), (8, 4))
+    if bn * t <= 256
+]
+
+
+def _precompile(jobs) -> None:
+    """Compile the sweep's kernels in parallel worker processes (Triton's on-disk cache then
+    serves the timing process): one config compiles in about a second, and a sweep is hundreds."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import os
+
+    t0 = time.perf_counter()
+    workers = max(1, min(12, (os.cpu_count() or 2) - 2))
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            list(ex.map(_warm, jobs, chunksize=4))
+    except Exception as e:  # compiling in the timing process instead is only slower
+        print(f"precompile failed ({e!r:.200}); compiling as the sweep runs")
+    print(f"precompiled {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _warm(job) -> None:
+    kind, n, k, m, cfg = job
+    try:
+        _sweep_call(kind, n, k, m, cfg, *_sweep_tensors(kind, n, k, m))
+    except Exception:
+        pass  # the timing process reports it
+
+
+def _sweep_tensors(kind: str, n: int, k: int, m: int):
+    from llmopt.engines.native import linear as L
+
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(m, k, device=dev, dtype=dt)
+    w = torch.randn(n, k, device=dev) * 0.02
+    if kind == "int4":
+        q, s = L.quantize_int4(w, 128)
+        return x, L.pack_int4_planar(q), s.to(dt).contiguous()
+    q, s = L.quantize_int8(w) if kind == "int8" else L.quantize_fp8(w)
+    return x, q.contiguous(), s.to(dt).contiguous()
+
+
+def _sweep_call(kind, n, k, m, cfg, x, w, s):
+    import triton
+
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native import triton_kernels as T
+
+    bn, b2, warps, stages = cfg
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    opts = {"num_warps": warps, "num_stages": stages, "BLOCK_M": 16, "BLOCK_N": bn}
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, 16))
+    if kind == "int4":
+        T.int4_dot.fn[grid](
+            *(x, w, s, s, y, m, n, L._m_bucket(m)),
+            K=k,
+            KP=w.shape[1] * 8,
+            G=128,
+            HAS_ZERO=False,
+            TILES=b2,
+            **opts,
+        )
+    else:
+        T.wo8_dot.fn[grid](x, w, s, y, m, n, L._m_bucket(m), K=k, BLOCK_K=b2, **opts)
+    return y
+
+
+def sweep(ms, bw: float) -> list[dict]:
+    """GB/s of every sweep config per (format, shape, rows); prints the best per point."""
+    shapes = SHAPES_8B
+    jobs = [
+        (kind, n, k, m, cfg)
+        for kind, space in (("int8", SWEEP_WO8), ("fp8", SWEEP_WO8), ("int4", SWEEP_INT4))
+        for (n, k) in shapes.values()
+        for m in ms
+        for cfg in space
+    ]
+    _precompile(jobs)
+    rows = []
+    for kind, n, k, m, cfg in jobs:
+        tensors = _sweep_tensors(kind, n, k, m)
+        nbytes = tensors[1].numel() * tensors[1].element_size()
+        copies = max(1, -(-(256 << 20) // nbytes))
+        sets = [tensors] + [(tensors[0], t[1].clone(), t[2]) for t in [tensors] * (copies - 1)]
+        try:
+            t = bench(lambda: [_sweep_call(kind, n, k, m, cfg, *ts) for ts in sets][-1], "cuda")
+        except Exception as e:
+            rows.append({"kind": kind, "n": n, "k": k, "m": m, "cfg": cfg, "error": repr(e)[:200]})
+            continue
+        t /= copies
+        rows.append(
+            {"kind": kind, "n": n, "k": k, "m": m, "cfg": cfg, "us": t * 1e6,
+             "GBps": nbytes / t / 1e9, "share_of_copy": nbytes / t / bw}
+        )  # fmt: skip
+    for kind in ("int8", "fp8", "int4"):
+        for n, k in shapes.values():
+            for m in ms:
+                pts = [r for r in rows if (r["kind"], r["n"], r["k"], r["m"]) == (kind, n, k, m)]
+                ok = sorted((r for r in pts if "us" in r), key=lambda r: r["us"])
+                if ok:
+                    b = ok[0]
+                    print(
+                        f"sweep {kind:5s} m={m:2d} {n:5d}x{k:5d} best {b['cfg']} "
+                        f"{b['GBps']:7.1f} GB/s ({100 * b['share_of_copy']:4.1f}%); "
+                        f"2nd {ok[1]['cfg'] if len(ok) > 1 else '-'}; failed "
+                        f"{len(pts) - len(ok)}",
+                        flush=True,
+                    )
+    return rows
 
 
 def copy_rate(device: str) -> float:
@@ -136,12 +270,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--sweep", action="store_true", help="time every config of the Triton kernels (CUDA)"
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SHAPES_8B if device == "cuda" else SHAPES_135M
     rows = []
     bw = copy_rate(device) if device == "cuda" else float("nan")
     print(json.dumps({"device": device, "copy_GBps": bw / 1e9}))
+    if args.sweep:
+        rows = sweep(args.m, bw)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "copy_GBps": bw / 1e9, "sweep": rows}, f, indent=1)
+        return
     for m in args.m:
         for name, (n, k) in shapes.items():
             for kern, nbytes, fn, ref, copies in kernels(n, k, m, device):

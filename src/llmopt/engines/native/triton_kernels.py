@@ -2,8 +2,9 @@
 
 - `decode_split` / `decode_combine`: flash-decoding attention over the paged KV cache
   (`attention.paged_decode` launches them and documents the algorithm).
-- `int4_gemv` / `int4_gemm`: weight-only int4 matmuls with the dequantization fused
-  (`linear.int4_mm` launches them; `linear.pack_int4` gives the weight layout).
+- `wo8_dot`: int8 / FP8 weight-only matmul for decode rows (`linear.wo_mm` launches it).
+- `int4_dot`: weight-only int4 matmul, any row count (`linear.int4_mm` launches it;
+  `linear.pack_int4_planar` gives the weight layout).
 
 Module-level functions, as Triton resolves the helpers a kernel calls through the module's
 globals (a kernel defined inside a function cannot call another). Without Triton (CPU hosts)
@@ -207,110 +208,103 @@ if triton is not None:
         res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + (b * H + h) * D + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
-    # Weight-only int4 with the dequantization fused into the matmul: weights stay 4 bits in
-    # device memory and are expanded in registers, w = (u - 8) * scale (+ zero) per group of
-    # G along K. GEMV for decode rows (one program: BLOCK_N outputs of one row, a 2-D register
-    # tile reduced once at the end, as the int8 GEMV); a tl.dot GEMM for more rows.
+    # Weight-only matmuls on the tensor cores, dequantization fused, for every row count: decode
+    # rows are padded to a 16-row `tl.dot` (the idle rows cost tensor-core time, which a
+    # memory-bound GEMV has to spare), so one program reads its BLOCK_N weight rows once for all
+    # M activation rows, where the GEMVs above re-read them per row, and the multiply-adds leave
+    # the ALUs to the dequantization.
 
-    _GEMV_CONFIGS = [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    _DOT_CONFIGS = [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
-            (16, 512, 4, 3),
-            (32, 512, 8, 3),
-            (8, 1024, 4, 3),
-            (16, 1024, 8, 3),
+            (16, 512, 4, 4),
             (32, 256, 4, 4),
-            (64, 256, 8, 3),
-            (8, 512, 4, 4),
+            (32, 512, 4, 3),
+            (16, 1024, 4, 3),
+            (64, 256, 4, 4),
+            (32, 512, 8, 4),
         )
     ]
 
-    @triton.jit
-    def _int4_dequant(
-        w_ptr,
-        s_ptr,
-        z_ptr,
-        rn,
-        k0,
-        N,
-        K: tl.constexpr,
-        G: tl.constexpr,
-        HAS_ZERO: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        shifts = tl.arange(0, 8) * 4
-        rk8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        nmask = rn < N
-        p = tl.load(
-            w_ptr + rn[:, None] * (K // 8) + rk8[None, :],
-            mask=nmask[:, None] & (rk8[None, :] < K // 8),
-            other=0,
-        )
-        u = (p[:, :, None] >> shifts[None, None, :]) & 0xF  # (BLOCK_N, BLOCK_K // 8, 8)
-        rg = k0 // G + tl.arange(0, BLOCK_K // G)
-        gmask = nmask[:, None] & (rg[None, :] < K // G)
-        s = tl.load(s_ptr + rn[:, None] * (K // G) + rg[None, :], mask=gmask, other=0.0)
-        w = (tl.reshape(u, (BLOCK_N, BLOCK_K // G, G)).to(tl.float32) - 8.0) * s.to(tl.float32)[
-            :, :, None
-        ]
-        if HAS_ZERO:
-            z = tl.load(z_ptr + rn[:, None] * (K // G) + rg[None, :], mask=gmask, other=0.0)
-            w += z.to(tl.float32)[:, :, None]
-        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+    def _dot_prune(configs, named_args, **kwargs):
+        # decode rows take the 16-row tiles, prompts the larger ones
+        small = named_args["M_BUCKET"] <= 16
+        return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small] or configs
 
-    @triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "G"])
+    @triton.autotune(configs=_DOT_CONFIGS, key=["N", "K", "M_BUCKET"])
     @triton.jit
-    def int4_gemv(
+    def wo8_dot(
         x_ptr,
         w_ptr,
         s_ptr,
-        z_ptr,
         y_ptr,
+        M,
         N,
+        M_BUCKET,
         K: tl.constexpr,
-        G: tl.constexpr,
-        HAS_ZERO: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # Each packed word is loaded once (coalesced rows of BLOCK_K / 8 words) and never reshaped:
-        # nibble i of every word meets x[8j + i] in turn. The 8 weights of a word share one group,
-        # so the scale multiplies their summed products once.
-        pid_n, m = tl.program_id(0), tl.program_id(1)
+        # y = (x @ w^T) * scale, w (N, K) int8 or float8_e4m3fn, one scale per output channel;
+        # both 1-byte formats convert exactly to the activation dtype before the dot.
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = rn < N
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        mmask, nmask = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K):
-            rk8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            kmask = rk8 < K // 8
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            x = tl.load(
+                x_ptr + rm[:, None] * K + rk[None, :],
+                mask=mmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
             wmask = nmask[:, None] & kmask[None, :]
-            p = tl.load(w_ptr + rn[:, None] * (K // 8) + rk8[None, :], mask=wmask, other=0)
-            goff = rn[:, None] * (K // G) + (rk8 // (G // 8))[None, :]
-            s = tl.load(s_ptr + goff, mask=wmask, other=0.0).to(tl.float32)
-            inner = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-            xs = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-            for i in tl.static_range(8):
-                x = tl.load(x_ptr + m * K + rk8 * 8 + i, mask=kmask, other=0.0).to(tl.float32)
-                u = ((p >> (4 * i)) & 0xF).to(tl.float32) - 8.0
-                inner += u * x[None, :]
-                if HAS_ZERO:
-                    xs += x
-            acc += inner * s
-            if HAS_ZERO:
-                z = tl.load(z_ptr + goff, mask=wmask, other=0.0).to(tl.float32)
-                acc += z * xs[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
+            if K % BLOCK_K == 0:  # whole tiles: no select (masked-off rows are never stored)
+                wx = w.to(x.dtype)
+            else:  # no FP8 literal for `other=`: zero the tail here
+                wx = tl.where(wmask, w.to(x.dtype), 0.0)
+            acc += tl.dot(x, tl.trans(wx))
+        s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        y = acc * s[None, :]
+        tl.store(
+            y_ptr + rm[:, None] * N + rn[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=mmask[:, None] & nmask[None, :],
+        )
 
-    _GEMM_CONFIGS = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3))
+    # int4 in a layout chosen for the dot (`linear.pack_int4_planar`): per tile of 256 codes a
+    # row holds 32 words, and nibble i of word j is the signed code of k = 256 t + 32 i + j. So
+    # nibble i of a tile's 32 words is one contiguous 32-wide slice of K: two integer shifts
+    # (sign-extending) give its codes as a (BLOCK_N, 32) operand with no reshape, and a slice
+    # never straddles a scale group (groups of 32, 64, 128 or 256): the dot results of one group
+    # are summed before its scale multiplies them once.
+
+    _INT4_CONFIGS = [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "TILES": t}, num_warps=w, num_stages=st)
+        for bn, t, w, st in (
+            (32, 1, 4, 4),
+            (64, 1, 4, 4),
+            (32, 2, 4, 3),
+            (64, 2, 8, 3),
+            (128, 1, 8, 3),
+            (16, 2, 4, 4),
+        )
+    ] + [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "TILES": 1}, num_warps=w, num_stages=3)
+        for bm, bn, w in ((64, 64, 4), (64, 128, 8), (128, 128, 8))
     ]
 
-    @triton.autotune(configs=_GEMM_CONFIGS, key=["N", "K", "G", "M_BUCKET"])
+    @triton.autotune(
+        configs=_INT4_CONFIGS,
+        key=["N", "K", "G", "M_BUCKET"],
+        prune_configs_by={"early_config_prune": _dot_prune},
+    )
     @triton.jit
-    def int4_gemm(
+    def int4_dot(
         x_ptr,
         w_ptr,
         s_ptr,
@@ -320,27 +314,55 @@ if triton is not None:
         N,
         M_BUCKET,
         K: tl.constexpr,
+        KP: tl.constexpr,
         G: tl.constexpr,
         HAS_ZERO: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        TILES: tl.constexpr,
     ):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # KP: K padded to whole tiles of 256 (the packed row is KP / 8 words; padded codes are 0
+        # and their x is masked to 0). w[n, k] = q * scale[n, k // G] (+ zero[n, k // G]).
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask, nmask = rm < M, rn < N
+        j = tl.arange(0, 32)
+        FLUSH: tl.constexpr = G // 32 if G < 256 else 8  # slices per scale multiply
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_ptr + rm[:, None] * K + rk[None, :],
-                mask=(rm[:, None] < M) & (rk[None, :] < K),
-                other=0.0,
-            )
-            w = _int4_dequant(w_ptr, s_ptr, z_ptr, rn, k0, N, K, G, HAS_ZERO, BLOCK_N, BLOCK_K)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        for t0 in tl.range(0, KP // 256, TILES):
+            for tt in tl.static_range(TILES):
+                t = t0 + tt
+                p = tl.load(
+                    w_ptr + rn[:, None] * (KP // 8) + t * 32 + j[None, :],
+                    mask=nmask[:, None],
+                    other=0,
+                )
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    k = t * 256 + i * 32 + j
+                    x = tl.load(
+                        x_ptr + rm[:, None] * K + k[None, :],
+                        mask=mmask[:, None] & (k < K)[None, :],
+                        other=0.0,
+                    )
+                    q = (p << (28 - 4 * i)) >> 28  # arithmetic shift: the signed code
+                    part += tl.dot(x, tl.trans(q.to(x.dtype)))
+                    if HAS_ZERO:
+                        xs += tl.sum(x.to(tl.float32), axis=1)
+                    if (i + 1) % FLUSH == 0:
+                        g = (t * 256 + i * 32) // G
+                        gmask = nmask & (g < K // G)
+                        s = tl.load(s_ptr + rn * (K // G) + g, mask=gmask, other=0.0)
+                        acc += part * s.to(tl.float32)[None, :]
+                        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        if HAS_ZERO:
+                            z = tl.load(z_ptr + rn * (K // G) + g, mask=gmask, other=0.0)
+                            acc += xs[:, None] * z.to(tl.float32)[None, :]
+                            xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
         tl.store(
             y_ptr + rm[:, None] * N + rn[None, :],
             acc.to(y_ptr.dtype.element_ty),
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
+            mask=mmask[:, None] & nmask[None, :],
         )

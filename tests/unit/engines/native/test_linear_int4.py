@@ -1,7 +1,8 @@
 """The Triton int4 kernels of `engines/native/linear.py` (fused dequant GEMV and GEMM).
 
-CPU: the packing, and the kernels under Triton's interpreter (subprocess, TRITON_INTERPRET=1).
-GPU: `Int4Linear` takes the Triton path and matches its own dequantized weights.
+CPU: the packing, and the kernel under Triton's interpreter (subprocess, TRITON_INTERPRET=1).
+GPU: `Int4Linear` takes the Triton path and matches its own dequantized weights; tinygemm, the
+fallback, takes widths that are not multiples of 128.
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ import torch
 from llmopt.engines.native import linear as L
 
 
-def test_pack_int4_round_trips_every_code():
+def test_pack_int4_planar_round_trips_every_code_and_pads_to_whole_tiles():
     g = torch.Generator().manual_seed(0)
-    u = torch.randint(0, 16, (5, 64), generator=g, dtype=torch.int32)
-    u[0, :16] = torch.arange(16)  # every code, the top nibble's sign bit too
-    p = L.pack_int4(u)
-    assert p.dtype == torch.int32 and p.shape == (5, 8)
-    assert torch.equal(L.unpack_int4(p), u)
+    q = torch.randint(-8, 8, (5, 576), generator=g, dtype=torch.int32)
+    q[0, :16] = torch.arange(-8, 8)  # every code, the sign bit of the top nibble too
+    p = L.pack_int4_planar(q)
+    assert p.dtype == torch.int32 and p.shape == (5, 768 // 8)  # 576 -> 3 tiles of 256
+    assert torch.equal(L.unpack_int4_planar(p, 576), q)
+    assert not L.unpack_int4_planar(p, 768)[:, 576:].any()  # padding codes are 0
+    # nibble i of word j in tile t is k = 256 t + 32 i + j
+    assert (int(p[1, 32 + 3]) >> 8) & 0xF == int(q[1, 256 + 64 + 3]) & 0xF
 
 
 def test_int4_triton_shapes():
     assert L.int4_triton_supported(4096, 128) and L.int4_triton_supported(576, 64)
-    assert not L.int4_triton_supported(4096, 4096)  # per-channel int4 stays on tinygemm
+    assert L.int4_triton_supported(4096, 256) and L.int4_triton_supported(2048, 512)
+    assert not L.int4_triton_supported(4096, 4096 + 256)  # K not a whole number of groups
+    assert not L.int4_triton_supported(512, 16)  # a group smaller than a 32-wide slice
     assert not L.int4_triton_supported(100, 20)
 
 
@@ -36,21 +42,25 @@ INTERPRET_CHECK = textwrap.dedent(
     """
     import torch
     from llmopt.engines.native import linear as L
+    from llmopt.engines.native import attention as A
     g = torch.Generator().manual_seed(1)
     worst = 0.0
-    for n, k, group, m, asym in ((40, 576, 64, 1, False), (24, 512, 128, 3, True),
-                                 (72, 256, 32, 20, True), (64, 384, 128, 17, False)):
-        w = torch.randn(n, k, generator=g)
-        q, s = L.quantize_int4(w, group)
-        zp = torch.randint(-2, 3, s.shape, generator=g) if asym else None
-        qg = q.float().reshape(n, -1, group) - (zp.float()[..., None] if asym else 0.0)
-        deq = (qg * s[..., None]).reshape(n, k)
-        zero = None if zp is None else -zp.float() * s
-        x = torch.randn(m, k, generator=g)
-        y = L.int4_mm(x, L.pack_int4(q.to(torch.int32) + 8), s, zero, group)
-        ref = x @ deq.t()
-        assert y.shape == (m, n) and not y.isnan().any()
-        worst = max(worst, float((y - ref).norm() / ref.norm()))
+    cases = ((40, 576, 64, 1, False), (24, 512, 128, 3, True), (72, 256, 32, 20, True),
+             (64, 384, 128, 17, False), (16, 512, 256, 2, True))
+    for cfg in (0, 1, 3, 7):  # decode tiles (one and two tiles per step) and a prompt tile
+        A.INTERPRET_CONFIG = cfg
+        for n, k, group, m, asym in cases:
+            w = torch.randn(n, k, generator=g)
+            q, s = L.quantize_int4(w, group)
+            zp = torch.randint(-2, 3, s.shape, generator=g) if asym else None
+            qg = q.float().reshape(n, -1, group) - (zp.float()[..., None] if asym else 0.0)
+            deq = (qg * s[..., None]).reshape(n, k)
+            zero = None if zp is None else -zp.float() * s
+            x = torch.randn(m, k, generator=g)
+            y = L.int4_mm(x, L.pack_int4_planar(q), s, zero, group)
+            ref = x @ deq.t()
+            assert y.shape == (m, n) and not y.isnan().any()
+            worst = max(worst, float((y - ref).norm() / ref.norm()))
     print("worst", worst)
     assert worst < 1e-5, worst
     """
@@ -74,9 +84,9 @@ def test_int4_kernels_in_triton_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 4, 5, 64, 300])
 @pytest.mark.parametrize("asym", [False, True])
-def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, monkeypatch):
-    monkeypatch.setattr(L, "INT4_TRITON", True)  # opt-in (tinygemm is the CUDA default)
-    n, k, group = 1024, 4096, 128
+@pytest.mark.parametrize("k", [576, 4096])  # SmolLM2's width pads to 3 tiles of 256
+def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k):
+    n, group = 1024, 64 if k == 576 else 128
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g) * 0.02
     q, s = L.quantize_int4(w, group)
@@ -95,13 +105,14 @@ def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [576, 1536, 4096])  # SmolLM2's hidden and MLP widths, Llama's
-def test_int4_linear_tinygemm_takes_widths_not_divisible_by_128(k):
+def test_int4_linear_tinygemm_takes_widths_not_divisible_by_128(k, monkeypatch):
+    monkeypatch.setattr(L, "INT4_TRITON", False)  # tinygemm, the fallback
     n, group = 64, 64
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g) * 0.02
     q, s = L.quantize_int4(w, group)
     lin = L.Int4Linear(q.cuda(), s.cuda(), group, None, torch.bfloat16)
-    assert not lin.triton_kernel  # the CUDA default: tinygemm
+    assert not lin.triton_kernel
     deq = (q.float().reshape(n, -1, group) * s[..., None]).reshape(n, k)
     x = torch.randn(3, k, generator=g)
     ref = x @ deq.t()
