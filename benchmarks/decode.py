@@ -92,10 +92,9 @@ def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
     """The model for `mode`, and the SQNR (dB) of its prompt logits against the unquantized model."""
+    from llmopt.engines.native import linear as L
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import load_model, quantize_model_, random_model
-
-    from llmopt.engines.native import linear as L
 
     base, _, kernel = mode.partition("@")
     quant = None if base in ("bf16", "fp32") else base

@@ -92,7 +92,7 @@ def kernels(n: int, k: int, m: int, device: str):
     if device == "cuda" and m <= L.TRITON_M:  # both Triton kernels, the chosen one first
         for kern in (L.WO8_KERNEL, {"dot": "gemv", "gemv": "dot"}[L.WO8_KERNEL]):
             sc = s.to(device=device, dtype=dt)
-            fn, c = rotate(n * k, lambda kern=kern: _raw(L.wo_mm, q.clone(), sc, kern))
+            fn, c = rotate(n * k, lambda kern=kern, sc=sc: _raw(L.wo_mm, q.clone(), sc, kern))
             yield f"int8-{kern}", n * k, fn, ref8, c
     else:
         fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
@@ -160,11 +160,11 @@ def _precompile(jobs) -> None:
 
 
 def _warm(job) -> None:
+    import contextlib
+
     kind, n, k, m, cfg = job
-    try:
+    with contextlib.suppress(Exception):  # the timing process reports it
         _sweep_call(kind, n, k, m, cfg, *_sweep_tensors(kind, n, k, m))
-    except Exception:
-        pass  # the timing process reports it
 
 
 def _sweep_tensors(kind: str, n: int, k: int, m: int):
@@ -221,9 +221,14 @@ def sweep(ms, bw: float) -> list[dict]:
         tensors = _sweep_tensors(kind, n, k, m)
         nbytes = tensors[1].numel() * tensors[1].element_size()
         copies = max(1, -(-(256 << 20) // nbytes))
-        sets = [tensors] + [(tensors[0], t[1].clone(), t[2]) for t in [tensors] * (copies - 1)]
+        x, w, s = tensors
+        sets = [tensors] + [(x, w.clone(), s) for _ in range(copies - 1)]
+
+        def run(job=(kind, n, k, m, cfg), sets=sets):
+            return [_sweep_call(*job, *ts) for ts in sets][-1]
+
         try:
-            t = bench(lambda: [_sweep_call(kind, n, k, m, cfg, *ts) for ts in sets][-1], "cuda")
+            t = bench(run, "cuda")
         except Exception as e:
             rows.append({"kind": kind, "n": n, "k": k, "m": m, "cfg": cfg, "error": repr(e)[:200]})
             continue

@@ -263,7 +263,7 @@ if triton is not None:
             )
             wmask = nmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
-            if K % BLOCK_K == 0:  # whole tiles: no select (masked-off rows are never stored)
+            if K % BLOCK_K == 0:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
                 wx = w.to(x.dtype)
             else:  # no FP8 literal for `other=`: zero the tail here
                 wx = tl.where(wmask, w.to(x.dtype), 0.0)
