@@ -98,7 +98,7 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
 
     base, _, kernel = mode.partition("@")
     quant = None if base in ("bf16", "fp32") else base
-    L.INT4_TRITON = kernel != "tinygemm"  # int4's layout is chosen as the layer is built
+    L.INT4_TRITON = kernel == "triton"  # int4's layout is chosen as the layer is built
     if args.model:
         from llmopt.assets.models import resolve_model
 
@@ -324,9 +324,10 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=None,
-        help="bf16 int8 int4 fp8 (default: all that run here); CUDA kernel variants: "
-        "int4@tinygemm (PyTorch's tinygemm instead of the Triton kernel), int8@gemv and "
-        "fp8@gemv (the CUDA-core GEMV instead of the tensor-core kernel)",
+        help="bf16 int8 int4 fp8 (default: all that run here); CUDA kernel variants, each "
+        "forcing one kernel where the engine would choose: int4@triton (the Triton kernel "
+        "instead of tinygemm), int8@gemv, int8@dot, fp8@gemv, fp8@dot (CUDA-core GEMV or "
+        "tensor-core kernel at decode rows)",
     )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument(
@@ -414,7 +415,7 @@ def main() -> None:
         ]
         for b, path, ov in points:
             A.ENABLED = path == "triton"
-            L.WO8_KERNEL = "gemv" if mode.endswith("@gemv") else "dot"
+            L.WO8_KERNEL = mode.partition("@")[2] if mode.endswith(("@gemv", "@dot")) else "auto"
             r = run_native(args, model, b, prompt, compile_, ov)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)

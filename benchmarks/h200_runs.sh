@@ -80,17 +80,17 @@ for step in "$@"; do
       for f in report.md selection.json search.json; do cp "$W/run-8b/$f" "$OUT/" 2>/dev/null; done
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
       rm -rf "$W/run-8b" ;;  # ~50 GB of artifacts: the next step needs the disk (64 GiB)
-    decode)  # quantized formats at batch 1, each kernel against the one it replaced (issue 24):
-      # int4 Triton vs tinygemm, int8/FP8 tensor-core kernel vs the CUDA-core GEMV
-      python3 benchmarks/decode.py --shape llama-3.1-8b --batches 1 \
-        --modes ${MODES:-int4 int4@tinygemm int8 int8@gemv fp8 fp8@gemv} \
+    decode)  # quantized formats at batch 1, each kernel against the other (issue 24): int4
+      # tinygemm vs Triton, int8/FP8 tensor-core kernel vs the CUDA-core GEMV
+      python3 benchmarks/decode.py --shape llama-3.1-8b --batches 1 --quant-batches ${QB:-1} \
+        --modes ${MODES:-int8@dot int8@gemv fp8@dot fp8@gemv int4 int4@triton} \
         --new-tokens ${NEW_TOKENS:-128} ${PROFILE:-} --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
       grep -v "^ " "$OUT/decode.log" | tail -9 ;;
     sweep)  # every config of the Triton weight-only kernels, per 8B shape and row count
       python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 16} --sweep --json "$OUT/sweep.json" \
         > "$OUT/sweep.log" 2>&1; grep -E "^sweep|precompiled|copy" "$OUT/sweep.log" ;;
-    smol-decode)  # SmolLM2 real weights (from `realweights`), every format at batch 1
-      python3 benchmarks/decode.py --model "$W/smollm2-135m" --batches 1 \
+    smol-decode)  # the SmolLM2-135M shape (random weights: speed only), every format, batch 1
+      python3 benchmarks/decode.py --shape smollm2-135m --batches 1 \
         --modes bf16 int8 int4 fp8 --json "$OUT/smol-decode.json" > "$OUT/smol-decode.log" 2>&1
       grep -v "^ " "$OUT/smol-decode.log" | tail -6 ;;
     native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed)

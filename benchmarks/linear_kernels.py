@@ -90,20 +90,26 @@ def kernels(n: int, k: int, m: int, device: str):
     q, s = L.quantize_int8(w.float())
     ref8 = xf @ (q.float() * s[:, None]).t()
     if device == "cuda" and m <= L.TRITON_M:  # both Triton kernels, the chosen one first
-        for kern in (L.WO8_KERNEL, {"dot": "gemv", "gemv": "dot"}[L.WO8_KERNEL]):
+        for kern in ("dot", "gemv"):
             sc = s.to(device=device, dtype=dt)
             fn, c = rotate(n * k, lambda kern=kern, sc=sc: _raw(L.wo_mm, q.clone(), sc, kern))
             yield f"int8-{kern}", n * k, fn, ref8, c
+            qf, sf = L.quantize_fp8(w.float())
+            sfc = sf.to(device=device, dtype=dt)
+            fn, c = rotate(n * k, lambda kern=kern, sfc=sfc: _raw(L.wo_mm, qf.clone(), sfc, kern))
+            yield f"fp8-{kern}", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
     else:
         fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
         yield "int8-wo", n * k, fn, ref8, c
     if k % 128 == 0:
         q4, s4 = L.quantize_int4(w.float(), 128)
         deq = (q4.float().reshape(n, -1, 128) * s4[..., None]).reshape(n, k)
+        L.INT4_TRITON = device == "cuda"  # the opt-in Triton kernel; tinygemm below
         fn, c = rotate(n * k // 2, lambda: L.Int4Linear(q4, s4, 128, None, dt))
         kern = "int4-g128-triton" if L.Int4Linear(q4, s4, 128, None, dt).triton_kernel else "int4"
+        L.INT4_TRITON = False
         yield kern, n * k // 2, fn, xf @ deq.t(), c
-        if device == "cuda":  # PyTorch's tinygemm, the fallback
+        if device == "cuda":  # PyTorch's tinygemm, the CUDA default
             u = q4.to(torch.int32) + 8
             u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
             sz = torch.stack([s4.t(), torch.zeros_like(s4).t()], dim=-1).to(dt).contiguous()

@@ -32,6 +32,25 @@ SHAPES = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    # The built-in SmolLM2-135M's config (tied embeddings, 3 KV heads of 64): a small model,
+    # launch-bound on a GPU, for speed without its GGUF.
+    "smollm2-135m": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     # Gemma 3 270M's published config: 5 sliding-window (512) layers to each global one, one KV
     # head of 256, query/key norms, tied embeddings. Its 262k vocabulary needs Gemma's tokenizer;
     # with another tokenizer pass --vocab (the tokenizer's size).

@@ -247,11 +247,14 @@ class Fp8Linear(_QuantLinear):
 # (prompts) the dense matmul on dequantized weights is compute-bound and cuBLAS wins.
 TRITON_M = 16
 # Kernel of the int8/FP8 layers at decode rows: "dot" (tensor cores, one weight read for all
-# rows) or "gemv" (CUDA cores, one program row per activation row). Benchmarks flip it.
-WO8_KERNEL = "dot"
-# The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA; set from the H200 comparison
-# in docs/benchmarks.md (issue 24).
-INT4_TRITON = True
+# rows), "gemv" (CUDA cores, one program row per activation row) or "auto": the faster of the
+# two on the H200 (docs/benchmarks.md, issue 24): the GEMV for FP8 at one row, where its
+# conversion through fp32 reads FP8 faster, the dot kernel everywhere else (at 4 rows it reads
+# the weights 2-4x faster than the GEMV, which re-reads them per row). Benchmarks force one.
+WO8_KERNEL = "auto"
+# The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
+# slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
+INT4_TRITON = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -360,7 +363,8 @@ def wo_mm(
     """y (M, N) = x (M, K) @ (w (N, K) * scale (N,))^T for decode rows, on CUDA via Triton.
 
     `w` is int8 or float8_e4m3fn (1 byte per weight); `scale` one float per output channel.
-    `kernel`: "dot" (`triton_kernels.wo8_dot`) or "gemv" (`_gemv_kernel`); `WO8_KERNEL` if None.
+    `kernel`: "dot" (`triton_kernels.wo8_dot`), "gemv" (`_gemv_kernel`) or "auto" (see
+    `WO8_KERNEL`, the default).
     """
     import triton
 
@@ -368,7 +372,10 @@ def wo_mm(
     n = w.shape[0]
     x = x.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if (kernel or WO8_KERNEL) == "gemv":
+    kernel = kernel or WO8_KERNEL
+    if kernel == "auto":
+        kernel = "gemv" if m == 1 and w.dtype == torch.float8_e4m3fn else "dot"
+    if kernel == "gemv":
         _KERNELS.setdefault("gemv", _gemv_kernel())
 
         def grid(meta):

@@ -214,15 +214,17 @@ if triton is not None:
     # M activation rows, where the GEMVs above re-read them per row, and the multiply-adds leave
     # the ALUs to the dequantization.
 
+    # Each the best of a sweep on the H200 for one of the 8B linear shapes at 1-16 rows
+    # (`benchmarks/linear_kernels.py --sweep`, docs/benchmarks.md).
     _DOT_CONFIGS = [
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bn, bk, w, st in (
-            (16, 512, 4, 4),
-            (32, 256, 4, 4),
-            (32, 512, 4, 3),
-            (16, 1024, 4, 3),
-            (64, 256, 4, 4),
-            (32, 512, 8, 4),
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
+        for bn, bk, st in (
+            (64, 512, 3),
+            (32, 512, 3),
+            (32, 1024, 3),
+            (64, 256, 3),
+            (32, 256, 5),
+            (64, 512, 5),
         )
     ]
 
@@ -283,16 +285,9 @@ if triton is not None:
     # never straddles a scale group (groups of 32, 64, 128 or 256): the dot results of one group
     # are summed before its scale multiplies them once.
 
-    _INT4_CONFIGS = [
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "TILES": t}, num_warps=w, num_stages=st)
-        for bn, t, w, st in (
-            (32, 1, 4, 4),
-            (64, 1, 4, 4),
-            (32, 2, 4, 3),
-            (64, 2, 8, 3),
-            (128, 1, 8, 3),
-            (16, 2, 4, 4),
-        )
+    _INT4_CONFIGS = [  # the sweep's best per 8B shape, then prompts' tiles
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "TILES": t}, num_warps=4, num_stages=3)
+        for t in (1, 2, 4)
     ] + [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "TILES": 1}, num_warps=w, num_stages=3)
         for bm, bn, w in ((64, 64, 4), (64, 128, 8), (128, 128, 8))

@@ -2,7 +2,7 @@
 
 CPU: the packing, and the kernel under Triton's interpreter (subprocess, TRITON_INTERPRET=1).
 GPU: `Int4Linear` takes the Triton path and matches its own dequantized weights; tinygemm, the
-fallback, takes widths that are not multiples of 128.
+CUDA default, takes widths that are not multiples of 128.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def test_int4_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("m", [1, 4, 5, 64, 300])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("k", [576, 4096])  # SmolLM2's width pads to 3 tiles of 256
-def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k):
+def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k, monkeypatch):
+    monkeypatch.setattr(L, "INT4_TRITON", True)  # opt-in (tinygemm is the CUDA default)
     n, group = 1024, 64 if k == 576 else 128
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g) * 0.02
@@ -106,7 +107,7 @@ def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [576, 1536, 4096])  # SmolLM2's hidden and MLP widths, Llama's
 def test_int4_linear_tinygemm_takes_widths_not_divisible_by_128(k, monkeypatch):
-    monkeypatch.setattr(L, "INT4_TRITON", False)  # tinygemm, the fallback
+    monkeypatch.setattr(L, "INT4_TRITON", False)  # tinygemm, the default
     n, group = 64, 64
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g) * 0.02
