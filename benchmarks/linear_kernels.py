@@ -89,14 +89,14 @@ def kernels(n: int, k: int, m: int, device: str):
     yield "bf16", n * k * 2, fn, xf @ w.float().t(), c
     q, s = L.quantize_int8(w.float())
     ref8 = xf @ (q.float() * s[:, None]).t()
-    if device == "cuda" and m <= L.TRITON_M:  # both Triton kernels, the chosen one first
+    if device == "cuda" and m <= L.TRITON_M:  # both Triton kernels, each format
+        qf, sf = L.quantize_fp8(w.float())
+        sfc = sf.to(device=device, dtype=dt)
         for kern in ("dot", "gemv"):
             sc = s.to(device=device, dtype=dt)
             fn, c = rotate(n * k, lambda kern=kern, sc=sc: _raw(L.wo_mm, q.clone(), sc, kern))
             yield f"int8-{kern}", n * k, fn, ref8, c
-            qf, sf = L.quantize_fp8(w.float())
-            sfc = sf.to(device=device, dtype=dt)
-            fn, c = rotate(n * k, lambda kern=kern, sfc=sfc: _raw(L.wo_mm, qf.clone(), sfc, kern))
+            fn, c = rotate(n * k, lambda kern=kern: _raw(L.wo_mm, qf.clone(), sfc, kern))
             yield f"fp8-{kern}", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
     else:
         fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
