@@ -39,7 +39,7 @@ for step in "$@"; do
     serve)  # issue 6: 64 streams of 512-token prompts against the in-process batch-64 rate
       python3 benchmarks/serve_load.py --model "$M" --workdir "$W" \
         --device "$DEV" --concurrency 64 --input-len 512 --output-len 128 --requests 256 \
-        --repeats 2 --profile-prefill --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
+        --repeats ${REPEATS:-2} --profile-prefill --out "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO"
       python3 -c "import json; print(json.load(open('$OUT/serve_load.json'))['in_process']['decode_tokens_per_s'])" > "$W/rate.txt" ;;
     serve-variants)  # more servers, one run each, against the in-process rate `serve` measured
       # (kept in $W/rate.txt on the machine; RATE=... overrides). '|' separates variants.

@@ -375,15 +375,19 @@ def wo_mm(
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
         kernel = "gemv" if m == 1 and w.dtype == torch.float8_e4m3fn else "dot"
+    # (`in` checks, not setdefault: its argument would run the factory inside the compiled
+    # region, which Dynamo cannot trace)
     if kernel == "gemv":
-        _KERNELS.setdefault("gemv", _gemv_kernel())
+        if "gemv" not in _KERNELS:
+            _KERNELS["gemv"] = _gemv_kernel()
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), m)
 
         launch(_KERNELS["gemv"], grid, x, w, scale, y, n, k)
         return y
-    _KERNELS.setdefault("wo8", _triton_kernels().wo8_dot)
+    if "wo8" not in _KERNELS:
+        _KERNELS["wo8"] = _triton_kernels().wo8_dot
 
     def grid2(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
@@ -435,7 +439,8 @@ def int4_mm(
     q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count."""
     import triton
 
-    _KERNELS.setdefault("int4", _triton_kernels().int4_dot)
+    if "int4" not in _KERNELS:
+        _KERNELS["int4"] = _triton_kernels().int4_dot
     m, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
