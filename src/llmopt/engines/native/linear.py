@@ -1,20 +1,21 @@
 """Quantized linear layers for the native engine: int8 and int4 weight-only, FP8 W8A8.
 
 Each layer holds the weight in the layout its kernel wants and computes y = x W^T (+ b) in the
-activation dtype. The kernels are the ones PyTorch ships (no torchao on our hosts):
+activation dtype. The kernels are PyTorch's and, on CUDA at decode rows, our own Triton kernels
+(`triton_kernels.py`; no torchao on our hosts):
 
 | layer       | CPU                                   | CUDA                                         |
 |-------------|---------------------------------------|----------------------------------------------|
 | Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton `wo8_dot` (rows <= 16), else dequant  |
 |             |                                       | + cuBLAS                                     |
-| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | Triton `int4_dot` (dequant fused, any rows); |
-|             |                                       | tinygemm (`_weight_int4pack_mm`) for shapes  |
-|             |                                       | it does not take or with `INT4_TRITON` off   |
-| Fp8Linear   | refused (no fast FP8 matmul on CPU)   | Triton `wo8_dot`, weight-only, rows <= 16;   |
-|             |                                       | `_scaled_mm` above (row-wise, cc >= 8.9)     |
+| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | tinygemm (`_weight_int4pack_mm`); with       |
+|             |                                       | `INT4_TRITON`, Triton `int4_dot` (any rows)  |
+| Fp8Linear   | refused (no fast FP8 matmul on CPU)   | weight-only Triton: the GEMV at 1 row,       |
+|             |                                       | `wo8_dot` at 2-16; `_scaled_mm` above        |
+|             |                                       | (row-wise scales, cc >= 8.9)                 |
 
-Above `SMALL_M` rows (prompts), int8 layers dequantize and use the dense matmul: the weight-only
-kernels are GEMV-shaped and lose to cuBLAS/oneDNN when the input is a whole prompt.
+Above `TRITON_M` rows (prompts), int8 layers dequantize and use the dense matmul: the weight-only
+kernels are built for memory-bound decode rows and lose to cuBLAS/oneDNN on a whole prompt.
 
 Quantization here is plain symmetric round-to-nearest (what a checkpoint without calibration gets);
 calibrated weights (AWQ, GPTQ) arrive already quantized from `llmopt.quant` in compressed-tensors

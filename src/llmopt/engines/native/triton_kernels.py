@@ -208,10 +208,10 @@ if triton is not None:
         res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + (b * H + h) * D + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
-    # Weight-only matmuls on the tensor cores, dequantization fused, for every row count: decode
-    # rows are padded to a 16-row `tl.dot` (the idle rows cost tensor-core time, which a
-    # memory-bound GEMV has to spare), so one program reads its BLOCK_N weight rows once for all
-    # M activation rows, where the GEMVs above re-read them per row, and the multiply-adds leave
+    # Weight-only matmuls on the tensor cores, dequantization fused: decode rows are padded to a
+    # 16-row `tl.dot` (the idle rows cost tensor-core time, which a memory-bound matmul has to
+    # spare), so one program reads its BLOCK_N weight rows once for all M activation rows, where
+    # a CUDA-core GEMV (`linear._gemv_kernel`) re-reads them per row, and the multiply-adds leave
     # the ALUs to the dequantization.
 
     # Each the best of a sweep on the H200 for one of the 8B linear shapes at 1-16 rows
