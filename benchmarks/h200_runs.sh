@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/h200_runs.sh setup model serve        # then: serve-variants; quantize; ...
 #   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
-#   bash benchmarks/h200_runs.sh native-tests sweep decode                    # weight-only kernels
+#   bash benchmarks/h200_runs.sh native-tests sweep decode smol-decode        # weight-only kernels
+#   REPEATS=1 MODES="fp8" bash benchmarks/h200_runs.sh setup model serve decode   # env knobs
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
@@ -12,8 +13,13 @@
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
 # text, for verification; .devdata/site/gensim holds the data file it is parsed from). The issue-24
-# steps (native-tests, decode-ab, overlap, attention, kernels, sweep, decode) need none of these: the image's torch,
-# triton and pytest suffice. Results go to $OUT (default /tmp/h200-out).
+# steps (native-tests, decode-ab, overlap, attention, kernels, sweep, decode, smol-decode) need
+# none of these: the image's torch, triton and pytest suffice. Results go to $OUT (default
+# /tmp/h200-out). The .whl set (20 wheels, ~3.9 MB) is rebuilt on a fresh checkout with `pip
+# download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ...`
+# of: gguf compressed-tensors==0.20.1 pydantic==2.14.4 pydantic-core (its pin) annotated-types
+# typing-inspection annotated-doc fastapi starlette uvicorn hypercorn h2 hpack hyperframe
+# priority wsproto loguru opentelemetry-api importlib-metadata typing-extensions.
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
