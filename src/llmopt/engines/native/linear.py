@@ -259,6 +259,15 @@ INT4_TRITON = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
+def _kernel(name: str):
+    """The Triton kernel `name` ("gemv", or a kernel of `triton_kernels`), created once. The
+    availability checks create each eagerly, so that inside the compiled step this is a lookup:
+    Dynamo cannot trace the factories (`triton.jit`)."""
+    if name not in _KERNELS:
+        _KERNELS[name] = _gemv_kernel() if name == "gemv" else getattr(_triton_kernels(), name)
+    return _KERNELS[name]
+
+
 def _check(name: str, fn) -> bool:
     """Run one eager correctness check of a Triton kernel on this GPU; False (and a warning)
     when Triton is missing, there is no GPU, or the kernel fails or is wrong here."""
@@ -287,8 +296,8 @@ def _triton_available() -> bool:
     """The int8/FP8 decode kernels compile and are right on this GPU."""
 
     def check():
-        _KERNELS.setdefault("gemv", _gemv_kernel())
-        _KERNELS.setdefault("wo8", _triton_kernels().wo8_dot)
+        for name in ("gemv", "wo8_dot"):
+            _kernel(name)
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int8(w)
@@ -376,24 +385,18 @@ def wo_mm(
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
         kernel = "gemv" if m == 1 and w.dtype == torch.float8_e4m3fn else "dot"
-    # (`in` checks, not setdefault: its argument would run the factory inside the compiled
-    # region, which Dynamo cannot trace)
     if kernel == "gemv":
-        if "gemv" not in _KERNELS:
-            _KERNELS["gemv"] = _gemv_kernel()
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), m)
 
-        launch(_KERNELS["gemv"], grid, x, w, scale, y, n, k)
+        launch(_kernel("gemv"), grid, x, w, scale, y, n, k)
         return y
-    if "wo8" not in _KERNELS:
-        _KERNELS["wo8"] = _triton_kernels().wo8_dot
 
     def grid2(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
 
-    launch(_KERNELS["wo8"], grid2, x, w, scale, y, m, n, _m_bucket(m), K=k)
+    launch(_kernel("wo8_dot"), grid2, x, w, scale, y, m, n, _m_bucket(m), K=k)
     return y
 
 
@@ -440,8 +443,6 @@ def int4_mm(
     q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count."""
     import triton
 
-    if "int4" not in _KERNELS:
-        _KERNELS["int4"] = _triton_kernels().int4_dot
     m, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
@@ -452,7 +453,7 @@ def int4_mm(
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
 
     launch(
-        _KERNELS["int4"],
+        _kernel("int4_dot"),
         grid,
         *(x, packed, scale, z, y, m, n, _m_bucket(m)),
         K=k,
@@ -474,7 +475,7 @@ def _triton_int4_available() -> bool:
     """The int4 kernel compiles and is right on this GPU (decode rows and a prompt)."""
 
     def check():
-        _KERNELS.setdefault("int4", _triton_kernels().int4_dot)
+        _kernel("int4_dot")
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int4(w, 128)
