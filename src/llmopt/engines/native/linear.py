@@ -248,10 +248,11 @@ class Fp8Linear(_QuantLinear):
 # (prompts) the dense matmul on dequantized weights is compute-bound and cuBLAS wins.
 TRITON_M = 16
 # Kernel of the int8/FP8 layers at decode rows: "dot" (tensor cores, one weight read for all
-# rows), "gemv" (CUDA cores, one program row per activation row) or "auto": the faster of the
-# two on the H200 (docs/benchmarks.md, issue 24): the GEMV for FP8 at one row, where its
-# conversion through fp32 reads FP8 faster, the dot kernel everywhere else (at 4 rows it reads
-# the weights 2-4x faster than the GEMV, which re-reads them per row). Benchmarks force one.
+# rows), "gemv" (CUDA cores, one program row per activation row) or "auto", from the H200's
+# measurements (docs/benchmarks.md, issue 24): the GEMV for FP8 at one row, where it reads FP8
+# faster, the dot kernel everywhere else (at 4 rows it reads the weights 2-4x faster than the
+# GEMV, which re-reads them per row; for int8 at one row the two measured equal). Benchmarks
+# force one.
 WO8_KERNEL = "auto"
 # The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
 # slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
