@@ -326,8 +326,8 @@ def main() -> None:
         default=None,
         help="bf16 int8 int4 fp8 (default: all that run here); CUDA kernel variants, each "
         "forcing one kernel where the engine would choose: int4@triton (the Triton kernel "
-        "instead of tinygemm), int8@gemv, int8@dot, fp8@gemv, fp8@dot (CUDA-core GEMV or "
-        "tensor-core kernel at decode rows)",
+        "instead of tinygemm), int8@gemv, int8@dot, int8@dot1, fp8@gemv, fp8@dot, fp8@dot1 "
+        "(CUDA-core GEMV, tensor-core kernel, the same without its K split, at decode rows)",
     )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument(
@@ -415,7 +415,9 @@ def main() -> None:
         ]
         for b, path, ov in points:
             A.ENABLED = path == "triton"
-            L.WO8_KERNEL = mode.partition("@")[2] if mode.endswith(("@gemv", "@dot")) else "auto"
+            L.WO8_KERNEL = (
+                mode.partition("@")[2] if mode.endswith(("@gemv", "@dot", "@dot1")) else "auto"
+            )
             r = run_native(args, model, b, prompt, compile_, ov)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)

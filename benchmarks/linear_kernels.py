@@ -89,10 +89,15 @@ def kernels(n: int, k: int, m: int, device: str):
     yield "bf16", n * k * 2, fn, xf @ w.float().t(), c
     q, s = L.quantize_int8(w.float())
     ref8 = xf @ (q.float() * s[:, None]).t()
-    if device == "cuda" and m <= L.TRITON_M:  # both Triton kernels, each format
+    if device == "cuda" and m <= L.TRITON_M:  # the Triton kernels, each format
+        # (and bf16 weights through the tensor-core kernel with unit scales: can it beat cuBLAS
+        # on the narrow shapes, where cuBLAS reads at 60-75% of copy?)
+        ones = torch.ones(n, device=device, dtype=dt)
+        fn, c = rotate(n * k * 2, lambda: _raw(L.wo_mm, w.clone(), ones, "dot"))
+        yield "bf16-dot", n * k * 2, fn, xf @ w.float().t(), c
         qf, sf = L.quantize_fp8(w.float())
         sfc = sf.to(device=device, dtype=dt)
-        for kern in ("dot", "gemv"):
+        for kern in ("dot", "dot1", "gemv"):
             sc = s.to(device=device, dtype=dt)
             fn, c = rotate(n * k, lambda kern=kern, sc=sc: _raw(L.wo_mm, q.clone(), sc, kern))
             yield f"int8-{kern}", n * k, fn, ref8, c
@@ -127,16 +132,20 @@ def kernels(n: int, k: int, m: int, device: str):
 
 
 def _raw(mm, w, scale, kern):
-    return lambda x: mm(x, w, scale, kern)
+    from llmopt.engines.native import linear as L
+
+    counters = L.tile_counters(w.shape[0], L.TRITON_M, w.device)  # as a layer holds its own
+    return lambda x: mm(x, w, scale, kern, counters)
 
 
 # --sweep: every config of each Triton kernel, launched directly (no autotuner), to choose the
 # autotune lists of `triton_kernels`. Configs: (BLOCK_N, BLOCK_K or TILES, warps, stages).
-SWEEP_WO8 = [
-    (bn, bk, w, st)
-    for bn in (16, 32, 64)
+SWEEP_WO8 = [  # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K)
+    (bn, bk, w, st, sk)
+    for bn in (32, 64)
     for bk in (256, 512, 1024)
-    for w, st in ((4, 3), (4, 5), (8, 4))
+    for w, st in ((4, 3), (4, 5))
+    for sk in (1, 2, 4, 8)
     if bn * bk <= 32768
 ]
 SWEEP_INT4 = [
@@ -182,6 +191,8 @@ def _sweep_tensors(kind: str, n: int, k: int, m: int):
     if kind == "int4":
         q, s = L.quantize_int4(w, 128)
         return x, L.pack_int4_planar(q), s.to(dt).contiguous()
+    if kind == "bf16":  # dense weights through the same kernel, unit scales
+        return x, w.to(dt), torch.ones(n, device=dev, dtype=dt)
     q, s = L.quantize_int8(w) if kind == "int8" else L.quantize_fp8(w)
     return x, q.contiguous(), s.to(dt).contiguous()
 
@@ -192,7 +203,7 @@ def _sweep_call(kind, n, k, m, cfg, x, w, s):
     from llmopt.engines.native import linear as L
     from llmopt.engines.native import triton_kernels as T
 
-    bn, b2, warps, stages = cfg
+    bn, b2, warps, stages = cfg[:4]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     opts = {"num_warps": warps, "num_stages": stages, "BLOCK_M": 16, "BLOCK_N": bn}
     grid = (triton.cdiv(n, bn), triton.cdiv(m, 16))
@@ -207,19 +218,29 @@ def _sweep_call(kind, n, k, m, cfg, x, w, s):
             **opts,
         )
     else:
-        T.wo8_dot.fn[grid](x, w, s, y, m, n, L._m_bucket(m), K=k, BLOCK_K=b2, **opts)
+        sk = cfg[4]
+        ws = torch.empty(sk, m, n, device=x.device, dtype=torch.float32)
+        cnt = _COUNTERS.setdefault(n, L.tile_counters(n, 16, x.device))
+        T.wo8_dot.fn[(*grid, sk)](
+            *(x, w, s, y, ws, cnt, m, n, L._m_bucket(m)), K=k, BLOCK_K=b2, SPLIT_K=sk, **opts
+        )
     return y
 
 
-def sweep(ms, bw: float) -> list[dict]:
+_COUNTERS: dict = {}  # the K-split kernel's per-tile counters, one set per output width
+
+
+def sweep(ms, bw: float, kinds=("int8", "fp8", "int4")) -> list[dict]:
     """GB/s of every sweep config per (format, shape, rows); prints the best per point."""
     shapes = SHAPES_8B
+    spaces = {"int8": SWEEP_WO8, "fp8": SWEEP_WO8, "bf16": SWEEP_WO8, "int4": SWEEP_INT4}
     jobs = [
         (kind, n, k, m, cfg)
-        for kind, space in (("int8", SWEEP_WO8), ("fp8", SWEEP_WO8), ("int4", SWEEP_INT4))
+        for kind in kinds
         for (n, k) in shapes.values()
         for m in ms
-        for cfg in space
+        for cfg in spaces[kind]
+        if kind == "int4" or k % (cfg[4] * cfg[1]) == 0  # K splits of whole tiles only
     ]
     _precompile(jobs)
     rows = []
@@ -243,7 +264,7 @@ def sweep(ms, bw: float) -> list[dict]:
             {"kind": kind, "n": n, "k": k, "m": m, "cfg": cfg, "us": t * 1e6,
              "GBps": nbytes / t / 1e9, "share_of_copy": nbytes / t / bw}
         )  # fmt: skip
-    for kind in ("int8", "fp8", "int4"):
+    for kind in kinds:
         for n, k in shapes.values():
             for m in ms:
                 pts = [r for r in rows if (r["kind"], r["n"], r["k"], r["m"]) == (kind, n, k, m)]
@@ -284,6 +305,20 @@ def main() -> None:
     ap.add_argument(
         "--sweep", action="store_true", help="time every config of the Triton kernels (CUDA)"
     )
+    ap.add_argument(
+        "--sweep-kinds",
+        nargs="+",
+        default=["int8", "fp8", "int4"],
+        choices=["int8", "fp8", "bf16", "int4"],
+        help="weight formats the sweep covers (bf16: dense weights through the int8/FP8 kernel)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time a shape's kernels this many times, interleaved (A B C A B C); the median "
+        "and the range across rounds are reported",
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SHAPES_8B if device == "cuda" else SHAPES_135M
@@ -291,23 +326,29 @@ def main() -> None:
     bw = copy_rate(device) if device == "cuda" else float("nan")
     print(json.dumps({"device": device, "copy_GBps": bw / 1e9}))
     if args.sweep:
-        rows = sweep(args.m, bw)
+        rows = sweep(args.m, bw, tuple(args.sweep_kinds))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": device, "copy_GBps": bw / 1e9, "sweep": rows}, f, indent=1)
         return
     for m in args.m:
         for name, (n, k) in shapes.items():
+            ks, times = [], {}
             for kern, nbytes, fn, ref, copies in kernels(n, k, m, device):
                 try:
-                    err = float(
-                        (fn().float() - ref).norm() / ref.norm()
-                    )  # vs its own dequantized weight
-                    t = bench(fn, device) / copies
+                    err = float((fn().float() - ref).norm() / ref.norm())  # vs its own weights
                 except Exception as e:  # a kernel missing on this build is a finding, not a crash
                     rows.append({"m": m, "shape": name, "kernel": kern, "error": repr(e)[:200]})
                     print(f"m={m:3d} {name:8s} {kern:14s} ERROR {e!r:.120}")
                     continue
+                ks.append((kern, nbytes, fn, err, copies))
+                times[kern] = []
+            for _ in range(args.rounds):  # interleaved: every kernel once per round
+                for kern, _nb, fn, _err, copies in ks:
+                    times[kern].append(bench(fn, device) / copies)
+            for kern, nbytes, _fn, err, _c in ks:
+                ts = sorted(times[kern])
+                t = ts[len(ts) // 2]
                 rows.append(
                     {
                         "m": m,
@@ -316,13 +357,16 @@ def main() -> None:
                         "k": k,
                         "kernel": kern,
                         "us": t * 1e6,
+                        "us_range": [ts[0] * 1e6, ts[-1] * 1e6],
+                        "rounds": len(ts),
                         "GBps": nbytes / t / 1e9,
                         "rel_err": err,
                         "share_of_copy": nbytes / t / bw,
                     }
                 )
+                spread = f" ({ts[0] * 1e6:.1f}-{ts[-1] * 1e6:.1f})" if len(ts) > 1 else ""
                 print(
-                    f"m={m:3d} {name:8s} {kern:14s} {t * 1e6:9.1f} us "
+                    f"m={m:3d} {name:8s} {kern:14s} {t * 1e6:9.1f} us{spread} "
                     f"{nbytes / t / 1e9:8.1f} GB/s {100 * nbytes / t / bw:5.1f}% of copy  "
                     f"rel.err {err:.1e}"
                 )

@@ -46,6 +46,7 @@ __all__ = [
     "SMALL_M",
     "int4_mm",
     "wo_mm",
+    "tile_counters",
     "INT4_TRITON",
     "WO8_KERNEL",
     "pack_int4_planar",
@@ -95,6 +96,13 @@ class _QuantLinear(nn.Module):
         self.in_features, self.out_features, self.dtype = k, n, dtype
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
+    def _counters(self) -> None:
+        # the Triton kernel's K-split counters (`tile_counters`), a buffer: fixed address
+        c = None
+        if getattr(self, "triton_kernel", False):
+            c = tile_counters(self.out_features, TRITON_M, self.weight.device)
+        self.register_buffer("counters", c, persistent=False)
+
     def _finish(self, y: torch.Tensor, shape) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
@@ -120,6 +128,7 @@ class Int8Linear(_QuantLinear):
         # (benchmarks/linear_kernels.py): CUDA uses the Triton kernel (`wo_mm`).
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
+        self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -130,7 +139,7 @@ class Int8Linear(_QuantLinear):
             xin = x2.to(self.scale.dtype).contiguous()
             y = torch.ops.aten._weight_int8pack_mm(xin, self.weight, self.scale).to(x.dtype)
         elif x2.shape[0] <= TRITON_M and self.triton_kernel:
-            y = wo_mm(x2, self.weight, self.scale_f)
+            y = wo_mm(x2, self.weight, self.scale_f, counters=self.counters)
         else:
             y = F.linear(x2, self.weight.to(x.dtype)) * self.scale_f.to(x.dtype)
         return self._finish(y, shape)
@@ -230,12 +239,14 @@ class Fp8Linear(_QuantLinear):
         # 16-bit): `_scaled_mm` at one row reads FP8 weights at well under half of bandwidth
         # (benchmarks/linear_kernels.py) and needs three extra kernels to quantize activations.
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
+        self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= TRITON_M and self.triton_kernel:
-            return self._finish(wo_mm(x2, self.weight, self.scale), shape)
+            y = wo_mm(x2, self.weight, self.scale, counters=self.counters)
+            return self._finish(y, shape)
         xs = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
         xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         y = torch._scaled_mm(
@@ -297,7 +308,7 @@ def _triton_available() -> bool:
     """The int8/FP8 decode kernels compile and are right on this GPU."""
 
     def check():
-        for name in ("gemv", "wo8_dot"):
+        for name in ("gemv", "wo8_dot", "wo8_dot_nosplit"):
             _kernel(name)
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
@@ -368,14 +379,29 @@ def _m_bucket(m: int) -> int:
     return min(1 << max(4, (m - 1).bit_length()), 4096)
 
 
+SPLIT_K_MAX = 8  # the largest K split among `triton_kernels.wo8_dot`'s configs
+
+
+def tile_counters(n: int, m: int, device) -> torch.Tensor:
+    """Zeroed per-tile counters for `wo_mm`'s K-split reduction at up to `m` rows and `n`
+    outputs. Every launch leaves them zero again; a layer keeps its own as a buffer, so that the
+    compiled step's CUDA graph sees a fixed address (a tensor made per call would not be)."""
+    return torch.zeros(-(-n // 16) * -(-m // 16), dtype=torch.int32, device=device)
+
+
 def wo_mm(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, kernel: str | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    kernel: str | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (w (N, K) * scale (N,))^T for decode rows, on CUDA via Triton.
 
     `w` is int8 or float8_e4m3fn (1 byte per weight); `scale` one float per output channel.
-    `kernel`: "dot" (`triton_kernels.wo8_dot`), "gemv" (`_gemv_kernel`) or "auto" (see
-    `WO8_KERNEL`, the default).
+    `kernel`: "dot" (`triton_kernels.wo8_dot`), "dot1" (the same without a K split), "gemv"
+    (`_gemv_kernel`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the dot kernel's per-tile counters
+    (`tile_counters`); made here when not given.
     """
     import triton
 
@@ -395,9 +421,18 @@ def wo_mm(
         return y
 
     def grid2(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
+        return (
+            triton.cdiv(n, meta["BLOCK_N"]),
+            triton.cdiv(m, meta["BLOCK_M"]),
+            meta["SPLIT_K"],
+        )
 
-    launch(_kernel("wo8_dot"), grid2, x, w, scale, y, m, n, _m_bucket(m), K=k)
+    if counters is None:
+        counters = tile_counters(n, m, x.device)
+    # the K-split partials (fp32), sized for the largest split: the autotuner picks the config
+    ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
+    name = "wo8_dot_nosplit" if kernel == "dot1" else "wo8_dot"
+    launch(_kernel(name), grid2, x, w, scale, y, ws, counters, m, n, _m_bucket(m), K=k)
     return y
 
 

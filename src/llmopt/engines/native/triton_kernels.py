@@ -2,7 +2,8 @@
 
 - `decode_split` / `decode_combine`: flash-decoding attention over the paged KV cache
   (`attention.paged_decode` launches them and documents the algorithm).
-- `wo8_dot`: int8 / FP8 weight-only matmul for decode rows (`linear.wo_mm` launches it).
+- `wo8_dot`: int8 / FP8 weight-only matmul for decode rows, split along K where that fills the
+  GPU (`linear.wo_mm` launches it); `wo8_dot_nosplit` the same without the split.
 - `int4_dot`: weight-only int4 matmul, any row count (`linear.int4_mm` launches it;
   `linear.pack_int4_planar` gives the weight layout).
 
@@ -214,10 +215,17 @@ if triton is not None:
     # a CUDA-core GEMV (`linear._gemv_kernel`) re-reads them per row, and the multiply-adds leave
     # the ALUs to the dequantization.
 
-    # Each the best of a sweep on the H200 for one of the 8B linear shapes at 1-16 rows
-    # (`benchmarks/linear_kernels.py --sweep`, docs/benchmarks.md).
+    # The sweep's best per 8B linear shape at 1-16 rows (`benchmarks/linear_kernels.py
+    # --sweep`, docs/benchmarks.md), each also split along K (SPLIT_K): the narrow projections
+    # (4,096-6,144 outputs) give 64-192 programs of 32-64 outputs, about one per multiprocessor,
+    # too few weight bytes in flight to reach the copy rate; split 2-8 ways along K they give
+    # several per multiprocessor. The autotuner picks per shape.
     _DOT_CONFIGS = [
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
+        triton.Config(
+            {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
+            num_warps=4,
+            num_stages=st,
+        )
         for bn, bk, st in (
             (64, 512, 3),
             (32, 512, 3),
@@ -226,20 +234,34 @@ if triton is not None:
             (32, 256, 5),
             (64, 512, 5),
         )
+        for sk in (1, 2, 4, 8)
     ]
 
     def _dot_prune(configs, named_args, **kwargs):
-        # decode rows take the 16-row tiles, prompts the larger ones
+        # decode rows take the 16-row tiles, prompts the larger ones; a K split only where
+        # every split is whole BLOCK_K tiles (others are correct, but mask and select)
         small = named_args["M_BUCKET"] <= 16
-        return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small] or configs
+        k = named_args.get("K", kwargs.get("K"))
 
-    @triton.autotune(configs=_DOT_CONFIGS, key=["N", "K", "M_BUCKET"])
+        def whole(c):
+            sk = c.kwargs.get("SPLIT_K", 1)
+            return sk == 1 or k is None or k % (sk * c.kwargs["BLOCK_K"]) == 0
+
+        return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small and whole(c)] or configs
+
+    @triton.autotune(
+        configs=_DOT_CONFIGS,
+        key=["N", "K", "M_BUCKET"],
+        prune_configs_by={"early_config_prune": _dot_prune},
+    )
     @triton.jit
     def wo8_dot(
         x_ptr,
         w_ptr,
         s_ptr,
         y_ptr,
+        ws_ptr,
+        sem_ptr,
         M,
         N,
         M_BUCKET,
@@ -247,17 +269,25 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):
-        # y = (x @ w^T) * scale, w (N, K) int8 or float8_e4m3fn, one scale per output channel;
-        # both 1-byte formats convert exactly to the activation dtype before the dot.
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        # y = (x @ w^T) * scale, w (N, K) int8 or float8_e4m3fn (or bf16, for comparisons), one
+        # scale per output channel; the 1-byte formats convert exactly to the activation dtype
+        # before the dot. With SPLIT_K > 1, program (n, m, s) sums K's s-th part into an fp32
+        # partial in `ws_ptr` (SPLIT_K, M, N); the last of a tile's SPLIT_K programs to finish
+        # (a counter per tile in `sem_ptr`, which it resets to 0) adds the partials in split
+        # order, so the result does not depend on which program came last.
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mmask, nmask = rm < M, rn < N
+        KS: tl.constexpr = (K + SPLIT_K - 1) // SPLIT_K  # this split's part of K
+        WHOLE: tl.constexpr = K % SPLIT_K == 0 and KS % BLOCK_K == 0
+        kend = tl.minimum(pid_k * KS + KS, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            kmask = rk < K
+        for k0 in tl.range(0, KS, BLOCK_K):  # a constant trip count (and the interpreter's)
+            rk = pid_k * KS + k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < kend
             x = tl.load(
                 x_ptr + rm[:, None] * K + rk[None, :],
                 mask=mmask[:, None] & kmask[None, :],
@@ -265,18 +295,44 @@ if triton is not None:
             )
             wmask = nmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
-            if K % BLOCK_K == 0:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
+            if WHOLE:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
                 wx = w.to(x.dtype)
             else:  # no FP8 literal for `other=`: zero the tail here
                 wx = tl.where(wmask, w.to(x.dtype), 0.0)
             acc += tl.dot(x, tl.trans(wx))
-        s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-        y = acc * s[None, :]
-        tl.store(
-            y_ptr + rm[:, None] * N + rn[None, :],
-            y.to(y_ptr.dtype.element_ty),
-            mask=mmask[:, None] & nmask[None, :],
-        )
+        omask = mmask[:, None] & nmask[None, :]
+        if SPLIT_K > 1:
+            part = rm[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + pid_k * M * N + part, acc, mask=omask)
+            # every thread's partial stored before the counter's release (acq_rel, GPU scope)
+            tl.debug_barrier()
+            tile = sem_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # from L2: other programs wrote them
+                    acc += tl.load(ws_ptr + s * M * N + part, mask=omask, cache_modifier=".cg")
+                tl.atomic_xchg(tile, 0)  # ready for the next launch
+                s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+                tl.store(
+                    y_ptr + rm[:, None] * N + rn[None, :],
+                    (acc * s[None, :]).to(y_ptr.dtype.element_ty),
+                    mask=omask,
+                )
+        else:
+            s = tl.load(s_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            tl.store(
+                y_ptr + rm[:, None] * N + rn[None, :],
+                (acc * s[None, :]).to(y_ptr.dtype.element_ty),
+                mask=omask,
+            )
+
+    # The same kernel without the K split: benchmarks and `linear.wo_mm(kernel="dot1")` compare
+    # the two side by side.
+    wo8_dot_nosplit = triton.autotune(
+        configs=[c for c in _DOT_CONFIGS if c.kwargs["SPLIT_K"] == 1],
+        key=["N", "K", "M_BUCKET"],
+        prune_configs_by={"early_config_prune": _dot_prune},
+    )(wo8_dot.fn)
 
     # int4 in a layout chosen for the dot (`linear.pack_int4_planar`): per tile of 256 codes a
     # row holds 32 words, and nibble i of word j is the signed code of k = 256 t + 32 i + j. So

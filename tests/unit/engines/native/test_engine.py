@@ -375,13 +375,22 @@ GEMV_CHECK = """
 import torch
 from llmopt.engines.native import attention as A
 from llmopt.engines.native import linear as L
-for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", (0, 1, 3, 5))):
+from llmopt.engines.native import triton_kernels as T
+# the dot kernel's configs: unsplit, split 2 and 8 in whole tiles or not, one split left empty
+first = {}
+for i, c in enumerate(T.wo8_dot.configs):
+    first.setdefault((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]), i)
+dots = [first[c] for c in ((64, 512, 1), (64, 512, 2), (32, 256, 8), (32, 1024, 2))]
+for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", dots)):
     for cfg in cfgs:
         A.INTERPRET_CONFIG = cfg
-        for n, k, m in ((96, 256, 1), (200, 512, 3), (64, 384, 4), (48, 1024, 16)):
+        for n, k, m in ((96, 256, 1), (200, 512, 3), (64, 384, 4), (48, 1024, 16), (40, 520, 2)):
             w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+            counters = L.tile_counters(n, m, "cpu")
             for q, s in (L.quantize_int8(w), L.quantize_fp8(w)):
-                y = L.wo_mm(x, q, s.contiguous(), kernel)
+                for _ in range(2):  # the counters are left zero for the next launch
+                    y = L.wo_mm(x, q, s.contiguous(), kernel, counters)
+                    assert not counters.any(), counters
                 ref = x @ (q.float() * s[:, None]).t()
                 err = float((y - ref).norm() / ref.norm())
                 assert err < 1e-5, (kernel, cfg, n, k, m, q.dtype, err)
