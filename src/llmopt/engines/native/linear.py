@@ -272,11 +272,11 @@ _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, w
 
 
 def _kernel(name: str):
-    """The Triton kernel `name` ("gemv", or a kernel of `triton_kernels`), created once. The
-    availability checks create each eagerly, so that inside the compiled step this is a lookup:
-    Dynamo cannot trace the factories (`triton.jit`)."""
+    """The Triton kernel `name` of `triton_kernels`, looked up once. The availability checks
+    look each up eagerly, so that inside the compiled step this is a dict lookup: Dynamo cannot
+    trace the import."""
     if name not in _KERNELS:
-        _KERNELS[name] = _gemv_kernel() if name == "gemv" else getattr(_triton_kernels(), name)
+        _KERNELS[name] = getattr(_triton_kernels(), name)
     return _KERNELS[name]
 
 
@@ -308,7 +308,7 @@ def _triton_available() -> bool:
     """The int8/FP8 decode kernels compile and are right on this GPU."""
 
     def check():
-        for name in ("gemv", "wo8_dot", "wo8_dot_nosplit"):
+        for name in ("wo8_gemv", "wo8_dot", "wo8_dot_nosplit"):
             _kernel(name)
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
@@ -327,51 +327,6 @@ def _triton_kernels():
     from llmopt.engines.native import triton_kernels as T  # heavy: triton, a GPU-host package
 
     return T
-
-
-@functools.cache
-def _gemv_kernel():
-    # Written by hand: weight-only linears at decode sizes are GEMVs (memory-bound), and neither
-    # cuBLAS nor PyTorch's CUDA int8pack kernel reads 1-byte weights near bandwidth (module doc).
-    # One program computes BLOCK_N outputs of one activation row; the partial products stay in a
-    # (BLOCK_N, BLOCK_K) register tile and are reduced once at the end.
-    import triton
-    import triton.language as tl
-
-    configs = [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bn, bk, w, st in (
-            (8, 512, 4, 3),
-            (16, 256, 4, 3),
-            (16, 512, 8, 3),
-            (32, 256, 8, 3),
-            (32, 128, 4, 3),
-            (64, 128, 8, 3),
-            (8, 1024, 4, 4),
-            (16, 1024, 8, 4),
-        )
-    ]
-
-    @triton.autotune(configs=configs, key=["N", "K"])
-    @triton.jit
-    def kernel(
-        x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-    ):
-        pid_n, m = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            wmask = (rn[:, None] < N) & (rk[None, :] < K)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
-            w = tl.where(wmask, w.to(tl.float32), 0.0)  # (not `other=`: no FP8 literal for it)
-            x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0)
-            acc += w * x.to(tl.float32)[None, :]
-        s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        y = tl.sum(acc, axis=1) * s
-        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-    return kernel
 
 
 def _m_bucket(m: int) -> int:
@@ -400,7 +355,7 @@ def wo_mm(
 
     `w` is int8 or float8_e4m3fn (1 byte per weight); `scale` one float per output channel.
     `kernel`: "dot" (`triton_kernels.wo8_dot`), "dot1" (the same without a K split), "gemv"
-    (`_gemv_kernel`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the dot kernel's per-tile counters
+    (`triton_kernels.wo8_gemv`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the dot kernel's per-tile counters
     (`tile_counters`); made here when not given.
     """
     import triton
@@ -412,12 +367,15 @@ def wo_mm(
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
         kernel = "gemv" if m == 1 and w.dtype == torch.float8_e4m3fn else "dot"
+    # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
+    words = w.dtype == torch.int8 and k % 4 == 0
     if kernel == "gemv":
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), m)
 
-        launch(_kernel("gemv"), grid, x, w, scale, y, n, k)
+        wv = w.view(torch.int32) if words else w
+        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, n, k, WORDS=words)
         return y
 
     def grid2(meta):
@@ -432,7 +390,10 @@ def wo_mm(
     # the K-split partials (fp32), sized for the largest split: the autotuner picks the config
     ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
     name = "wo8_dot_nosplit" if kernel == "dot1" else "wo8_dot"
-    launch(_kernel(name), grid2, x, w, scale, y, ws, counters, m, n, _m_bucket(m), K=k)
+    wv = w.view(torch.int32) if words else w
+    launch(
+        _kernel(name), grid2, x, wv, scale, y, ws, counters, m, n, _m_bucket(m), K=k, WORDS=words
+    )
     return y
 
 

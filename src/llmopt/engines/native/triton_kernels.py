@@ -3,7 +3,8 @@
 - `decode_split` / `decode_combine`: flash-decoding attention over the paged KV cache
   (`attention.paged_decode` launches them and documents the algorithm).
 - `wo8_dot`: int8 / FP8 weight-only matmul for decode rows, split along K where that fills the
-  GPU (`linear.wo_mm` launches it); `wo8_dot_nosplit` the same without the split.
+  GPU (`linear.wo_mm` launches it); `wo8_dot_nosplit` the same without the split; `wo8_gemv`
+  the CUDA-core GEMV for one row.
 - `int4_dot`: weight-only int4 matmul, any row count (`linear.int4_mm` launches it;
   `linear.pack_int4_planar` gives the weight layout).
 
@@ -209,10 +210,78 @@ if triton is not None:
         res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + (b * H + h) * D + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
+    @triton.jit
+    def _bytes_as_float(wd, i: tl.constexpr):
+        # Byte i of int32 words `wd` (signed int8 weights, four per word) as fp32, by bit
+        # arithmetic instead of a conversion instruction: ((u & 0xFF) ^ 0x80) in the mantissa of
+        # 2^23 is the float 2^23 + 128 + b exactly (b the signed byte), so one subtraction gives
+        # b. Int-to-float conversions issue at a quarter of the integer rate, about the rate
+        # int8 weights arrive at from memory: they capped both int8 kernels.
+        f = (((wd >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
+        return f - 8388736.0
+
+    # Weight-only GEMV on the CUDA cores (written by hand: neither cuBLAS nor PyTorch's CUDA
+    # int8pack kernel reads 1-byte weights near bandwidth). One program computes BLOCK_N outputs
+    # of one activation row; the partial products stay in a register tile, reduced at the end.
+    _GEMV_CONFIGS = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bn, bk, w, st in (
+            (8, 512, 4, 3),
+            (16, 256, 4, 3),
+            (16, 512, 8, 3),
+            (32, 256, 8, 3),
+            (32, 128, 4, 3),
+            (64, 128, 8, 3),
+            (8, 1024, 4, 4),
+            (16, 1024, 8, 4),
+        )
+    ]
+
+    @triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "WORDS"])
+    @triton.jit
+    def wo8_gemv(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        N,
+        K: tl.constexpr,
+        WORDS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # y[m] = (w @ x[m]) * scale; w (N, K) float8_e4m3fn, or with WORDS int8 read as an
+        # (N, K / 4) int32 view (byte i of word j is k = 4 j + i, `_bytes_as_float`).
+        pid_n, m = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if WORDS:
+            BW: tl.constexpr = BLOCK_K // 4
+            j = tl.arange(0, BW)
+            acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+            for w0 in tl.range(0, K // 4, BW):
+                wc = w0 + j
+                wmask = (rn[:, None] < N) & (wc[None, :] < K // 4)
+                wd = tl.load(w_ptr + rn[:, None] * (K // 4) + wc[None, :], mask=wmask, other=0)
+                for i in tl.static_range(4):  # masked words are 0: their bytes give 0.0
+                    x = tl.load(x_ptr + m * K + 4 * wc + i, mask=wc < K // 4, other=0.0)
+                    acc += _bytes_as_float(wd, i) * x.to(tl.float32)[None, :]
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                wmask = (rn[:, None] < N) & (rk[None, :] < K)
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
+                w = tl.where(wmask, w.to(tl.float32), 0.0)  # (no FP8 literal for `other=`)
+                x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0)
+                acc += w * x.to(tl.float32)[None, :]
+        s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        y = tl.sum(acc, axis=1) * s
+        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
     # Weight-only matmuls on the tensor cores, dequantization fused: decode rows are padded to a
     # 16-row `tl.dot` (the idle rows cost tensor-core time, which a memory-bound matmul has to
     # spare), so one program reads its BLOCK_N weight rows once for all M activation rows, where
-    # a CUDA-core GEMV (`linear._gemv_kernel`) re-reads them per row, and the multiply-adds leave
+    # a CUDA-core GEMV (`wo8_gemv`) re-reads them per row, and the multiply-adds leave
     # the ALUs to the dequantization.
 
     # The sweep's best per 8B linear shape at 1-16 rows (`benchmarks/linear_kernels.py
@@ -238,22 +307,13 @@ if triton is not None:
     ]
 
     def _dot_prune(configs, named_args, **kwargs):
-        # decode rows take the 16-row tiles, prompts the larger ones; a K split only where
-        # every split is whole BLOCK_K tiles (others are correct, but mask and select)
+        # decode rows take the 16-row tiles, prompts the larger ones
         small = named_args["M_BUCKET"] <= 16
-        k = named_args.get("K", kwargs.get("K"))
+        return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small] or configs
 
-        def whole(c):
-            sk = c.kwargs.get("SPLIT_K", 1)
-            return sk == 1 or k is None or k % (sk * c.kwargs["BLOCK_K"]) == 0
-
-        return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small and whole(c)] or configs
-
-    @triton.autotune(
-        configs=_DOT_CONFIGS,
-        key=["N", "K", "M_BUCKET"],
-        prune_configs_by={"early_config_prune": _dot_prune},
-    )
+    # (no `prune_configs_by` here: Dynamo failed to trace a pruned autotuner called by more
+    # than one layer of a compiled step; a split that is not whole tiles is correct, only slower)
+    @triton.autotune(configs=_DOT_CONFIGS, key=["N", "K", "M_BUCKET", "WORDS"])
     @triton.jit
     def wo8_dot(
         x_ptr,
@@ -266,6 +326,7 @@ if triton is not None:
         N,
         M_BUCKET,
         K: tl.constexpr,
+        WORDS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -281,25 +342,45 @@ if triton is not None:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mmask, nmask = rm < M, rn < N
-        KS: tl.constexpr = (K + SPLIT_K - 1) // SPLIT_K  # this split's part of K
-        WHOLE: tl.constexpr = K % SPLIT_K == 0 and KS % BLOCK_K == 0
-        kend = tl.minimum(pid_k * KS + KS, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, KS, BLOCK_K):  # a constant trip count (and the interpreter's)
-            rk = pid_k * KS + k0 + tl.arange(0, BLOCK_K)
-            kmask = rk < kend
-            x = tl.load(
-                x_ptr + rm[:, None] * K + rk[None, :],
-                mask=mmask[:, None] & kmask[None, :],
-                other=0.0,
-            )
-            wmask = nmask[:, None] & kmask[None, :]
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
-            if WHOLE:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
-                wx = w.to(x.dtype)
-            else:  # no FP8 literal for `other=`: zero the tail here
-                wx = tl.where(wmask, w.to(x.dtype), 0.0)
-            acc += tl.dot(x, tl.trans(wx))
+        if WORDS:  # int8 as an (N, K / 4) int32 view, split and tiled in words
+            BW: tl.constexpr = BLOCK_K // 4
+            KWS: tl.constexpr = (K // 4 + SPLIT_K - 1) // SPLIT_K  # this split's words
+            wend = tl.minimum(pid_k * KWS + KWS, K // 4)
+            for w0 in tl.range(0, KWS, BW):  # a constant trip count (and the interpreter's)
+                wc = pid_k * KWS + w0 + tl.arange(0, BW)
+                wcm = wc < wend
+                wd = tl.load(
+                    w_ptr + rn[:, None] * (K // 4) + wc[None, :],
+                    mask=nmask[:, None] & wcm[None, :],
+                    other=0,
+                )
+                for i in tl.static_range(4):  # byte i of the words: k = 4 j + i
+                    x = tl.load(
+                        x_ptr + rm[:, None] * K + 4 * wc[None, :] + i,
+                        mask=mmask[:, None] & wcm[None, :],
+                        other=0.0,
+                    )
+                    acc += tl.dot(x, tl.trans(_bytes_as_float(wd, i).to(x.dtype)))
+        else:
+            KS: tl.constexpr = (K + SPLIT_K - 1) // SPLIT_K  # this split's part of K
+            WHOLE: tl.constexpr = K % SPLIT_K == 0 and KS % BLOCK_K == 0
+            kend = tl.minimum(pid_k * KS + KS, K)
+            for k0 in tl.range(0, KS, BLOCK_K):
+                rk = pid_k * KS + k0 + tl.arange(0, BLOCK_K)
+                kmask = rk < kend
+                x = tl.load(
+                    x_ptr + rm[:, None] * K + rk[None, :],
+                    mask=mmask[:, None] & kmask[None, :],
+                    other=0.0,
+                )
+                wmask = nmask[:, None] & kmask[None, :]
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
+                if WHOLE:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
+                    wx = w.to(x.dtype)
+                else:  # no FP8 literal for `other=`: zero the tail here
+                    wx = tl.where(wmask, w.to(x.dtype), 0.0)
+                acc += tl.dot(x, tl.trans(wx))
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT_K > 1:
             part = rm[:, None] * N + rn[None, :]
@@ -330,8 +411,7 @@ if triton is not None:
     # the two side by side.
     wo8_dot_nosplit = triton.autotune(
         configs=[c for c in _DOT_CONFIGS if c.kwargs["SPLIT_K"] == 1],
-        key=["N", "K", "M_BUCKET"],
-        prune_configs_by={"early_config_prune": _dot_prune},
+        key=["N", "K", "M_BUCKET", "WORDS"],
     )(wo8_dot.fn)
 
     # int4 in a layout chosen for the dot (`linear.pack_int4_planar`): per tile of 256 codes a
