@@ -221,15 +221,8 @@ def _sweep_call(kind, n, k, m, cfg, x, w, s):
         sk = cfg[4]
         ws = torch.empty(sk, m, n, device=x.device, dtype=torch.float32)
         cnt = _COUNTERS.setdefault(n, L.tile_counters(n, 16, x.device))
-        words = kind == "int8"  # as `linear.wo_mm` reads int8: int32 words of four
-        wv = w.view(torch.int32) if words else w
         T.wo8_dot.fn[(*grid, sk)](
-            *(x, wv, s, y, ws, cnt, m, n, L._m_bucket(m)),
-            K=k,
-            WORDS=words,
-            BLOCK_K=b2,
-            SPLIT_K=sk,
-            **opts,
+            *(x, w, s, y, ws, cnt, m, n, L._m_bucket(m)), K=k, BLOCK_K=b2, SPLIT_K=sk, **opts
         )
     return y
 

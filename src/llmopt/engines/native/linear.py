@@ -366,14 +366,14 @@ def wo_mm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
-        kernel = "gemv" if m == 1 and w.dtype == torch.float8_e4m3fn else "dot"
-    # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
-    words = w.dtype == torch.int8 and k % 4 == 0
+        kernel = "gemv" if m == 1 else "dot"
     if kernel == "gemv":
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), m)
 
+        # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
+        words = w.dtype == torch.int8 and k % 4 == 0
         wv = w.view(torch.int32) if words else w
         launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, n, k, WORDS=words)
         return y
@@ -390,10 +390,7 @@ def wo_mm(
     # the K-split partials (fp32), sized for the largest split: the autotuner picks the config
     ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
     name = "wo8_dot_nosplit" if kernel == "dot1" else "wo8_dot"
-    wv = w.view(torch.int32) if words else w
-    launch(
-        _kernel(name), grid2, x, wv, scale, y, ws, counters, m, n, _m_bucket(m), K=k, WORDS=words
-    )
+    launch(_kernel(name), grid2, x, w, scale, y, ws, counters, m, n, _m_bucket(m), K=k)
     return y
 
 

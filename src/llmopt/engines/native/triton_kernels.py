@@ -216,7 +216,9 @@ if triton is not None:
         # arithmetic instead of a conversion instruction: ((u & 0xFF) ^ 0x80) in the mantissa of
         # 2^23 is the float 2^23 + 128 + b exactly (b the signed byte), so one subtraction gives
         # b. Int-to-float conversions issue at a quarter of the integer rate, about the rate
-        # int8 weights arrive at from memory: they capped both int8 kernels.
+        # int8 weights arrive at from memory. (The tensor-core kernel `wo8_dot` reads int8 as
+        # bytes: there the words, four strided loads of x and four narrower dots measured
+        # slower; docs/benchmarks.md.)
         f = (((wd >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
         return f - 8388736.0
 
@@ -313,7 +315,7 @@ if triton is not None:
 
     # (no `prune_configs_by` here: Dynamo failed to trace a pruned autotuner called by more
     # than one layer of a compiled step; a split that is not whole tiles is correct, only slower)
-    @triton.autotune(configs=_DOT_CONFIGS, key=["N", "K", "M_BUCKET", "WORDS"])
+    @triton.autotune(configs=_DOT_CONFIGS, key=["N", "K", "M_BUCKET"])
     @triton.jit
     def wo8_dot(
         x_ptr,
@@ -326,7 +328,6 @@ if triton is not None:
         N,
         M_BUCKET,
         K: tl.constexpr,
-        WORDS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -343,44 +344,24 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mmask, nmask = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if WORDS:  # int8 as an (N, K / 4) int32 view, split and tiled in words
-            BW: tl.constexpr = BLOCK_K // 4
-            KWS: tl.constexpr = (K // 4 + SPLIT_K - 1) // SPLIT_K  # this split's words
-            wend = tl.minimum(pid_k * KWS + KWS, K // 4)
-            for w0 in tl.range(0, KWS, BW):  # a constant trip count (and the interpreter's)
-                wc = pid_k * KWS + w0 + tl.arange(0, BW)
-                wcm = wc < wend
-                wd = tl.load(
-                    w_ptr + rn[:, None] * (K // 4) + wc[None, :],
-                    mask=nmask[:, None] & wcm[None, :],
-                    other=0,
-                )
-                for i in tl.static_range(4):  # byte i of the words: k = 4 j + i
-                    x = tl.load(
-                        x_ptr + rm[:, None] * K + 4 * wc[None, :] + i,
-                        mask=mmask[:, None] & wcm[None, :],
-                        other=0.0,
-                    )
-                    acc += tl.dot(x, tl.trans(_bytes_as_float(wd, i).to(x.dtype)))
-        else:
-            KS: tl.constexpr = (K + SPLIT_K - 1) // SPLIT_K  # this split's part of K
-            WHOLE: tl.constexpr = K % SPLIT_K == 0 and KS % BLOCK_K == 0
-            kend = tl.minimum(pid_k * KS + KS, K)
-            for k0 in tl.range(0, KS, BLOCK_K):
-                rk = pid_k * KS + k0 + tl.arange(0, BLOCK_K)
-                kmask = rk < kend
-                x = tl.load(
-                    x_ptr + rm[:, None] * K + rk[None, :],
-                    mask=mmask[:, None] & kmask[None, :],
-                    other=0.0,
-                )
-                wmask = nmask[:, None] & kmask[None, :]
-                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
-                if WHOLE:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
-                    wx = w.to(x.dtype)
-                else:  # no FP8 literal for `other=`: zero the tail here
-                    wx = tl.where(wmask, w.to(x.dtype), 0.0)
-                acc += tl.dot(x, tl.trans(wx))
+        KS: tl.constexpr = (K + SPLIT_K - 1) // SPLIT_K  # this split's part of K
+        WHOLE: tl.constexpr = K % SPLIT_K == 0 and KS % BLOCK_K == 0
+        kend = tl.minimum(pid_k * KS + KS, K)
+        for k0 in tl.range(0, KS, BLOCK_K):
+            rk = pid_k * KS + k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < kend
+            x = tl.load(
+                x_ptr + rm[:, None] * K + rk[None, :],
+                mask=mmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
+            if WHOLE:  # noqa: SIM108 - whole tiles: no select (masked rows unstored)
+                wx = w.to(x.dtype)
+            else:  # no FP8 literal for `other=`: zero the tail here
+                wx = tl.where(wmask, w.to(x.dtype), 0.0)
+            acc += tl.dot(x, tl.trans(wx))
         omask = mmask[:, None] & nmask[None, :]
         if SPLIT_K > 1:
             part = rm[:, None] * N + rn[None, :]
@@ -411,7 +392,7 @@ if triton is not None:
     # the two side by side.
     wo8_dot_nosplit = triton.autotune(
         configs=[c for c in _DOT_CONFIGS if c.kwargs["SPLIT_K"] == 1],
-        key=["N", "K", "M_BUCKET", "WORDS"],
+        key=["N", "K", "M_BUCKET"],
     )(wo8_dot.fn)
 
     # int4 in a layout chosen for the dot (`linear.pack_int4_planar`): per tile of 256 codes a
