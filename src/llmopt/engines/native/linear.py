@@ -6,8 +6,8 @@ activation dtype. The kernels are PyTorch's and, on CUDA at decode rows, our own
 
 | layer       | CPU                                   | CUDA                                         |
 |-------------|---------------------------------------|----------------------------------------------|
-| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton `wo8_dot` (rows <= 16), else dequant  |
-|             |                                       | + cuBLAS                                     |
+| Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton: `wo8_gemv` at 1 row, `wo8_dot` at    |
+|             |                                       | 2-16; dequant + cuBLAS above                 |
 | Int4Linear  | `_weight_int4pack_mm_for_cpu`         | tinygemm (`_weight_int4pack_mm`); with       |
 |             |                                       | `INT4_TRITON`, Triton `int4_dot` (any rows)  |
 | Fp8Linear   | refused (no fast FP8 matmul on CPU)   | weight-only Triton: the GEMV at 1 row,       |
@@ -259,11 +259,11 @@ class Fp8Linear(_QuantLinear):
 # (prompts) the dense matmul on dequantized weights is compute-bound and cuBLAS wins.
 TRITON_M = 16
 # Kernel of the int8/FP8 layers at decode rows: "dot" (tensor cores, one weight read for all
-# rows), "gemv" (CUDA cores, one program row per activation row) or "auto", from the H200's
-# measurements (docs/benchmarks.md, issue 24): the GEMV for FP8 at one row, where it reads FP8
-# faster, the dot kernel everywhere else (at 4 rows it reads the weights 2-4x faster than the
-# GEMV, which re-reads them per row; for int8 at one row the two measured equal). Benchmarks
-# force one.
+# rows), "dot1" (the same without its K split), "gemv" (CUDA cores, one program row per
+# activation row) or "auto", from the H200's measurements (docs/benchmarks.md, issue 24): the
+# GEMV at one row (faster for FP8; for int8, reading words, equal to the dot overall and faster
+# on the narrow projections), the dot kernel at 2-16 rows (there it reads the weights 2-4x
+# faster than the GEMV, which re-reads them per row). Benchmarks force one.
 WO8_KERNEL = "auto"
 # The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
 # slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
@@ -355,8 +355,8 @@ def wo_mm(
 
     `w` is int8 or float8_e4m3fn (1 byte per weight); `scale` one float per output channel.
     `kernel`: "dot" (`triton_kernels.wo8_dot`), "dot1" (the same without a K split), "gemv"
-    (`triton_kernels.wo8_gemv`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the dot kernel's per-tile counters
-    (`tile_counters`); made here when not given.
+    (`triton_kernels.wo8_gemv`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the
+    dot kernel's per-tile counters (`tile_counters`); made here when not given.
     """
     import triton
 
