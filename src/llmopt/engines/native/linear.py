@@ -447,7 +447,7 @@ def int4_mm(
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
 
     launch(
-        _kernel("int4_dot"),
+        _kernel("int4_dot" if m <= TRITON_M else "int4_dot_prompt"),
         grid,
         *(x, packed, scale, z, y, m, n, _m_bucket(m)),
         K=k,
@@ -469,7 +469,7 @@ def _triton_int4_available() -> bool:
     """The int4 kernel compiles and is right on this GPU (decode rows and a prompt)."""
 
     def check():
-        _kernel("int4_dot")
+        _kernel("int4_dot"), _kernel("int4_dot_prompt")
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int4(w, 128)

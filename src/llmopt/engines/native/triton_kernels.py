@@ -308,13 +308,8 @@ if triton is not None:
         for sk in (1, 2, 4, 8)
     ]
 
-    def _dot_prune(configs, named_args, **kwargs):
-        # decode rows take the 16-row tiles, prompts the larger ones
-        small = named_args["M_BUCKET"] <= 16
-        return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == small] or configs
-
-    # (no `prune_configs_by` here: Dynamo failed to trace a pruned autotuner called by more
-    # than one layer of a compiled step; a split that is not whole tiles is correct, only slower)
+    # (no `prune_configs_by`: Dynamo failed to trace a pruned autotuner called by more than one
+    # layer of a compiled step; a split that is not whole tiles is correct, only slower)
     @triton.autotune(configs=_DOT_CONFIGS, key=["N", "K", "M_BUCKET"])
     @triton.jit
     def wo8_dot(
@@ -402,19 +397,19 @@ if triton is not None:
     # never straddles a scale group (groups of 32, 64, 128 or 256): the dot results of one group
     # are summed before its scale multiplies them once.
 
-    _INT4_CONFIGS = [  # the sweep's best per 8B shape, then prompts' tiles
+    # the sweep's best per 8B shape (decode rows: `int4_dot`), and prompts' tiles
+    # (`int4_dot_prompt`): two autotuners over one kernel rather than one with pruning, which
+    # Dynamo failed to trace when several layers of a compiled step called it
+    _INT4_CONFIGS = [
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "TILES": t}, num_warps=4, num_stages=3)
         for t in (1, 2, 4)
-    ] + [
+    ]
+    _INT4_PROMPT_CONFIGS = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "TILES": 1}, num_warps=w, num_stages=3)
         for bm, bn, w in ((64, 64, 4), (64, 128, 8), (128, 128, 8))
     ]
 
-    @triton.autotune(
-        configs=_INT4_CONFIGS,
-        key=["N", "K", "G", "M_BUCKET"],
-        prune_configs_by={"early_config_prune": _dot_prune},
-    )
+    @triton.autotune(configs=_INT4_CONFIGS, key=["N", "K", "G", "M_BUCKET"])
     @triton.jit
     def int4_dot(
         x_ptr,
@@ -478,3 +473,7 @@ if triton is not None:
             acc.to(y_ptr.dtype.element_ty),
             mask=mmask[:, None] & nmask[None, :],
         )
+
+    int4_dot_prompt = triton.autotune(
+        configs=_INT4_PROMPT_CONFIGS, key=["N", "K", "G", "M_BUCKET"]
+    )(int4_dot.fn)
