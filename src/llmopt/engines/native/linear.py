@@ -340,7 +340,8 @@ SPLIT_K_MAX = 8  # the largest K split among `triton_kernels.wo8_dot`'s configs
 def tile_counters(n: int, m: int, device) -> torch.Tensor:
     """Zeroed per-tile counters for `wo_mm`'s K-split reduction at up to `m` rows and `n`
     outputs. Every launch leaves them zero again; a layer keeps its own as a buffer, so that the
-    compiled step's CUDA graph sees a fixed address (a tensor made per call would not be)."""
+    compiled step's CUDA graph sees a fixed address (a tensor made per call would not be). Two
+    launches sharing counters must not overlap: the engine runs one CUDA stream."""
     return torch.zeros(-(-n // 16) * -(-m // 16), dtype=torch.int32, device=device)
 
 
