@@ -6,6 +6,8 @@
 #   bash benchmarks/h200_runs.sh native-tests sweep decode smol-decode        # weight-only kernels
 #   REPEATS=1 MODES="fp8" bash benchmarks/h200_runs.sh setup model serve decode   # env knobs
 #   SWEEP_KINDS="int8 fp8 bf16" KERNEL_M="1 16" ROUNDS=3 bash benchmarks/h200_runs.sh sweep kernels
+#   KERNEL_M=1 bash benchmarks/h200_runs.sh kernels      # has the int4 GEMV column (int4-g128-gemv)
+#   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7

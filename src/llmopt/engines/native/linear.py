@@ -48,6 +48,7 @@ __all__ = [
     "wo_mm",
     "tile_counters",
     "INT4_TRITON",
+    "INT4_ONE_ROW",
     "WO8_KERNEL",
     "pack_int4_planar",
     "unpack_int4_planar",
@@ -268,6 +269,9 @@ WO8_KERNEL = "auto"
 # The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
 # slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
 INT4_TRITON = False
+# The Triton int4 path's kernel at one row: "dot" (`int4_dot`, measured) or "gemv" (`int4_gemv`,
+# not yet timed on a GPU; benchmarks opt in).
+INT4_ONE_ROW = "dot"
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -433,9 +437,12 @@ def int4_mm(
     scale: torch.Tensor,
     zero: torch.Tensor | None,
     group: int,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T, W[n, k] = q[n, k] * scale[n, k // group] (+ zero[n, ...]),
-    q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count."""
+    q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count. `kernel`:
+    "dot" (`triton_kernels.int4_dot`), "gemv" (`int4_gemv`, one program row per activation
+    row) or None for `INT4_ONE_ROW` at one row and the dot kernel otherwise."""
     import triton
 
     m, k = x.shape
@@ -443,6 +450,22 @@ def int4_mm(
     x = x.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     z = scale if zero is None else zero  # an unread stand-in when there is no zero
+    kernel = kernel or (INT4_ONE_ROW if m == 1 else "dot")
+    if kernel == "gemv":
+
+        def grid1(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]), m)
+
+        launch(
+            _kernel("int4_gemv"),
+            grid1,
+            *(x, packed, scale, z, y, n),
+            K=k,
+            KP=packed.shape[1] * 8,
+            G=group,
+            HAS_ZERO=zero is not None,
+        )
+        return y
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
@@ -467,18 +490,18 @@ def int4_triton_supported(k: int, group: int) -> bool:
 
 @functools.cache
 def _triton_int4_available() -> bool:
-    """The int4 kernel compiles and is right on this GPU (decode rows and a prompt)."""
+    """The int4 kernels compile and are right on this GPU (decode rows and a prompt)."""
 
     def check():
-        _kernel("int4_dot"), _kernel("int4_dot_prompt")
+        _kernel("int4_dot"), _kernel("int4_dot_prompt"), _kernel("int4_gemv")
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int4(w, 128)
         packed = pack_int4_planar(q)
         deq = (q.float().reshape(96, -1, 128) * s[..., None]).reshape(96, 512)
-        for m in (2, 24):
+        for m, kern in ((1, "gemv"), (2, "dot"), (24, "dot")):
             x = torch.randn(m, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-            got = int4_mm(x, packed, s.to(torch.bfloat16).contiguous(), None, 128)
-            _assert_close(got, x.float() @ deq.t(), f"int4 at {m} rows")
+            got = int4_mm(x, packed, s.to(torch.bfloat16).contiguous(), None, 128, kern)
+            _assert_close(got, x.float() @ deq.t(), f"int4 {kern} at {m} rows")
 
     return _check("int4", check)

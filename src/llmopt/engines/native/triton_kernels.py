@@ -6,7 +6,8 @@
   GPU (`linear.wo_mm` launches it); `wo8_dot_nosplit` the same without the split; `wo8_gemv`
   the CUDA-core GEMV for one row.
 - `int4_dot`: weight-only int4 matmul, any row count (`linear.int4_mm` launches it;
-  `linear.pack_int4_planar` gives the weight layout).
+  `linear.pack_int4_planar` gives the weight layout); `int4_gemv` the same layout at one row on
+  the CUDA cores.
 
 Module-level functions, as Triton resolves the helpers a kernel calls through the module's
 globals (a kernel defined inside a function cannot call another). Without Triton (CPU hosts)
@@ -477,3 +478,71 @@ if triton is not None:
     int4_dot_prompt = triton.autotune(
         configs=_INT4_PROMPT_CONFIGS, key=["N", "K", "G", "M_BUCKET"]
     )(int4_dot.fn)
+
+    # int4 at one decode row on the CUDA cores, from the same planar layout, with the bit
+    # arithmetic of `_bytes_as_float` and no shift per nibble: nibble i (< 4) of a word, masked
+    # in place and xor-ed with 8 << 4i (code c stored as c & 0xF, so u ^ 8 = c + 8) inside the
+    # mantissa of 2^23, is the float 2^23 + (c + 8) 16^i exactly; one subtraction leaves c 16^i,
+    # and the activation is pre-scaled by 16^-i (exact). Mask and xor are one 3-input logic
+    # instruction, the upper four nibbles take one shift per word, so a weight costs about one
+    # integer instruction, a subtraction and a multiply-add: no conversions, no tensor cores.
+    _INT4_GEMV_CONFIGS = [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in ((16, 4, 3), (32, 4, 3), (32, 8, 4), (64, 8, 3), (64, 4, 4), (128, 8, 3))
+    ]
+
+    @triton.jit
+    def _nibble_as_float(q, i: tl.constexpr):
+        # nibble i (0-3) of q as c * 16^i, c its signed code
+        f = ((q & (0xF << (4 * i))) ^ (0x4B000000 | (8 << (4 * i)))).to(tl.float32, bitcast=True)
+        return f - (8388608.0 + 8.0 * (16**i))
+
+    @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G"])
+    @triton.jit
+    def int4_gemv(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        y_ptr,
+        N,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        G: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # y[m] = W x[m], W[n, k] = c * scale[n, k // G] (+ zero[n, k // G]); program (n, m).
+        pid_n, m = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        j = tl.arange(0, 32)
+        FLUSH: tl.constexpr = G // 32 if G < 256 else 8  # slices per scale multiply
+        acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+        zacc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for t in tl.range(0, KP // 256):
+            p = tl.load(
+                w_ptr + rn[:, None] * (KP // 8) + t * 32 + j[None, :], mask=nmask[:, None], other=0
+            )
+            part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+            xs = 0.0
+            hi = p >> 16  # nibbles 4-7 in the low half
+            for i in tl.static_range(8):
+                k = t * 256 + i * 32 + j
+                x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
+                f = _nibble_as_float(p, i) if i < 4 else _nibble_as_float(hi, i - 4)
+                part += f * (x * (1.0 / 16 ** (i % 4)))[None, :]
+                if HAS_ZERO:
+                    xs += tl.sum(x, axis=0)
+                if (i + 1) % FLUSH == 0:
+                    g = (t * 256 + i * 32) // G
+                    gmask = nmask & (g < K // G)
+                    sc = tl.load(s_ptr + rn * (K // G) + g, mask=gmask, other=0.0)
+                    acc += part * sc.to(tl.float32)[:, None]
+                    part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+                    if HAS_ZERO:
+                        z = tl.load(z_ptr + rn * (K // G) + g, mask=gmask, other=0.0)
+                        zacc += xs * z.to(tl.float32)
+                        xs = 0.0
+        y = tl.sum(acc, axis=1) + zacc
+        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)

@@ -47,7 +47,8 @@ INTERPRET_CHECK = textwrap.dedent(
     worst = 0.0
     cases = ((40, 576, 64, 1, False), (24, 512, 128, 3, True), (72, 256, 32, 20, True),
              (64, 384, 128, 17, False), (16, 512, 256, 2, True))
-    for cfg in (0, 1, 2):  # each decode config (1, 2, 4 tiles per step) and prompt config
+    for cfg in (0, 1, 2, 5):  # each config of the dot kernels (1, 2, 4 tiles; prompt tiles)
+        # and of the GEMV (BLOCK_N 16, 32, 32, 128)
         A.INTERPRET_CONFIG = cfg
         for n, k, group, m, asym in cases:
             w = torch.randn(n, k, generator=g)
@@ -57,10 +58,11 @@ INTERPRET_CHECK = textwrap.dedent(
             deq = (qg * s[..., None]).reshape(n, k)
             zero = None if zp is None else -zp.float() * s
             x = torch.randn(m, k, generator=g)
-            y = L.int4_mm(x, L.pack_int4_planar(q), s, zero, group)
             ref = x @ deq.t()
-            assert y.shape == (m, n) and not y.isnan().any()
-            worst = max(worst, float((y - ref).norm() / ref.norm()))
+            for kern in ("dot", "gemv"):  # the GEMV at any row count too (one program row each)
+                y = L.int4_mm(x, L.pack_int4_planar(q), s, zero, group, kern)
+                assert y.shape == (m, n) and not y.isnan().any()
+                worst = max(worst, float((y - ref).norm() / ref.norm()))
     print("worst", worst)
     assert worst < 1e-5, worst
     """
