@@ -62,9 +62,12 @@ def num_splits(batch: int, n_kv: int, max_tokens: int, sms: int, min_tokens: int
     return max(1, min(want, math.ceil(max_tokens / min_tokens)))
 
 
-def reference(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int) -> torch.Tensor:
+def reference(
+    q, k_cache, v_cache, block_tables, ctx_lens, block_size: int, scale: float | None = None
+) -> torch.Tensor:
     """The same attention in plain torch, in fp32: q (B, H, D), caches (rows, n_kv, D),
-    block_tables (B, nb), ctx_lens (B,) keys visible per sequence. Returns (B, H, D) fp32."""
+    block_tables (B, nb), ctx_lens (B,) keys visible per sequence; `scale` as in
+    `paged_decode`. Returns (B, H, D) fp32."""
     b, h, d = q.shape
     n_kv = k_cache.shape[1]
     g = h // n_kv
@@ -75,7 +78,7 @@ def reference(q, k_cache, v_cache, block_tables, ctx_lens, block_size: int) -> t
         rows = block_tables[i, t // block_size] * block_size + t % block_size
         k = k_cache[rows].float().repeat_interleave(g, dim=1)  # (n, H, D)
         v = v_cache[rows].float().repeat_interleave(g, dim=1)
-        s = torch.einsum("hd,nhd->hn", q[i].float(), k) / math.sqrt(d)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) * (scale or 1.0 / math.sqrt(d))
         out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
     return out
 
@@ -118,12 +121,14 @@ def paged_decode(
     pos: torch.Tensor,
     block_size: int,
     sms: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged keys/values, read in place.
 
     q (B, H, D) (any strides with a unit last one); k_cache/v_cache (rows, n_kv, D) contiguous,
     bf16/fp16/fp32 or float8 (upcast to q's dtype as read); block_tables (B, nb) int64;
-    pos (B,) the query's position (keys 0..pos are visible). Returns (B, H, D) in q's dtype.
+    pos (B,) the query's position (keys 0..pos are visible); `scale` multiplies the scores
+    (None: 1/sqrt(D)). Returns (B, H, D) in q's dtype.
     """
     if "decode" not in _KERNELS:  # created eagerly (`decode_attention_available`) before compiling
         _KERNELS["decode"] = _kernels()
@@ -155,7 +160,7 @@ def paged_decode(
         po,
         pl,
         out,
-        1.0 / math.sqrt(d),
+        1.0 / math.sqrt(d) if scale is None else scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -180,6 +180,7 @@ class Attention(nn.Module):
                 pos[:, 0],
                 block_size,
                 sms=self.decode_sms,
+                scale=self.scale,
             )
         elif prefill and (self.window is not None or self.softcap):
             # SDPA has neither a window nor soft-capping: the keys were just written to the

@@ -76,14 +76,15 @@ def test_kernel_logic_under_triton_interpreter():
         from llmopt.engines.native import attention
         from test_attention import _case as case
         worst = 0.0
-        for seed, batch, n_kv, g, d, bs, width, sms in (
-            (1, 2, 2, 4, 32, 16, 4, 4),    # 2 splits per sequence and KV head
-            (2, 3, 1, 1, 16, 8, 5, 100),   # MHA-like (g 1), many splits, some past the end
-            (3, 1, 2, 2, 64, 16, 3, 1),    # one split: the direct write
+        for seed, batch, n_kv, g, d, bs, width, sms, scale in (
+            (1, 2, 2, 4, 32, 16, 4, 4, None),    # 2 splits per sequence and KV head
+            (2, 3, 1, 1, 16, 8, 5, 100, None),   # MHA-like (g 1), many splits, some past the end
+            (3, 1, 2, 2, 64, 16, 3, 1, None),    # one split: the direct write
+            (4, 2, 2, 2, 32, 16, 3, 4, 0.37),    # a model's own score scale (Granite, Gemma)
         ):
             q, kc, vc, tables, pos = case(seed, batch, n_kv, g, d, bs, width, torch.float32, "cpu")
-            ref = attention.reference(q, kc, vc, tables, pos + 1, bs)
-            out = attention.paged_decode(q, kc, vc, tables, pos, bs, sms=sms)
+            ref = attention.reference(q, kc, vc, tables, pos + 1, bs, scale)
+            out = attention.paged_decode(q, kc, vc, tables, pos, bs, sms=sms, scale=scale)
             assert not out.isnan().any()
             worst = max(worst, float((out - ref).norm() / ref.norm()))
         print("worst", worst)
