@@ -134,6 +134,7 @@ def run_native(
         overlap=overlap,
     )
     kernel = model.model.layers[0].self_attn.decode_kernel
+    rope = model.model.layers[0].self_attn.fuse_rope
     params = SamplingParams(
         max_tokens=new, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
     )
@@ -180,7 +181,7 @@ def run_native(
         "ms_per_step_device_only": graph,
         "host_ms_per_step": 1e3 * decode_s / steps - graph,
         "overlap": gen.overlap,
-        "attention": "triton" if kernel else "gather",
+        "attention": ("triton-rope" if rope else "triton") if kernel else "gather",
     }
 
 
@@ -351,9 +352,10 @@ def main() -> None:
     ap.add_argument(
         "--attention",
         nargs="+",
-        choices=["triton", "gather"],
+        choices=["triton", "triton-rope", "gather"],
         default=["triton"],
-        help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather only)",
+        help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather "
+        "only); triton-rope: the kernel with RoPE and the KV write folded in",
     )
     ap.add_argument(
         "--overlap",
@@ -417,7 +419,8 @@ def main() -> None:
             for ov in overlaps
         ]
         for b, path, ov in points:
-            A.ENABLED = path == "triton"
+            A.ENABLED = path != "gather"
+            A.FUSE_ROPE = path == "triton-rope"
             L.WO8_KERNEL = (
                 mode.partition("@")[2] if mode.endswith(("@gemv", "@dot", "@dot1")) else "auto"
             )

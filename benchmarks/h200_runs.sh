@@ -8,6 +8,7 @@
 #   SWEEP_KINDS="int8 fp8 bf16" KERNEL_M="1 16" ROUNDS=3 bash benchmarks/h200_runs.sh sweep kernels
 #   KERNEL_M=1 bash benchmarks/h200_runs.sh kernels      # has the int4 GEMV column (int4-g128-gemv)
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
+#   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
@@ -15,9 +16,9 @@
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
-# text, for verification; .devdata/site/gensim holds the data file it is parsed from). The issue-24
-# steps (native-tests, decode-ab, overlap, attention, kernels, sweep, decode, smol-decode) need
-# none of these: the image's torch, triton and pytest suffice. Results go to $OUT (default
+# text, for verification; .devdata/site/gensim holds the data file it is parsed from). The
+# issue-24 steps (native-tests, decode-ab, rope-ab, overlap, attention, kernels, sweep, decode,
+# smol-decode) need none of these: the image's torch, triton and pytest suffice. Results go to $OUT (default
 # /tmp/h200-out). The .whl set (20 wheels, ~3.9 MB) is rebuilt on a fresh checkout with `pip
 # download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ...`
 # of: gguf compressed-tensors==0.20.1 pydantic==2.14.4 pydantic-core (its pin) annotated-types
@@ -112,6 +113,14 @@ for step in "$@"; do
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
         --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \
         > "$OUT/decode-ab.log" 2>&1; grep -v "^ " "$OUT/decode-ab.log" | tail -8 ;;
+    rope-ab)  # issue 24 item 1: RoPE and the KV write inside the decode kernel against the
+      # compiled graph's own kernels, interleaved per point, after the kernel's GPU tests
+      python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
+        -k rope 2>&1 | tail -2
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-bf16} \
+        --batches ${BATCHES:-1 64} --quant-batches ${QB:-1} --attention triton triton-rope \
+        ${PROFILE:-} --json "$OUT/rope-ab.json" > "$OUT/rope-ab.log" 2>&1
+      grep -v "^ " "$OUT/rope-ab.log" | tail -8 ;;
     overlap)  # issue 24: the overlapped decode loop (step N+1 launched before N is read back)
       # against the synchronous one, interleaved per point, after its CUDA-graph tests
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_overlap.py \

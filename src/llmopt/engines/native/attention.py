@@ -33,6 +33,8 @@ __all__ = [
     "decode_attention_available",
     "num_splits",
     "paged_decode",
+    "paged_decode_rope",
+    "FUSE_ROPE",
     "reference",
     "launch",
     "sm_count",
@@ -41,6 +43,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ENABLED = True  # set False to run the torch gather path on CUDA too (benchmarks, A/B checks)
+# RoPE and the KV-cache write inside the decode kernel (`paged_decode_rope`) instead of the
+# compiled step's own kernels: opt-in until it is timed on a GPU (benchmarks/decode.py
+# --rope-fusion off on)
+FUSE_ROPE = False
 _KERNELS: dict = {}
 _SM_COUNT: dict = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,6 +108,13 @@ def _kernels():
     return T.decode_split, T.decode_combine
 
 
+@functools.cache
+def _rope_kernel():
+    from llmopt.engines.native import triton_kernels as T
+
+    return T.decode_split_rope
+
+
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -111,6 +124,32 @@ def sm_count(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
+
+
+def _splits(bsz: int, n_kv: int, max_tokens: int, sms: int | None, device) -> tuple[int, int]:
+    """(number of splits, positions per split) for a launch of the split kernel."""
+    sms = sms if sms is not None else (sm_count(device) if device.type == "cuda" else 132)
+    splits = num_splits(bsz, n_kv, max_tokens, sms)
+    split = math.ceil(max_tokens / splits)
+    return math.ceil(max_tokens / split), split
+
+
+def _partials(bsz: int, h: int, d: int, splits: int, device):
+    """The split kernel's partial outputs and log-sum-exps (unread stand-ins for one split:
+    the kernel then writes the output directly; distinct, as no argument may alias)."""
+    n = bsz * h * splits if splits > 1 else 1
+    po = torch.empty(n, d if splits > 1 else 1, device=device, dtype=torch.float32)
+    pl = torch.empty(n, device=device, dtype=torch.float32)
+    return po, pl
+
+
+def _combine(po, pl, out, splits: int) -> torch.Tensor:
+    if splits > 1:
+        bsz, h, d = out.shape
+        _KERNELS["decode"][1][(bsz, h)](
+            po, pl, out, H=h, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits, BLOCK_S=_pow2(splits)
+        )
+    return out
 
 
 def paged_decode(
@@ -132,63 +171,81 @@ def paged_decode(
     """
     if "decode" not in _KERNELS:  # created eagerly (`decode_attention_available`) before compiling
         _KERNELS["decode"] = _kernels()
-    split_kernel, combine_kernel = _KERNELS["decode"]
     bsz, h, d = q.shape
     n_kv = k_cache.shape[1]
-    g = h // n_kv
-    max_tokens = block_tables.shape[1] * block_size
-    sms = sms if sms is not None else (sm_count(q.device) if q.is_cuda else 132)
-    splits = num_splits(bsz, n_kv, max_tokens, sms)
-    split = math.ceil(max_tokens / splits)
-    splits = math.ceil(max_tokens / split)
+    splits, split = _splits(bsz, n_kv, block_tables.shape[1] * block_size, sms, q.device)
     out = torch.empty(bsz, h, d, device=q.device, dtype=q.dtype)
-    if splits > 1:
-        po = torch.empty(bsz * h * splits, d, device=q.device, dtype=torch.float32)
-        pl = torch.empty(bsz * h * splits, device=q.device, dtype=torch.float32)
-    else:  # the split kernel writes `out` directly; distinct stand-ins, as no argument aliases
-        po = torch.empty(1, device=q.device, dtype=torch.float32)
-        pl = torch.empty(1, device=q.device, dtype=torch.float32)
-    bd = _pow2(d)
+    po, pl = _partials(bsz, h, d, splits, q.device)
     launch(
-        split_kernel,
+        _KERNELS["decode"][0],
         (bsz, n_kv, splits),
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        pos,
-        po,
-        pl,
-        out,
+        *(q, k_cache, v_cache, block_tables, pos, po, pl, out),
         1.0 / math.sqrt(d) if scale is None else scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        block_tables.stride(0),
-        pos.stride(0),
+        *(q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0), pos.stride(0)),
         bsz,
         H=h,
-        G=g,
-        BLOCK_H=max(16, _pow2(g)),
+        G=h // n_kv,
+        BLOCK_H=max(16, _pow2(h // n_kv)),
         D=d,
-        BLOCK_D=bd,
+        BLOCK_D=_pow2(d),
         PAGE=block_size,
         SPLIT=split,
         NUM_SPLITS=splits,
         DYNAMIC=not _INTERPRET,
     )
-    if splits > 1:
-        combine_kernel[(bsz, h)](
-            po,
-            pl,
-            out,
-            H=h,
-            D=d,
-            BLOCK_D=bd,
-            NUM_SPLITS=splits,
-            BLOCK_S=_pow2(splits),
-        )
-    return out
+    return _combine(po, pl, out, splits)
+
+
+def paged_decode_rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    pos: torch.Tensor,
+    block_size: int,
+    n_heads: int,
+    sms: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`paged_decode` with the step's RoPE and KV-cache write folded into the kernel.
+
+    qkv (B, (n_heads + 2 n_kv) D): the fused q/k/v projection of each sequence's new token,
+    before RoPE (rotate-half convention); cos/sin (B, D / 2) fp32 at each token's position.
+    The new key (rotated) and value are written into the cache row of position `pos`, as
+    `model.write_rows` would, and attended to with the cached positions 0..pos-1. Returns
+    (B, n_heads, D) in qkv's dtype.
+    """
+    if "decode" not in _KERNELS:
+        _KERNELS["decode"] = _kernels()
+    if "decode_rope" not in _KERNELS:
+        _KERNELS["decode_rope"] = _rope_kernel()
+    bsz, n_kv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[2]
+    h = n_heads
+    splits, split = _splits(bsz, n_kv, block_tables.shape[1] * block_size, sms, qkv.device)
+    out = torch.empty(bsz, h, d, device=qkv.device, dtype=qkv.dtype)
+    po, pl = _partials(bsz, h, d, splits, qkv.device)
+    launch(
+        _KERNELS["decode_rope"],
+        (bsz, n_kv, splits),
+        *(qkv, cos, sin, k_cache, v_cache, block_tables, pos, po, pl, out),
+        1.0 / math.sqrt(d) if scale is None else scale,
+        *(qkv.stride(0), cos.stride(0), k_cache.stride(0), block_tables.stride(0)),
+        pos.stride(0),
+        bsz,
+        H=h,
+        G=h // n_kv,
+        N_KV=n_kv,
+        BLOCK_H=max(16, _pow2(h // n_kv)),
+        D=d,
+        BLOCK_D=_pow2(d),
+        PAGE=block_size,
+        SPLIT=split,
+        NUM_SPLITS=splits,
+        DYNAMIC=not _INTERPRET,
+    )
+    return _combine(po, pl, out, splits)
 
 
 @functools.cache

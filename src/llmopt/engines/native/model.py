@@ -135,6 +135,10 @@ class Attention(nn.Module):
         # the compiled step sees a constant. `decode_sms`: the GPU's multiprocessor count.
         self.decode_kernel = False
         self.decode_sms = 0
+        # RoPE and the KV write inside that kernel (`attention.paged_decode_rope`), where this
+        # layer's decode has nothing between the projection and RoPE (no q/k norm) and the
+        # projection is fused: set with `decode_kernel`, from attention.FUSE_ROPE.
+        self.fuse_rope = False
 
     # The paged path's fp32 scores (B, heads, T, S) at most this many elements at once (512 MiB):
     # a prefill chunk of T > 1 tokens over a long context runs its queries in slices.
@@ -144,6 +148,21 @@ class Attention(nn.Module):
         self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None
     ):
         B, T, _ = x.shape
+        if self.fuse_rope and not prefill and T == 1 and ring is None:
+            out = attention.paged_decode_rope(
+                self.qkv_proj(x)[:, 0],
+                cos.reshape(B, -1),
+                sin.reshape(B, -1),
+                self.k_cache,
+                self.v_cache,
+                block_tables,
+                pos[:, 0],
+                block_size,
+                self.n_heads,
+                sms=self.decode_sms,
+                scale=self.scale,
+            )
+            return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
         if self.qkv_proj is not None:
             nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
             q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
@@ -396,7 +415,17 @@ class Transformer(nn.Module):
             sh = local_shape if layer.local else shape
             layer.self_attn.k_cache = torch.zeros(sh, dtype=dtype, device=device)
             layer.self_attn.v_cache = torch.zeros(sh, dtype=dtype, device=device)
-            layer.self_attn.decode_kernel, layer.self_attn.decode_sms = kernel, sms
+            att = layer.self_attn
+            att.decode_kernel, att.decode_sms = kernel, sms
+            att.fuse_rope = (
+                kernel
+                and attention.FUSE_ROPE
+                and att.qkv_proj is not None
+                and att.q_norm is None
+                and att.window is None
+                and not att.softcap
+                and not layer.local
+            )
 
     def forward(
         self,

@@ -1,7 +1,8 @@
 """The Triton kernels of the native engine's CUDA decode path (imported only where Triton is).
 
 - `decode_split` / `decode_combine`: flash-decoding attention over the paged KV cache
-  (`attention.paged_decode` launches them and documents the algorithm).
+  (`attention.paged_decode` launches them and documents the algorithm); `decode_split_rope`
+  the same with RoPE and the KV-cache write folded in (`attention.paged_decode_rope`).
 - `wo8_dot`: int8 / FP8 weight-only matmul for decode rows, split along K where that fills the
   GPU (`linear.wo_mm` launches it); `wo8_dot_nosplit` the same without the split; `wo8_gemv`
   the CUDA-core GEMV for one row.
@@ -178,6 +179,121 @@ if triton is not None:
             )
         else:
             lse = tl.where(lsum > 0, m + tl.log2(safe), float("-inf"))  # log2 units
+            row = (b * H + heads) * NUM_SPLITS + sp
+            tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=omask)
+            tl.store(pl_ptr + row, lse, mask=hmask)
+
+    @triton.jit
+    def _rope(a, b, sign, c, sn):
+        # rotate-half RoPE in fp32: x cos + sign x[partner] sin (partner d +- D/2, sign -1 / +1)
+        return a.to(tl.float32) * c + sign * b.to(tl.float32) * sn
+
+    @triton.autotune(configs=_DECODE_CONFIGS, key=["G", "D", "SPLIT", "NUM_SPLITS", "batch"])
+    @triton.jit
+    def decode_split_rope(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        k_ptr,
+        v_ptr,
+        tab_ptr,
+        pos_ptr,
+        po_ptr,
+        pl_ptr,
+        out_ptr,
+        sm_scale,
+        stride_qkv,
+        stride_cs,
+        stride_kr,
+        stride_tb,
+        stride_pb,
+        batch,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        N_KV: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DYNAMIC: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # `decode_split` with the step's own work folded in: the rows of `qkv_ptr` are the fused
+        # q/k/v projection before RoPE (H, then N_KV, then N_KV heads of D). Each program rotates
+        # its G query heads; the one program per (sequence, KV head) whose split holds the new
+        # position rotates that key, writes key and value into their cache row (rounded to the
+        # cache's dtype, and used rounded, as the unfused path reads them back) and attends to
+        # them from registers. The other positions come from the cache as in `decode_split`.
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
+        start = sp * SPLIT
+        end = tl.minimum(start + SPLIT, pos)  # cached keys: 0 .. pos - 1
+        j = tl.arange(0, BLOCK_H)
+        hmask = j < G
+        heads = kvh * G + j
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        HALF: tl.constexpr = D // 2
+        dp = tl.where(d < HALF, d + HALF, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        c = tl.load(cos_ptr + b * stride_cs + d % HALF, mask=dmask, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + b * stride_cs + d % HALF, mask=dmask, other=0.0).to(tl.float32)
+        row_ptr = qkv_ptr + b * stride_qkv
+        qdt = qkv_ptr.dtype.element_ty
+        qm = hmask[:, None] & dmask[None, :]
+        qa = tl.load(row_ptr + heads[:, None] * D + d[None, :], mask=qm, other=0.0)
+        qb = tl.load(row_ptr + heads[:, None] * D + dp[None, :], mask=qm, other=0.0)
+        q = _rope(qa, qb, sign[None, :], c[None, :], sn[None, :]).to(qdt)
+        qk_scale = sm_scale * 1.4426950408889634
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        if DYNAMIC:
+            for n0 in tl.range(start, end, BLOCK_N):
+                m, lsum, acc = _tile(
+                    q, k_ptr, v_ptr, tab_ptr, b, kvh, n0, end, m, lsum, acc, qk_scale,
+                    stride_kr, stride_tb, D, PAGE, BLOCK_N, d, dmask,
+                )  # fmt: skip
+        else:
+            for i in tl.range(0, SPLIT, BLOCK_N):
+                m, lsum, acc = _tile(
+                    q, k_ptr, v_ptr, tab_ptr, b, kvh, start + i, end, m, lsum, acc, qk_scale,
+                    stride_kr, stride_tb, D, PAGE, BLOCK_N, d, dmask,
+                )  # fmt: skip
+        if (start <= pos) & (pos < start + SPLIT):  # the new position is in this split
+            kp = row_ptr + H * D + kvh * D
+            ka = tl.load(kp + d, mask=dmask, other=0.0)
+            kt = _rope(ka, tl.load(kp + dp, mask=dmask, other=0.0), sign, c, sn)
+            vt = tl.load(row_ptr + (H + N_KV) * D + kvh * D + d, mask=dmask, other=0.0)
+            blk = tl.load(tab_ptr + b * stride_tb + pos // PAGE)
+            crow = (blk * PAGE + pos % PAGE).to(tl.int64) * stride_kr + kvh * D + d
+            kc = kt.to(k_ptr.dtype.element_ty)
+            vc = vt.to(v_ptr.dtype.element_ty)
+            tl.store(k_ptr + crow, kc, mask=dmask)
+            tl.store(v_ptr + crow, vc, mask=dmask)
+            kf = kc.to(qdt).to(tl.float32)
+            qk = tl.sum(q.to(tl.float32) * kf[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m, qk)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(qk - m_new)
+            lsum = lsum * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vc.to(qdt).to(tl.float32)[None, :]
+            m = m_new
+        safe = tl.where(lsum > 0, lsum, 1.0)
+        o = acc / safe[:, None]
+        omask = hmask[:, None] & dmask[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr + b * H * D + heads[:, None] * D + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )
+        else:
+            lse = tl.where(lsum > 0, m + tl.log2(safe), float("-inf"))
             row = (b * H + heads) * NUM_SPLITS + sp
             tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=omask)
             tl.store(pl_ptr + row, lse, mask=hmask)

@@ -104,7 +104,65 @@ def test_kernel_logic_under_triton_interpreter():
     assert "worst" in r.stdout
 
 
-def test_cpu_decode_keeps_the_torch_path():
+ROPE_CHECK = """
+import torch
+from llmopt.engines.native import attention
+from llmopt.engines.native.model import apply_rope, write_rows
+from test_attention import _case as case
+worst = 0.0
+for seed, batch, n_kv, g, d, bs, width, sms in (
+    (1, 2, 2, 4, 32, 16, 4, 4),    # splits: the new key in one of them
+    (2, 3, 1, 2, 16, 8, 5, 100),   # many splits, some past the end
+    (3, 2, 2, 2, 32, 16, 3, 1),    # one split: the direct write
+):  # (no float8 cache here: the interpreter's fp32 -> float8 rounding misses at binade edges;
+    # `test_rope_fused_kernel_on_gpu` covers it)
+    _, kc, vc, tables, pos = case(seed, batch, n_kv, g, d, bs, width, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    h = n_kv * g
+    qkv = torch.randn(batch, (h + 2 * n_kv) * d, generator=gen)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = pos.float()[:, None] * inv
+    cos, sin = ang.cos(), ang.sin()  # (B, D/2)
+    # the unfused path: RoPE in torch, the cache rows written, then the kernel over 0..pos
+    q, k, v = qkv.split([h * d, n_kv * d, n_kv * d], dim=-1)
+    c4, s4 = cos[:, None, None], sin[:, None, None]
+    q = apply_rope(q.view(batch, 1, h, d), c4, s4)[:, 0]
+    k = apply_rope(k.view(batch, 1, n_kv, d), c4, s4)[:, 0]
+    rows = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    kr, vr = kc.clone(), vc.clone()
+    write_rows(kr, rows, k)
+    write_rows(vr, rows, v.reshape(batch, n_kv, d))
+    kf, vf = kc.clone(), vc.clone()
+    out = attention.paged_decode_rope(qkv, cos, sin, kf, vf, tables, pos, bs, h, sms=sms)
+    assert not out.isnan().any()
+    # the new rows as torch writes them, every other row untouched
+    other = torch.ones(kc.shape[0], dtype=torch.bool)
+    other[rows] = False
+    for got, want, old in ((kf, kr, kc), (vf, vr, vc)):
+        assert torch.equal(got[other], old[other])
+        assert float((got[rows] - want[rows]).abs().max()) < 1e-5
+    # and attention over what the kernel wrote
+    ref = attention.reference(q, kf, vf, tables, pos + 1, bs)
+    worst = max(worst, float((out - ref).norm() / ref.norm()))
+print("worst", worst)
+assert worst < 1e-4, worst
+"""
+
+
+def test_rope_fused_kernel_under_triton_interpreter():
+    """`paged_decode_rope` (RoPE and the KV write in the kernel) against RoPE in torch, the rows
+    written by `write_rows`, then the reference over the same cache: output and cache rows."""
+    pytest.importorskip("triton")
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+    r = subprocess.run(
+        [sys.executable, "-c", ROPE_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "worst" in r.stdout
+
+
+def test_cpu_decode_keeps_the_torch_path(monkeypatch):
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import random_model
 
@@ -122,8 +180,10 @@ def test_cpu_decode_keeps_the_torch_path():
         }
     )
     model = random_model(cfg, "cpu", torch.float32, seed=0)
+    monkeypatch.setattr(attention, "FUSE_ROPE", True)  # no kernel here, so no fused RoPE either
     model.setup_cache(4, 16, torch.float32, "cpu")
     assert not any(layer.self_attn.decode_kernel for layer in model.model.layers)
+    assert not any(layer.self_attn.fuse_rope for layer in model.model.layers)
 
 
 @cuda
@@ -181,6 +241,56 @@ def test_decode_step_kernel_matches_gather_path(batch):
         slow = model(tokens, pos, tables)
     assert _rel(fast, slow) < 2e-2
     assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.9
+
+
+@cuda
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rope_fused_kernel_on_gpu(kv_dtype, monkeypatch):
+    """A decode step with RoPE and the KV write in the kernel against the same step with them
+    in the compiled graph's own kernels: same logits, same cache rows written."""
+    from llmopt.engines.native.config import NativeConfig
+    from llmopt.engines.native.weights import random_model  # q/k/v fused, as loaded
+
+    cfg = NativeConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 1024,
+        }
+    )
+    model = random_model(cfg, "cuda", torch.bfloat16, seed=2)
+    batch, width, bs = 3, 8, 16
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(attention, "FUSE_ROPE", fused)
+        model.setup_cache(batch * width + 1, bs, kv_dtype, "cuda")
+        assert all(layer.self_attn.fuse_rope == fused for layer in model.model.layers)
+        torch.manual_seed(0)
+        for layer in model.model.layers:  # the same filled cache both times
+            layer.self_attn.k_cache.copy_(
+                torch.randn_like(layer.self_attn.k_cache, dtype=torch.float32)
+            )
+            layer.self_attn.v_cache.copy_(
+                torch.randn_like(layer.self_attn.v_cache, dtype=torch.float32)
+            )
+        gen = torch.Generator().manual_seed(5)
+        tables = (torch.randperm(batch * width, generator=gen) + 1).view(batch, width).cuda()
+        pos = torch.randint(1, width * bs, (batch, 1), generator=gen).cuda()
+        tokens = torch.randint(0, 512, (batch, 1), generator=gen).cuda()
+        with torch.inference_mode():
+            logits = model(tokens, pos, tables)
+        caches = [layer.self_attn.k_cache.float().clone() for layer in model.model.layers]
+        results[fused] = logits, caches
+    (plain, kc0), (fast, kc1) = results[False], results[True]
+    assert _rel(fast, plain) < 2e-2
+    for a, b in zip(kc0, kc1, strict=True):  # RoPE in fp32 vs bf16: rows agree to rounding
+        assert float((a - b).abs().max()) <= 0.07 * float(a.abs().max())
 
 
 @cuda
