@@ -34,6 +34,7 @@ __all__ = [
     "num_splits",
     "paged_decode",
     "paged_decode_rope",
+    "prepare_rope",
     "FUSE_ROPE",
     "reference",
     "launch",
@@ -113,6 +114,14 @@ def _rope_kernel():
     from llmopt.engines.native import triton_kernels as T
 
     return T.decode_split_rope
+
+
+def prepare_rope() -> None:
+    """Look the fused kernel up eagerly (`Transformer.setup_cache` does, when a layer takes it):
+    inside the compiled step `paged_decode_rope` must find it already, as Dynamo cannot trace
+    the import."""
+    _KERNELS.setdefault("decode", _kernels())
+    _KERNELS.setdefault("decode_rope", _rope_kernel())
 
 
 def _pow2(n: int) -> int:

@@ -426,6 +426,8 @@ class Transformer(nn.Module):
                 and not att.softcap
                 and not layer.local
             )
+            if att.fuse_rope:
+                attention.prepare_rope()
 
     def forward(
         self,
