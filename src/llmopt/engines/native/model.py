@@ -148,7 +148,7 @@ class Attention(nn.Module):
         self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None
     ):
         B, T, _ = x.shape
-        if self.fuse_rope and not prefill and T == 1 and ring is None:
+        if self.fuse_rope and self.decode_kernel and not prefill and T == 1 and ring is None:
             out = attention.paged_decode_rope(
                 self.qkv_proj(x)[:, 0],
                 cos.reshape(B, -1),
