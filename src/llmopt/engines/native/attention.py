@@ -111,7 +111,7 @@ def _kernels():
 
 @functools.cache
 def _rope_kernel():
-    from llmopt.engines.native import triton_kernels as T
+    from llmopt.engines.native import triton_kernels as T  # heavy: triton, as in `_kernels`
 
     return T.decode_split_rope
 
