@@ -161,6 +161,39 @@ def _combine(po, pl, out, splits: int) -> torch.Tensor:
     return out
 
 
+def _split_launch(
+    kernel, inputs, strides, h, k_cache, block_tables, block_size, sms, scale, dtype, **extra
+) -> torch.Tensor:
+    """Launch a split kernel (`decode_split` or `decode_split_rope`: their arguments are the
+    inputs, the partials and output, the scale, the strides, the batch, then the shapes) and
+    combine its splits; returns (B, h, D) in `dtype`."""
+    bsz, (n_kv, d) = block_tables.shape[0], k_cache.shape[1:]
+    dev = k_cache.device
+    splits, split = _splits(bsz, n_kv, block_tables.shape[1] * block_size, sms, dev)
+    out = torch.empty(bsz, h, d, device=dev, dtype=dtype)
+    po, pl = _partials(bsz, h, d, splits, dev)
+    launch(
+        kernel,
+        (bsz, n_kv, splits),
+        *inputs,
+        *(po, pl, out),
+        1.0 / math.sqrt(d) if scale is None else scale,
+        *strides,
+        bsz,
+        H=h,
+        G=h // n_kv,
+        BLOCK_H=max(16, _pow2(h // n_kv)),
+        D=d,
+        BLOCK_D=_pow2(d),
+        PAGE=block_size,
+        SPLIT=split,
+        NUM_SPLITS=splits,
+        DYNAMIC=not _INTERPRET,
+        **extra,
+    )
+    return _combine(po, pl, out, splits)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -181,28 +214,18 @@ def paged_decode(
     if "decode" not in _KERNELS:  # created eagerly (`decode_attention_available`) before compiling
         _KERNELS["decode"] = _kernels()
     bsz, h, d = q.shape
-    n_kv = k_cache.shape[1]
-    splits, split = _splits(bsz, n_kv, block_tables.shape[1] * block_size, sms, q.device)
-    out = torch.empty(bsz, h, d, device=q.device, dtype=q.dtype)
-    po, pl = _partials(bsz, h, d, splits, q.device)
-    launch(
+    return _split_launch(
         _KERNELS["decode"][0],
-        (bsz, n_kv, splits),
-        *(q, k_cache, v_cache, block_tables, pos, po, pl, out),
-        1.0 / math.sqrt(d) if scale is None else scale,
-        *(q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0), pos.stride(0)),
-        bsz,
-        H=h,
-        G=h // n_kv,
-        BLOCK_H=max(16, _pow2(h // n_kv)),
-        D=d,
-        BLOCK_D=_pow2(d),
-        PAGE=block_size,
-        SPLIT=split,
-        NUM_SPLITS=splits,
-        DYNAMIC=not _INTERPRET,
+        (q, k_cache, v_cache, block_tables, pos),
+        (q.stride(0), q.stride(1), k_cache.stride(0), block_tables.stride(0), pos.stride(0)),
+        h,
+        k_cache,
+        block_tables,
+        block_size,
+        sms,
+        scale,
+        q.dtype,
     )
-    return _combine(po, pl, out, splits)
 
 
 def paged_decode_rope(
@@ -230,31 +253,19 @@ def paged_decode_rope(
         _KERNELS["decode"] = _kernels()
     if "decode_rope" not in _KERNELS:
         _KERNELS["decode_rope"] = _rope_kernel()
-    bsz, n_kv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[2]
-    h = n_heads
-    splits, split = _splits(bsz, n_kv, block_tables.shape[1] * block_size, sms, qkv.device)
-    out = torch.empty(bsz, h, d, device=qkv.device, dtype=qkv.dtype)
-    po, pl = _partials(bsz, h, d, splits, qkv.device)
-    launch(
+    return _split_launch(
         _KERNELS["decode_rope"],
-        (bsz, n_kv, splits),
-        *(qkv, cos, sin, k_cache, v_cache, block_tables, pos, po, pl, out),
-        1.0 / math.sqrt(d) if scale is None else scale,
-        *(qkv.stride(0), cos.stride(0), k_cache.stride(0), block_tables.stride(0)),
-        pos.stride(0),
-        bsz,
-        H=h,
-        G=h // n_kv,
-        N_KV=n_kv,
-        BLOCK_H=max(16, _pow2(h // n_kv)),
-        D=d,
-        BLOCK_D=_pow2(d),
-        PAGE=block_size,
-        SPLIT=split,
-        NUM_SPLITS=splits,
-        DYNAMIC=not _INTERPRET,
+        (qkv, cos, sin, k_cache, v_cache, block_tables, pos),
+        (qkv.stride(0), cos.stride(0), k_cache.stride(0), block_tables.stride(0), pos.stride(0)),
+        n_heads,
+        k_cache,
+        block_tables,
+        block_size,
+        sms,
+        scale,
+        qkv.dtype,
+        N_KV=k_cache.shape[1],
     )
-    return _combine(po, pl, out, splits)
 
 
 @functools.cache

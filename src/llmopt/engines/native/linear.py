@@ -451,34 +451,20 @@ def int4_mm(
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     z = scale if zero is None else zero  # an unread stand-in when there is no zero
     kernel = kernel or (INT4_ONE_ROW if m == 1 else "dot")
+    shape = {"K": k, "KP": packed.shape[1] * 8, "G": group, "HAS_ZERO": zero is not None}
     if kernel == "gemv":
 
         def grid1(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), m)
 
-        launch(
-            _kernel("int4_gemv"),
-            grid1,
-            *(x, packed, scale, z, y, n),
-            K=k,
-            KP=packed.shape[1] * 8,
-            G=group,
-            HAS_ZERO=zero is not None,
-        )
+        launch(_kernel("int4_gemv"), grid1, x, packed, scale, z, y, n, **shape)
         return y
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
 
-    launch(
-        _kernel("int4_dot" if m <= TRITON_M else "int4_dot_prompt"),
-        grid,
-        *(x, packed, scale, z, y, m, n, _m_bucket(m)),
-        K=k,
-        KP=packed.shape[1] * 8,
-        G=group,
-        HAS_ZERO=zero is not None,
-    )
+    name = "int4_dot" if m <= TRITON_M else "int4_dot_prompt"
+    launch(_kernel(name), grid, x, packed, scale, z, y, m, n, _m_bucket(m), **shape)
     return y
 
 

@@ -70,6 +70,84 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         return m_new, lsum, acc
 
+    @triton.jit
+    def _walk(
+        q,
+        k_ptr,
+        v_ptr,
+        tab_ptr,
+        b,
+        kvh,
+        start,
+        end,
+        qk_scale,
+        stride_kr,
+        stride_tb,
+        D: tl.constexpr,
+        PAGE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DYNAMIC: tl.constexpr,
+        d,
+        dmask,
+    ):
+        # The cached positions start..end-1 of one split, tile by tile: (m, lsum, acc) of the
+        # online softmax.
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        if DYNAMIC:  # the GPU: walk only this sequence's own positions
+            for n0 in tl.range(start, end, BLOCK_N):
+                m, lsum, acc = _tile(
+                    q, k_ptr, v_ptr, tab_ptr, b, kvh, n0, end, m, lsum, acc, qk_scale,
+                    stride_kr, stride_tb, D, PAGE, BLOCK_N, d, dmask,
+                )  # fmt: skip
+        else:  # Triton's interpreter takes only constant loop bounds: the whole split, masked
+            for i in tl.range(0, SPLIT, BLOCK_N):
+                m, lsum, acc = _tile(
+                    q, k_ptr, v_ptr, tab_ptr, b, kvh, start + i, end, m, lsum, acc, qk_scale,
+                    stride_kr, stride_tb, D, PAGE, BLOCK_N, d, dmask,
+                )  # fmt: skip
+        return m, lsum, acc
+
+    @triton.jit
+    def _finish(
+        m,
+        lsum,
+        acc,
+        out_ptr,
+        po_ptr,
+        pl_ptr,
+        b,
+        sp,
+        heads,
+        hmask,
+        d,
+        dmask,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
+        # The split's output: written directly at one split, else its partial and log-sum-exp.
+        # A split past the sequence's end ran no iteration: lsum 0, its log-sum-exp -inf, and
+        # the combine gives it weight 0 (its output is written as 0, never left unset).
+        safe = tl.where(lsum > 0, lsum, 1.0)
+        o = acc / safe[:, None]
+        omask = hmask[:, None] & dmask[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr + b * H * D + heads[:, None] * D + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )
+        else:
+            lse = tl.where(lsum > 0, m + tl.log2(safe), float("-inf"))  # log2 units
+            row = (b * H + heads) * NUM_SPLITS + sp
+            tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=omask)
+            tl.store(pl_ptr + row, lse, mask=hmask)
+
     @triton.autotune(configs=_DECODE_CONFIGS, key=["G", "D", "SPLIT", "NUM_SPLITS", "batch"])
     @triton.jit
     def decode_split(
@@ -117,71 +195,13 @@ if triton is not None:
         )
         # exp2 instead of exp: fold log2(e) into the scale once
         qk_scale = sm_scale * 1.4426950408889634
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        if DYNAMIC:  # the GPU: walk only this sequence's own positions
-            for n0 in tl.range(start, end, BLOCK_N):
-                m, lsum, acc = _tile(
-                    q,
-                    k_ptr,
-                    v_ptr,
-                    tab_ptr,
-                    b,
-                    kvh,
-                    n0,
-                    end,
-                    m,
-                    lsum,
-                    acc,
-                    qk_scale,
-                    stride_kr,
-                    stride_tb,
-                    D,
-                    PAGE,
-                    BLOCK_N,
-                    d,
-                    dmask,
-                )
-        else:  # Triton's interpreter takes only constant loop bounds: the whole split, masked
-            for i in tl.range(0, SPLIT, BLOCK_N):
-                m, lsum, acc = _tile(
-                    q,
-                    k_ptr,
-                    v_ptr,
-                    tab_ptr,
-                    b,
-                    kvh,
-                    start + i,
-                    end,
-                    m,
-                    lsum,
-                    acc,
-                    qk_scale,
-                    stride_kr,
-                    stride_tb,
-                    D,
-                    PAGE,
-                    BLOCK_N,
-                    d,
-                    dmask,
-                )
-        # A split past the sequence's end ran no iteration: lsum 0, its log-sum-exp -inf, and
-        # the combine gives it weight 0 (its output is written as 0, never left unset).
-        safe = tl.where(lsum > 0, lsum, 1.0)
-        o = acc / safe[:, None]
-        omask = hmask[:, None] & dmask[None, :]
-        if NUM_SPLITS == 1:
-            tl.store(
-                out_ptr + b * H * D + heads[:, None] * D + d[None, :],
-                o.to(out_ptr.dtype.element_ty),
-                mask=omask,
-            )
-        else:
-            lse = tl.where(lsum > 0, m + tl.log2(safe), float("-inf"))  # log2 units
-            row = (b * H + heads) * NUM_SPLITS + sp
-            tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=omask)
-            tl.store(pl_ptr + row, lse, mask=hmask)
+        m, lsum, acc = _walk(
+            q, k_ptr, v_ptr, tab_ptr, b, kvh, start, end, qk_scale, stride_kr, stride_tb,
+            D, PAGE, SPLIT, BLOCK_N, BLOCK_H, BLOCK_D, DYNAMIC, d, dmask,
+        )  # fmt: skip
+        _finish(
+            m, lsum, acc, out_ptr, po_ptr, pl_ptr, b, sp, heads, hmask, d, dmask, H, D, NUM_SPLITS
+        )
 
     @triton.jit
     def _rope(a, b, sign, c, sn):
@@ -249,21 +269,10 @@ if triton is not None:
         qb = tl.load(row_ptr + heads[:, None] * D + dp[None, :], mask=qm, other=0.0)
         q = _rope(qa, qb, sign[None, :], c[None, :], sn[None, :]).to(qdt)
         qk_scale = sm_scale * 1.4426950408889634
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        if DYNAMIC:
-            for n0 in tl.range(start, end, BLOCK_N):
-                m, lsum, acc = _tile(
-                    q, k_ptr, v_ptr, tab_ptr, b, kvh, n0, end, m, lsum, acc, qk_scale,
-                    stride_kr, stride_tb, D, PAGE, BLOCK_N, d, dmask,
-                )  # fmt: skip
-        else:
-            for i in tl.range(0, SPLIT, BLOCK_N):
-                m, lsum, acc = _tile(
-                    q, k_ptr, v_ptr, tab_ptr, b, kvh, start + i, end, m, lsum, acc, qk_scale,
-                    stride_kr, stride_tb, D, PAGE, BLOCK_N, d, dmask,
-                )  # fmt: skip
+        m, lsum, acc = _walk(
+            q, k_ptr, v_ptr, tab_ptr, b, kvh, start, end, qk_scale, stride_kr, stride_tb,
+            D, PAGE, SPLIT, BLOCK_N, BLOCK_H, BLOCK_D, DYNAMIC, d, dmask,
+        )  # fmt: skip
         if (start <= pos) & (pos < start + SPLIT):  # the new position is in this split
             kp = row_ptr + H * D + kvh * D
             ka = tl.load(kp + d, mask=dmask, other=0.0)
@@ -283,20 +292,9 @@ if triton is not None:
             lsum = lsum * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * vc.to(qdt).to(tl.float32)[None, :]
             m = m_new
-        safe = tl.where(lsum > 0, lsum, 1.0)
-        o = acc / safe[:, None]
-        omask = hmask[:, None] & dmask[None, :]
-        if NUM_SPLITS == 1:
-            tl.store(
-                out_ptr + b * H * D + heads[:, None] * D + d[None, :],
-                o.to(out_ptr.dtype.element_ty),
-                mask=omask,
-            )
-        else:
-            lse = tl.where(lsum > 0, m + tl.log2(safe), float("-inf"))
-            row = (b * H + heads) * NUM_SPLITS + sp
-            tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=omask)
-            tl.store(pl_ptr + row, lse, mask=hmask)
+        _finish(
+            m, lsum, acc, out_ptr, po_ptr, pl_ptr, b, sp, heads, hmask, d, dmask, H, D, NUM_SPLITS
+        )
 
     @triton.jit
     def decode_combine(

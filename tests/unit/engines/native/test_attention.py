@@ -42,6 +42,25 @@ def _case(seed, batch, n_kv, g, d, block_size, width, dtype, device):
     return q, kc, vc, tables.to(device), pos.to(device)
 
 
+def _small_llama():
+    """A two-layer Llama config (8 heads, 2 KV heads) for whole decode steps on the GPU."""
+    from llmopt.engines.native.config import NativeConfig
+
+    return NativeConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 1024,
+        }
+    )
+
+
 def _rel(x, ref):
     return float((x.float() - ref).norm() / ref.norm())
 
@@ -207,22 +226,9 @@ def test_kernel_matches_reference_on_gpu(kv_dtype, batch, n_kv, g, d, width):
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_decode_step_kernel_matches_gather_path(batch):
     """A whole decode step of a small random model: kernel vs torch gather, same cache."""
-    from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import random_model
 
-    cfg = NativeConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "vocab_size": 512,
-            "max_position_embeddings": 1024,
-        }
-    )
+    cfg = _small_llama()
     model = random_model(cfg, "cuda", torch.bfloat16, seed=1)
     width, bs = 8, 16
     model.setup_cache(batch * width + 1, bs, torch.bfloat16, "cuda")
@@ -248,22 +254,9 @@ def test_decode_step_kernel_matches_gather_path(batch):
 def test_rope_fused_kernel_on_gpu(kv_dtype, monkeypatch):
     """A decode step with RoPE and the KV write in the kernel against the same step with them
     in the compiled graph's own kernels: same logits, same cache rows written."""
-    from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import random_model  # q/k/v fused, as loaded
 
-    cfg = NativeConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "vocab_size": 512,
-            "max_position_embeddings": 1024,
-        }
-    )
+    cfg = _small_llama()
     model = random_model(cfg, "cuda", torch.bfloat16, seed=2)
     batch, width, bs = 3, 8, 16
     results = {}
