@@ -99,9 +99,8 @@ class _QuantLinear(nn.Module):
 
     def _counters(self) -> None:
         # the Triton kernel's K-split counters (`tile_counters`), a buffer: fixed address
-        c = None
-        if getattr(self, "triton_kernel", False):
-            c = tile_counters(self.out_features, TRITON_M, self.weight.device)
+        n, dev = self.out_features, self.weight.device
+        c = tile_counters(n, TRITON_M, dev) if self.triton_kernel else None
         self.register_buffer("counters", c, persistent=False)
 
     def _finish(self, y: torch.Tensor, shape) -> torch.Tensor:
