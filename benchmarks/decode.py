@@ -365,6 +365,23 @@ def main() -> None:
         help="overlapped greedy decode on/off, interleaved per point (default: the generator's, "
         "on for CUDA)",
     )
+    ap.add_argument(
+        "--fuse-silu",
+        nargs="+",
+        choices=["on", "off"],
+        default=None,
+        help="SiLU x up inside the FP8 down projection's one-row GEMV on/off, interleaved "
+        "per point (default: on, the engine's)",
+    )
+    ap.add_argument(
+        "--inductor-pdl",
+        nargs="+",
+        choices=["on", "off"],
+        default=None,
+        help="Inductor's programmatic dependent launch (its kernels start while the previous "
+        "kernel drains; CUDA sm_90+) on/off, interleaved per point, each point compiled afresh "
+        "(default: Inductor's, off)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
@@ -373,6 +390,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    import torch._inductor.config as inductor_config
+
     from llmopt.engines.native import attention as A
     from llmopt.engines.native import linear as L
 
@@ -412,15 +431,26 @@ def main() -> None:
         model, sqnr = build(args, mode, dtype, cfg_dict, prompt)
         wbytes = weight_bytes(model)
         overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
+        silus = [None] if args.fuse_silu is None else [o == "on" for o in args.fuse_silu]
+        pdls = [None] if args.inductor_pdl is None else [o == "on" for o in args.inductor_pdl]
         points = [
-            (b, path, ov)
+            (b, path, ov, silu, pdl)
             for b in (args.batches if mode in ("bf16", "fp32") else args.quant_batches)
             for path in args.attention
             for ov in overlaps
+            for silu in silus
+            for pdl in pdls
         ]
-        for b, path, ov in points:
+        first_point = points[0][1:]
+        for b, path, ov, silu, pdl in points:
             A.ENABLED = path != "gather"
             A.FUSE_ROPE = path == "triton-rope"
+            L.FUSE_SILU = silu is not False
+            if pdl is not None:  # an Inductor setting: Dynamo does not guard on it, so recompile
+                if not hasattr(inductor_config.triton, "enable_pdl"):
+                    sys.exit(f"torch {torch.__version__}'s Inductor has no enable_pdl setting")
+                inductor_config.triton.enable_pdl = pdl
+                torch._dynamo.reset()
             L.WO8_KERNEL = (
                 mode.partition("@")[2] if mode.endswith(("@gemv", "@dot", "@dot1")) else "auto"
             )
@@ -428,6 +458,8 @@ def main() -> None:
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
             r.update(
+                fuse_silu=L.FUSE_SILU,
+                inductor_pdl=bool(getattr(inductor_config.triton, "enable_pdl", False)),
                 mode=mode,
                 weight_GB=wbytes / 1e9,
                 logits_sqnr_db_vs_dense=sqnr,
@@ -436,7 +468,7 @@ def main() -> None:
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
             if b == 1 and mode in ("bf16", "fp32") and native_tokens is None:
                 native_tokens = r["tokens"]
-            if b == 1 and (path, ov) != (args.attention[0], overlaps[0]):  # against the first
+            if b == 1 and (path, ov, silu, pdl) != first_point:  # against the first
                 first = next(x for x in tokens_b1 if x[0] == mode)[1]
                 r["greedy_equal_to_first_path"] = sum(
                     a == c for a, c in zip(first, r["tokens"], strict=False)
@@ -463,13 +495,14 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     print(
-        f"\n{'mode':6s} {'attn':6s} {'ovl':3s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} "
+        f"\n{'mode':6s} {'attn':6s} {'ovl':3s} {'silu':4s} {'pdl':3s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} "
         f"{'dev ms':>7s} {'host ms':>7s} {'GB/s':>8s} {'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}"
     )
     for r in results["native"]:
         q = r.get("logits_sqnr_db_vs_dense")
         print(
             f"{r['mode']:6s} {r['attention']:6s} {'on' if r['overlap'] else 'off':3s} "
+            f"{'on' if r['fuse_silu'] else 'off':4s} {'on' if r['inductor_pdl'] else 'off':3s} "
             f"{r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
             f"{r['ms_per_step_device_only']:7.2f} {r['host_ms_per_step']:7.2f} "
             f"{r['achieved_GBps']:8.1f} "

@@ -61,8 +61,11 @@ def bench(fn, device: str, iters: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def kernels(n: int, k: int, m: int, device: str):
+def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
     """Yield (name, weight bytes, callable, fp32 reference) for each format/kernel that runs here.
+    `gated` (CUDA, one row): also the one-row GEMV reading a gate/up output, SiLU x up as a
+    kernel of its own before it (`-gemv+silu`, the unfused step) against inside it (`-gemv-gated`,
+    `linear.silu_down`); the layer's input is then 2K wide.
 
     On CUDA each callable runs the layer over `copies` independent weight sets in turn (at least
     256 MB in all), so that timed replays read weights from device memory, not from the 50 MB L2;
@@ -103,6 +106,20 @@ def kernels(n: int, k: int, m: int, device: str):
             yield f"int8-{kern}", n * k, fn, ref8, c
             fn, c = rotate(n * k, lambda kern=kern: _raw(L.wo_mm, qf.clone(), sfc, kern))
             yield f"fp8-{kern}", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
+        if gated and m == 1:
+            gu = torch.randn(m, 2 * k, generator=g).to(device=device, dtype=dt) * 3
+            gl, ul = gu.chunk(2, dim=-1)
+            act = (F.silu(gl) * ul).float()  # rounded as the two ops round
+            sc = s.to(device=device, dtype=dt)
+            for kind, wq, ws, deq in (
+                ("int8", q, sc, q.float() * s[:, None]),
+                ("fp8", qf, sfc, qf.float() * sf[:, None]),
+            ):
+                ref = act @ deq.t()
+                fn, c = rotate(n * k, lambda wq=wq, ws=ws: _gated(wq.clone(), ws, gu, False))
+                yield f"{kind}-gemv+silu", n * k, fn, ref, c
+                fn, c = rotate(n * k, lambda wq=wq, ws=ws: _gated(wq.clone(), ws, gu, True))
+                yield f"{kind}-gemv-gated", n * k, fn, ref, c
     else:
         fn, c = rotate(n * k, lambda: L.Int8Linear(q, s, None, dt))
         yield "int8-wo", n * k, fn, ref8, c
@@ -138,6 +155,16 @@ def kernels(n: int, k: int, m: int, device: str):
         qf, sf = L.quantize_fp8(w.float())
         fn, c = rotate(n * k, lambda: L.Fp8Linear(qf.clone(), sf, None, dt))
         yield "fp8", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
+
+
+def _gated(w, scale, gu, fused: bool):
+    """The down projection of gate/up output `gu`: SiLU x up inside the GEMV, or before it."""
+    from llmopt.engines.native import linear as L
+
+    if fused:
+        return lambda x: L.wo_mm(gu, w, scale, "gemv", gated=True)
+    g, u = gu.chunk(2, dim=-1)
+    return lambda x: L.wo_mm(F.silu(g) * u, w, scale, "gemv")
 
 
 def _raw(mm, w, scale, kern):
@@ -328,9 +355,28 @@ def main() -> None:
         help="time a shape's kernels this many times, interleaved (A B C A B C); the median "
         "and the range across rounds are reported",
     )
+    ap.add_argument(
+        "--shapes", nargs="+", default=None, help="only these shapes (qkv o gate_up down)"
+    )
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        default=None,
+        help="only the kernels whose names start with one of these (e.g. int8-gemv fp8)",
+    )
+    ap.add_argument(
+        "--gated",
+        action="store_true",
+        help="CUDA, one row: also SiLU x up before the int8/FP8 GEMV against inside it",
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SHAPES_8B if device == "cuda" else SHAPES_135M
+    if args.shapes:
+        unknown = set(args.shapes) - set(shapes)
+        if unknown:
+            ap.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(shapes)}")
+        shapes = {name: shapes[name] for name in args.shapes}
     rows = []
     bw = copy_rate(device) if device == "cuda" else float("nan")
     print(json.dumps({"device": device, "copy_GBps": bw / 1e9}))
@@ -343,7 +389,9 @@ def main() -> None:
     for m in args.m:
         for name, (n, k) in shapes.items():
             ks, times = [], {}
-            for kern, nbytes, fn, ref, copies in kernels(n, k, m, device):
+            for kern, nbytes, fn, ref, copies in kernels(n, k, m, device, args.gated):
+                if args.kernels and not kern.startswith(tuple(args.kernels)):
+                    continue
                 try:
                     err = float((fn().float() - ref).norm() / ref.norm())  # vs its own weights
                 except Exception as e:  # a kernel missing on this build is a finding, not a crash

@@ -50,6 +50,8 @@ __all__ = [
     "INT4_TRITON",
     "INT4_ONE_ROW",
     "WO8_KERNEL",
+    "FUSE_SILU",
+    "silu_down",
     "pack_int4_planar",
     "unpack_int4_planar",
 ]
@@ -271,6 +273,9 @@ INT4_TRITON = False
 # The Triton int4 path's kernel at one row: "dot" (`int4_dot`, measured) or "gemv" (`int4_gemv`,
 # not yet timed on a GPU; benchmarks opt in).
 INT4_ONE_ROW = "dot"
+# SiLU x up computed inside the FP8 down projection's one-row GEMV (`silu_down`); off for
+# side-by-side runs (`benchmarks/decode.py --fuse-silu off on`).
+FUSE_SILU = True
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -354,23 +359,30 @@ def wo_mm(
     scale: torch.Tensor,
     kernel: str | None = None,
     counters: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (w (N, K) * scale (N,))^T for decode rows, on CUDA via Triton.
 
     `w` is int8 or float8_e4m3fn (1 byte per weight); `scale` one float per output channel.
     `kernel`: "dot" (`triton_kernels.wo8_dot`), "dot1" (the same without a K split), "gemv"
     (`triton_kernels.wo8_gemv`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the
-    dot kernel's per-tile counters (`tile_counters`); made here when not given.
+    dot kernel's per-tile counters (`tile_counters`); made here when not given. `gated`: x is a
+    gate/up projection's output (M, 2K) and the product's input is silu(gate) * up, computed by
+    the GEMV as it reads x (`silu_down`; GEMV only).
     """
     import triton
 
     m, k = x.shape
+    if gated:
+        k //= 2
     n = w.shape[0]
     x = x.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
         kernel = "gemv" if m == 1 else "dot"
+    if gated and kernel != "gemv":
+        raise ValueError(f"gated input needs the GEMV kernel, not {kernel!r}")
     if kernel == "gemv":
 
         def grid(meta):
@@ -379,7 +391,7 @@ def wo_mm(
         # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
         words = w.dtype == torch.int8 and k % 4 == 0
         wv = w.view(torch.int32) if words else w
-        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, n, k, WORDS=words)
+        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, n, k, WORDS=words, GATED=gated)
         return y
 
     def grid2(meta):
@@ -396,6 +408,25 @@ def wo_mm(
     name = "wo8_dot_nosplit" if kernel == "dot1" else "wo8_dot"
     launch(_kernel(name), grid2, x, w, scale, y, ws, counters, m, n, _m_bucket(m), K=k)
     return y
+
+
+def silu_down(down: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
+    """`down(silu(gate) * up)` for a gate/up projection's output `gu` (..., 2I) in one kernel:
+    the FP8 GEMV computes each activation as it reads it, so the SiLU x up kernel and its round
+    trip through memory are gone (one kernel per layer per decode step). Applies where
+    `FUSE_SILU` is on, `down` is an FP8 layer on the Triton kernels, and there is one
+    activation row with the GEMV chosen for it; otherwise None (the caller runs both ops).
+
+    FP8 only: on the H200 the fused down projection took less time than the two kernels for
+    FP8 weights and more for int8, whose GEMV spends its integer units turning bytes into floats
+    and has none to spare for the SiLU (`benchmarks/linear_kernels.py --gated`,
+    docs/benchmarks.md). `wo_mm(gated=True)` takes either format."""
+    if not (FUSE_SILU and isinstance(down, Fp8Linear) and down.triton_kernel):
+        return None
+    if gu.numel() != gu.shape[-1] or WO8_KERNEL not in ("auto", "gemv"):
+        return None
+    y = wo_mm(gu.reshape(1, -1), down.weight, down.scale, kernel="gemv", gated=True)
+    return down._finish(y, gu.shape)
 
 
 def pack_int4_planar(q: torch.Tensor) -> torch.Tensor:

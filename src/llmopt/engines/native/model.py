@@ -43,6 +43,7 @@ from torch import nn
 
 from llmopt.engines.native import attention
 from llmopt.engines.native.config import NativeConfig
+from llmopt.engines.native.linear import silu_down
 
 __all__ = ["Transformer", "rope_inv_freq"]
 
@@ -321,7 +322,11 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            gu = self.gate_up_proj(x)
+            y = None if self.gemma else silu_down(self.down_proj, gu)
+            if y is not None:
+                return y
+            g, u = gu.chunk(2, dim=-1)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
         g = F.gelu(g, approximate="tanh") if self.gemma else F.silu(g)

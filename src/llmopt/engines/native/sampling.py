@@ -17,11 +17,18 @@ __all__ = [
     "make_rng",
     "sampled",
     "greedy",
+    "greedy_split",
+    "GREEDY_SPLIT_MIN",
+    "GREEDY_CHUNKS",
     "nucleus",
     "sample_rows",
     "prompt_logprobs",
     "PROMPT_LOGPROB_CHUNK",
 ]
+
+# `greedy` reduces a vocabulary of at least GREEDY_SPLIT_MIN logits on CUDA in GREEDY_CHUNKS pieces
+GREEDY_SPLIT_MIN = 8192
+GREEDY_CHUNKS = 128
 
 # Top-p looks for each row's nucleus among its top NUCLEUS_K logits first (see `nucleus`).
 NUCLEUS_K = 256
@@ -48,10 +55,40 @@ def make_rng(params: SamplingParams, device: torch.device) -> torch.Generator | 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax token (B,), its log-probability (B,)) of logits (B, V); traceable (the compiled
-    decode step runs it in its graph)."""
+    decode step runs it in its graph). On CUDA a large vocabulary goes through `greedy_split`."""
+    if logits.is_cuda and logits.shape[-1] >= GREEDY_SPLIT_MIN:
+        return greedy_split(logits)
     best = torch.argmax(logits, -1, keepdim=True)
     best_lp = logits.gather(1, best) - torch.logsumexp(logits, -1, keepdim=True)
     return best.flatten(), best_lp.flatten()
+
+
+def greedy_split(
+    logits: torch.Tensor, chunks: int = GREEDY_CHUNKS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy` in two levels: the vocabulary cut into `chunks` pieces, each reduced on its own
+    (argmax, max, sum of exp relative to its max), then the pieces' results combined. Compiled,
+    an argmax over one row of a 128k vocabulary is one serial program (Inductor does not split
+    argmax reductions); a few hundred chunks reduce in parallel. The same token: the first
+    chunk holding the maximum, and its first index there, is the first maximal index."""
+    b, v = logits.shape
+    size = -(-v // chunks)
+    n = -(-v // size)
+    x = logits
+    if n * size != v:  # pad the last chunk (fewer than `size` values: no chunk is all padding)
+        x = torch.nn.functional.pad(x, (0, n * size - v), value=float("-inf"))
+    x = x.view(b, n, size)
+    idx = x.argmax(-1, keepdim=True)  # (B, n, 1): first maximum of each chunk
+    cmax = x.gather(-1, idx).squeeze(-1).float()  # (B, n)
+    top = cmax.argmax(-1, keepdim=True)  # (B, 1): first chunk holding the maximum
+    best = top * size + idx.squeeze(-1).gather(1, top)
+    m = cmax.gather(1, top)
+    # log-sum-exp, each chunk's sum taken relative to its own maximum then rescaled; a chunk of
+    # -inf logits only (masked tokens) adds nothing (its own sum would be 0 * inf = NaN)
+    s = torch.exp(x.float() - cmax.unsqueeze(-1)).sum(-1)
+    s = torch.where(torch.isneginf(cmax), 0.0, s * torch.exp(cmax - m))
+    lp = -torch.log(s.sum(-1, keepdim=True))  # the best logit's log-probability: m - lse
+    return best.flatten(), lp.to(logits.dtype).flatten()
 
 
 def nucleus(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -337,6 +337,19 @@ if triton is not None:
         f = (((wd >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True)
         return f - 8388736.0
 
+    @triton.jit
+    def _gemv_x(x_ptr, m, k, mask, K: tl.constexpr, GATED: tl.constexpr):
+        # x[m, k] as fp32; GATED: silu(gate) * up of a gate/up row (2K wide), each rounded to the
+        # activation dtype as the two separate ops round (F.silu, then the product): the down
+        # projection reads its input without the SiLU x up kernel and its round trip.
+        if GATED:
+            g = tl.load(x_ptr + m * 2 * K + k, mask=mask, other=0.0)
+            u = tl.load(x_ptr + m * 2 * K + K + k, mask=mask, other=0.0)
+            gf = g.to(tl.float32)
+            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+            return (act * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        return tl.load(x_ptr + m * K + k, mask=mask, other=0.0).to(tl.float32)
+
     # Weight-only GEMV on the CUDA cores (written by hand: neither cuBLAS nor PyTorch's CUDA
     # int8pack kernel reads 1-byte weights near bandwidth). One program computes BLOCK_N outputs
     # of one activation row; the partial products stay in a register tile, reduced at the end.
@@ -364,11 +377,14 @@ if triton is not None:
         N,
         K: tl.constexpr,
         WORDS: tl.constexpr,
+        GATED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         # y[m] = (w @ x[m]) * scale; w (N, K) float8_e4m3fn, or with WORDS int8 read as an
-        # (N, K / 4) int32 view (byte i of word j is k = 4 j + i, `_bytes_as_float`).
+        # (N, K / 4) int32 view (byte i of word j is k = 4 j + i, `_bytes_as_float`). GATED: the
+        # rows of x are a gate/up projection's output (2K: gate, then up), and x[m] is
+        # silu(gate) * up, made here as it is read (`_gated_x`).
         pid_n, m = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if WORDS:
@@ -380,8 +396,8 @@ if triton is not None:
                 wmask = (rn[:, None] < N) & (wc[None, :] < K // 4)
                 wd = tl.load(w_ptr + rn[:, None] * (K // 4) + wc[None, :], mask=wmask, other=0)
                 for i in tl.static_range(4):  # masked words are 0: their bytes give 0.0
-                    x = tl.load(x_ptr + m * K + 4 * wc + i, mask=wc < K // 4, other=0.0)
-                    acc += _bytes_as_float(wd, i) * x.to(tl.float32)[None, :]
+                    x = _gemv_x(x_ptr, m, 4 * wc + i, wc < K // 4, K, GATED)
+                    acc += _bytes_as_float(wd, i) * x[None, :]
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in tl.range(0, K, BLOCK_K):
@@ -389,8 +405,8 @@ if triton is not None:
                 wmask = (rn[:, None] < N) & (rk[None, :] < K)
                 w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wmask)
                 w = tl.where(wmask, w.to(tl.float32), 0.0)  # (no FP8 literal for `other=`)
-                x = tl.load(x_ptr + m * K + rk, mask=rk < K, other=0.0)
-                acc += w * x.to(tl.float32)[None, :]
+                x = _gemv_x(x_ptr, m, rk, rk < K, K, GATED)
+                acc += w * x[None, :]
         s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         y = tl.sum(acc, axis=1) * s
         tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)

@@ -395,6 +395,13 @@ for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", dots)):
                 ref = x @ (q.float() * s[:, None]).t()
                 err = float((y - ref).norm() / ref.norm())
                 assert err < 1e-5, (kernel, cfg, n, k, m, q.dtype, err)
+                if kernel == "gemv" and m == 1:  # the down projection reading silu(gate) * up
+                    gu = torch.randn(1, 2 * k) * 3
+                    y = L.wo_mm(gu, q, s.contiguous(), kernel, gated=True)
+                    g, u = gu.chunk(2, dim=-1)
+                    ref = (torch.nn.functional.silu(g) * u) @ (q.float() * s[:, None]).t()
+                    err = float((y - ref).norm() / ref.norm())
+                    assert err < 1e-5, ("gated", cfg, n, k, q.dtype, err)
 print("ok")
 """
 
@@ -406,6 +413,40 @@ def test_triton_int8_fp8_kernels_match_reference_in_triton_interpreter():
         [sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_silu_down_matches_the_two_ops_on_gpu():
+    """The FP8 down projection computing silu(gate) * up as it reads it gives the separate ops'
+    result (bf16, both roundings kept) at one row, and declines where it does not apply (two
+    rows, fusion off, int8 weights: the GEMV's gated input is checked for int8 too)."""
+    from llmopt.engines.native import linear as L
+
+    torch.manual_seed(0)
+    w = torch.randn(512, 1024, device="cuda") * 0.02
+    gu = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    g, u = gu.chunk(2, dim=-1)
+    int8 = L.Int8Linear(*L.quantize_int8(w), None, torch.bfloat16)
+    assert L.silu_down(int8, gu) is None
+    got = L.wo_mm(gu[0], int8.weight, int8.scale_f, kernel="gemv", gated=True)
+    torch.testing.assert_close(
+        got[None], int8(torch.nn.functional.silu(g) * u), rtol=2e-2, atol=2e-2
+    )
+    if not L.fp8_supported():
+        return
+    down = L.Fp8Linear(*L.quantize_fp8(w), None, torch.bfloat16)
+    assert down.triton_kernel
+    want = down(torch.nn.functional.silu(g) * u)
+    got = L.silu_down(down, gu)
+    assert got is not None and got.shape == want.shape == (1, 1, 512)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert L.silu_down(down, gu.expand(2, 1, 2048)) is None
+    L.FUSE_SILU = False
+    try:
+        assert L.silu_down(down, gu) is None
+    finally:
+        L.FUSE_SILU = True
 
 
 @pytest.mark.gpu
@@ -722,6 +763,31 @@ def test_nucleus_from_top_k_matches_the_full_sort():
     assert torch.equal(got[~torch.isinf(got)], x[~torch.isinf(got)])
     kept = (~torch.isinf(got)).sum(-1).tolist()
     assert kept[2] == kept[5] == V and kept[0] < NUCLEUS_K and kept[3] > NUCLEUS_K  # both paths ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_split_matches_one_argmax(dtype):
+    """The two-level greedy (chunks reduced apart, then combined) picks the same token as one
+    argmax (the first maximum on ties, across chunks and inside one) and the same
+    log-probability, for a vocabulary that is not a whole number of chunks, a chunk of -inf only
+    (masked tokens) and a row whose maximum is in the padded last chunk."""
+    from llmopt.engines.native.sampling import greedy_split
+
+    torch.manual_seed(2)
+    v = 1000  # 8 chunks of 125 at chunks=8; 7 of 143 plus a padded one at chunks=7
+    x = (torch.randn(5, v) * 4).to(dtype)
+    x[1, 300] = x[1, 700] = x[1].max() + 1  # tie across chunks: the first wins
+    x[2, 10] = x[2, 11] = x[2].max() + 1  # tie inside a chunk
+    x[3, :250] = float("-inf")  # whole chunks masked
+    x[4, v - 1] = x[4].max() + 1  # maximum in the last (padded) chunk
+    want = torch.argmax(x, -1)
+    want_lp = x.float().gather(1, want[:, None]) - torch.logsumexp(x.float(), -1, keepdim=True)
+    for chunks in (8, 7, 1):
+        best, lp = greedy_split(x, chunks)
+        assert torch.equal(best, want), chunks
+        assert lp.dtype == dtype
+        torch.testing.assert_close(lp.float(), want_lp.flatten().to(dtype).float())
+    assert want[1] == 300 and want[2] == 10 and want[4] == v - 1
 
 
 def test_failed_prefill_compile_falls_back_to_eager(tiny_llama_dir, monkeypatch):
