@@ -371,7 +371,7 @@ def main() -> None:
         choices=["on", "off"],
         default=None,
         help="SiLU x up inside the FP8 down projection's one-row GEMV on/off, interleaved "
-        "per point (default: on, the engine's)",
+        "per point (default: off, the engine's)",
     )
     ap.add_argument(
         "--inductor-pdl",
@@ -445,7 +445,7 @@ def main() -> None:
         for b, path, ov, silu, pdl in points:
             A.ENABLED = path != "gather"
             A.FUSE_ROPE = path == "triton-rope"
-            L.FUSE_SILU = silu is not False
+            L.FUSE_SILU = bool(silu)
             if pdl is not None:  # an Inductor setting: Dynamo does not guard on it, so recompile
                 if not hasattr(inductor_config.triton, "enable_pdl"):
                     sys.exit(f"torch {torch.__version__}'s Inductor has no enable_pdl setting")

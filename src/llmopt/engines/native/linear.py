@@ -273,9 +273,10 @@ INT4_TRITON = False
 # The Triton int4 path's kernel at one row: "dot" (`int4_dot`, measured) or "gemv" (`int4_gemv`,
 # not yet timed on a GPU; benchmarks opt in).
 INT4_ONE_ROW = "dot"
-# SiLU x up computed inside the FP8 down projection's one-row GEMV (`silu_down`); off for
-# side-by-side runs (`benchmarks/decode.py --fuse-silu off on`).
-FUSE_SILU = True
+# SiLU x up computed inside the FP8 down projection's one-row GEMV (`silu_down`): off, as timed
+# alone it costs about what it saves (the compiled step's own SiLU x up is one small Inductor
+# kernel; docs/benchmarks.md); `benchmarks/decode.py --fuse-silu off on` measures it end to end.
+FUSE_SILU = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -417,10 +418,10 @@ def silu_down(down: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
     `FUSE_SILU` is on, `down` is an FP8 layer on the Triton kernels, and there is one
     activation row with the GEMV chosen for it; otherwise None (the caller runs both ops).
 
-    FP8 only: on the H200 the fused down projection took less time than the two kernels for
-    FP8 weights and more for int8, whose GEMV spends its integer units turning bytes into floats
-    and has none to spare for the SiLU (`benchmarks/linear_kernels.py --gated`,
-    docs/benchmarks.md). `wo_mm(gated=True)` takes either format."""
+    FP8 only: on the H200 the GEMV with the SiLU inside took 2.2 us more than without for FP8
+    weights and 4.6 us more for int8, whose GEMV spends its integer units turning bytes into
+    floats (`benchmarks/linear_kernels.py --gated`, docs/benchmarks.md): each program recomputes
+    the SiLU of the whole activation row. `wo_mm(gated=True)` takes either format."""
     if not (FUSE_SILU and isinstance(down, Fp8Linear) and down.triton_kernel):
         return None
     if gu.numel() != gu.shape[-1] or WO8_KERNEL not in ("auto", "gemv"):

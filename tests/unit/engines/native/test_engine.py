@@ -418,9 +418,9 @@ def test_triton_int8_fp8_kernels_match_reference_in_triton_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_silu_down_matches_the_two_ops_on_gpu():
-    """The FP8 down projection computing silu(gate) * up as it reads it gives the separate ops'
-    result (bf16, both roundings kept) at one row, and declines where it does not apply (two
-    rows, fusion off, int8 weights: the GEMV's gated input is checked for int8 too)."""
+    """The FP8 down projection computing silu(gate) * up as it reads it (opt-in) gives the
+    separate ops' result (bf16, both roundings kept) at one row, and declines where it does not
+    apply (fusion off, two rows, int8 weights: the GEMV's gated input is checked for int8 too)."""
     from llmopt.engines.native import linear as L
 
     torch.manual_seed(0)
@@ -438,15 +438,15 @@ def test_silu_down_matches_the_two_ops_on_gpu():
     down = L.Fp8Linear(*L.quantize_fp8(w), None, torch.bfloat16)
     assert down.triton_kernel
     want = down(torch.nn.functional.silu(g) * u)
-    got = L.silu_down(down, gu)
-    assert got is not None and got.shape == want.shape == (1, 1, 512)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    assert L.silu_down(down, gu.expand(2, 1, 2048)) is None
-    L.FUSE_SILU = False
+    assert not L.FUSE_SILU and L.silu_down(down, gu) is None  # opt-in
+    L.FUSE_SILU = True
     try:
-        assert L.silu_down(down, gu) is None
+        got = L.silu_down(down, gu)
+        assert got is not None and got.shape == want.shape == (1, 1, 512)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert L.silu_down(down, gu.expand(2, 1, 2048)) is None
     finally:
-        L.FUSE_SILU = True
+        L.FUSE_SILU = False
 
 
 @pytest.mark.gpu
