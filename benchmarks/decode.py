@@ -316,6 +316,27 @@ def run_hf(args, model, prompt: list[int], cache: str) -> dict:
     return {"cache": cache, "s": dt, "tok_s": len(gen) / dt, "tokens": gen, "logits_sqnr_db": sqnr}
 
 
+# `llmopt.engines.native.linear`'s module switches that `--linear` may set
+LINEAR_SWITCHES = ("GEMV_XVEC", "GEMV_UNIT", "GEMV_EVEN", "FUSE_SILU")
+
+
+def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
+    """`--linear` values as switch settings; a bad name or value exits with what is allowed."""
+    out = []
+    for spec in specs or ["default"]:
+        setting = {}
+        for item in [] if spec == "default" else spec.split(","):
+            name, _, value = item.partition("=")
+            if name not in LINEAR_SWITCHES or value not in ("on", "off"):
+                sys.exit(
+                    f"--linear {spec!r}: expected 'default' or NAME=on|off with NAME one of "
+                    f"{', '.join(LINEAR_SWITCHES)}"
+                )
+            setting[name] = value == "on"
+        out.append(setting)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -374,6 +395,15 @@ def main() -> None:
         "per point (default: off, the engine's)",
     )
     ap.add_argument(
+        "--linear",
+        nargs="+",
+        default=None,
+        help="settings of the quantized linears' switches to run side by side, interleaved per "
+        "point: each 'default' or NAME=on|off[,NAME=on|off...] with NAME one of "
+        + ", ".join(LINEAR_SWITCHES)
+        + " (e.g. --linear default GEMV_UNIT=on GEMV_XVEC=on,GEMV_UNIT=on)",
+    )
+    ap.add_argument(
         "--inductor-pdl",
         nargs="+",
         choices=["on", "off"],
@@ -399,6 +429,8 @@ def main() -> None:
     dtype = (
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     )
+    linears = linear_settings(args.linear)
+    switch_defaults = {name: getattr(L, name) for name in LINEAR_SWITCHES}
     modes = args.modes or (["bf16", "int8", "int4"] + (["fp8"] if L.fp8_supported() else []))
     compile_ = cuda if args.compile == "auto" else args.compile == "on"
     g = torch.Generator().manual_seed(args.seed)
@@ -434,18 +466,20 @@ def main() -> None:
         silus = [None] if args.fuse_silu is None else [o == "on" for o in args.fuse_silu]
         pdls = [None] if args.inductor_pdl is None else [o == "on" for o in args.inductor_pdl]
         points = [
-            (b, path, ov, silu, pdl)
+            (b, path, ov, silu, pdl, lin)
             for b in (args.batches if mode in ("bf16", "fp32") else args.quant_batches)
             for path in args.attention
             for ov in overlaps
             for silu in silus
             for pdl in pdls
+            for lin in range(len(linears))
         ]
         first_point = points[0][1:]
-        for b, path, ov, silu, pdl in points:
+        for b, path, ov, silu, pdl, lin in points:
             A.ENABLED = path != "gather"
             A.FUSE_ROPE = path == "triton-rope"
-            L.FUSE_SILU = bool(silu)
+            for name, value in {**switch_defaults, "FUSE_SILU": bool(silu), **linears[lin]}.items():
+                setattr(L, name, value)
             if pdl is not None:  # an Inductor setting: Dynamo does not guard on it, so recompile
                 if not hasattr(inductor_config.triton, "enable_pdl"):
                     sys.exit(f"torch {torch.__version__}'s Inductor has no enable_pdl setting")
@@ -459,6 +493,8 @@ def main() -> None:
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
             r.update(
                 fuse_silu=L.FUSE_SILU,
+                linear=",".join(f"{k}={'on' if v else 'off'}" for k, v in linears[lin].items())
+                or "default",
                 inductor_pdl=bool(getattr(inductor_config.triton, "enable_pdl", False)),
                 mode=mode,
                 weight_GB=wbytes / 1e9,
@@ -468,7 +504,7 @@ def main() -> None:
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
             if b == 1 and mode in ("bf16", "fp32") and native_tokens is None:
                 native_tokens = r["tokens"]
-            if b == 1 and (path, ov, silu, pdl) != first_point:  # against the first
+            if b == 1 and (path, ov, silu, pdl, lin) != first_point:  # against the first
                 first = next(x for x in tokens_b1 if x[0] == mode)[1]
                 r["greedy_equal_to_first_path"] = sum(
                     a == c for a, c in zip(first, r["tokens"], strict=False)
@@ -507,7 +543,7 @@ def main() -> None:
             f"{r['ms_per_step_device_only']:7.2f} {r['host_ms_per_step']:7.2f} "
             f"{r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
-            f"{'-' if q is None else format(q, '.1f'):>8s}"
+            f"{'-' if q is None else format(q, '.1f'):>8s} {r['linear']}"
         )
     for h in results["hf"]:
         if "error" in h:

@@ -12,6 +12,9 @@
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 # Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call):
+#   KERNEL_M=1 KERNEL_ARGS="--kernels int8-gemv fp8-gemv" ROUNDS=5 bash benchmarks/h200_runs.sh kernels
+#     (the GEMV's variants: -xvec, -unit, -xvec-unit, -masked against the default; ~2 min)
+#   MODES=int8 AB="--linear default GEMV_XVEC=on,GEMV_UNIT=on" bash benchmarks/h200_runs.sh ab
 #   MODES=fp8 AB="--fuse-silu off on --inductor-pdl off on" bash benchmarks/h200_runs.sh ab
 #   MODES=int8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab
 #   MODES=int4 PROFILE=--profile bash benchmarks/h200_runs.sh decode; then smol-part x 2, realweights
@@ -128,7 +131,7 @@ for step in "$@"; do
         ${PROFILE:-} --json "$OUT/rope-ab.json" > "$OUT/rope-ab.log" 2>&1
       grep -v "^ " "$OUT/rope-ab.log" | tail -8 ;;
     ab)  # issue 24: one format at batch 1, the engine's switches side by side, interleaved per
-      # point (AB: decode.py's --fuse-silu, --inductor-pdl, --attention, --overlap lists)
+      # point (AB: decode.py's --linear, --fuse-silu, --inductor-pdl, --attention, --overlap lists)
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-fp8} --batches 1 \
         --quant-batches 1 --new-tokens ${NEW_TOKENS:-128} ${AB:---fuse-silu off on} ${PROFILE:-} \
         --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1; grep -v "^ " "$OUT/ab.log" | tail -8 ;;

@@ -106,6 +106,25 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
             yield f"int8-{kern}", n * k, fn, ref8, c
             fn, c = rotate(n * k, lambda kern=kern: _raw(L.wo_mm, qf.clone(), sfc, kern))
             yield f"fp8-{kern}", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
+        if m == 1:  # the GEMV's variants (`linear.GEMV_*` switches) against its default
+            sc = s.to(device=device, dtype=dt)
+            for name, wq, ws, ref, flags in (
+                ("int8-gemv-xvec", q, sc, ref8, {"GEMV_XVEC": True}),
+                ("int8-gemv-unit", q, sc, ref8, {"GEMV_UNIT": True}),
+                ("int8-gemv-xvec-unit", q, sc, ref8, {"GEMV_XVEC": True, "GEMV_UNIT": True}),
+                ("int8-gemv-masked", q, sc, ref8, {"GEMV_EVEN": False}),
+                (
+                    "fp8-gemv-masked",
+                    qf,
+                    sfc,
+                    xf @ (qf.float() * sf[:, None]).t(),
+                    {"GEMV_EVEN": False},
+                ),
+            ):
+                fn, c = rotate(
+                    n * k, lambda wq=wq, ws=ws, flags=flags: _variant(wq.clone(), ws, flags)
+                )
+                yield name, n * k, fn, ref, c
         if gated and m == 1:
             gu = torch.randn(m, 2 * k, generator=g).to(device=device, dtype=dt) * 3
             gl, ul = gu.chunk(2, dim=-1)
@@ -165,6 +184,24 @@ def _gated(w, scale, gu, fused: bool):
         return lambda x: L.wo_mm(gu, w, scale, "gemv", gated=True)
     g, u = gu.chunk(2, dim=-1)
     return lambda x: L.wo_mm(F.silu(g) * u, w, scale, "gemv")
+
+
+def _variant(w, scale, flags: dict):
+    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch (captured into
+    the benchmark's CUDA graph with them), restored after."""
+    from llmopt.engines.native import linear as L
+
+    def run(x):
+        old = {name: getattr(L, name) for name in flags}
+        for name, value in flags.items():
+            setattr(L, name, value)
+        try:
+            return L.wo_mm(x, w, scale, "gemv")
+        finally:
+            for name, value in old.items():
+                setattr(L, name, value)
+
+    return run
 
 
 def _raw(mm, w, scale, kern):

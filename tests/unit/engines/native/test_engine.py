@@ -384,7 +384,8 @@ dots = [first[c] for c in ((64, 512, 1), (64, 512, 2), (32, 256, 8), (32, 1024, 
 for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", dots)):
     for cfg in cfgs:
         A.INTERPRET_CONFIG = cfg
-        shapes = ((96, 256, 1), (200, 512, 3), (64, 384, 4), (48, 1024, 16), (40, 520, 2), (24, 90, 1))
+        shapes = ((96, 256, 1), (200, 512, 3), (64, 384, 4), (48, 1024, 16), (40, 520, 2), (24, 90, 1),
+                  (128, 2048, 1))  # (the last unmasked: the GEMV's largest tiles divide it)
         for n, k, m in shapes:  # (k % 4 != 0: int8 not read as words)
             w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
             counters = L.tile_counters(n, m, "cpu")
@@ -402,6 +403,29 @@ for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", dots)):
                     ref = (torch.nn.functional.silu(g) * u) @ (q.float() * s[:, None]).t()
                     err = float((y - ref).norm() / ref.norm())
                     assert err < 1e-5, ("gated", cfg, n, k, q.dtype, err)
+# the int8 GEMV's opt-in inner loops: activations as one vector, bytes without a subtraction
+for xvec, unit in ((True, False), (False, True), (True, True)):
+    L.GEMV_XVEC, L.GEMV_UNIT = xvec, unit
+    for cfg in (0, 6):
+        A.INTERPRET_CONFIG = cfg
+        for n, k, m in ((96, 256, 1), (200, 512, 3), (128, 2048, 1)):
+            w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+            q, s = L.quantize_int8(w)
+            ref = x @ (q.float() * s[:, None]).t()
+            y = L.wo_mm(x, q, s.contiguous(), "gemv")
+            err = float((y - ref).norm() / ref.norm())
+            assert err < 1e-5, ("variant", xvec, unit, cfg, n, k, m, err)
+            if m == 1:
+                gu = torch.randn(1, 2 * k) * 3
+                g, u = gu.chunk(2, dim=-1)
+                ref = (torch.nn.functional.silu(g) * u) @ (q.float() * s[:, None]).t()
+                y = L.wo_mm(gu, q, s.contiguous(), "gemv", gated=True)
+                err = float((y - ref).norm() / ref.norm())
+                assert err < 1e-5, ("variant gated", xvec, unit, cfg, n, k, err)
+L.GEMV_XVEC = L.GEMV_UNIT = False
+# the GEMV's unmasked variant is for shapes its largest tiles divide
+tiles = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in T.wo8_gemv.configs}
+assert (L.GEMV_TILE_N, L.GEMV_TILE_K) == (max(t[0] for t in tiles), max(t[1] for t in tiles))
 print("ok")
 """
 
