@@ -305,6 +305,9 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         "--hf",
         "--threads",
         "1",
+        "--linear",
+        "default",
+        "GEMV_UNIT=on,FUSE_SILU=off",
         "--json",
         str(out),
     ]
@@ -315,6 +318,12 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         ("fp32", 2),
         ("int8", 1),
     }
+    labels = [r["linear"] for r in res["native"] if r["mode"] == "int8"]
+    assert labels == ["default", "GEMV_UNIT=on,FUSE_SILU=off"]  # one point per setting
+    bad = subprocess.run(
+        cmd[:2] + ["--linear", "GEMV_UNIT=maybe"], capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode != 0 and "NAME=on|off" in bad.stderr
     assert all(r["tok_s"] > 0 and r["achieved_GBps"] > 0 for r in res["native"])
     assert [h["match_prefix"] for h in res["hf"]] == [8, 8]  # same greedy tokens as HF
 
