@@ -51,6 +51,9 @@ __all__ = [
     "INT4_ONE_ROW",
     "WO8_KERNEL",
     "FUSE_SILU",
+    "GEMV_EVEN",
+    "GEMV_XVEC",
+    "GEMV_UNIT",
     "silu_down",
     "pack_int4_planar",
     "unpack_int4_planar",
@@ -270,8 +273,8 @@ WO8_KERNEL = "auto"
 # The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
 # slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
 INT4_TRITON = False
-# The Triton int4 path's kernel at one row: "dot" (`int4_dot`, measured) or "gemv" (`int4_gemv`,
-# not yet timed on a GPU; benchmarks opt in).
+# The Triton int4 path's kernel at one row: "dot" (`int4_dot`) or "gemv" (`int4_gemv`, slower
+# than both `int4_dot` and tinygemm on the H200, docs/benchmarks.md; benchmarks opt in).
 INT4_ONE_ROW = "dot"
 # SiLU x up computed inside the FP8 down projection's one-row GEMV (`silu_down`): off, as timed
 # alone it costs about what it saves (the compiled step's own SiLU x up is one small Inductor
