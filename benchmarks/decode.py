@@ -341,6 +341,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+
+    def on_off(flag: str, help: str) -> None:  # a switch run both ways, interleaved per point
+        ap.add_argument(flag, nargs="+", choices=["on", "off"], default=None, help=help)
+
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--model", default=None, help="built-in name or HF folder (real weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -378,20 +382,14 @@ def main() -> None:
         help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather "
         "only); triton-rope: the kernel with RoPE and the KV write folded in",
     )
-    ap.add_argument(
+    on_off(
         "--overlap",
-        nargs="+",
-        choices=["on", "off"],
-        default=None,
-        help="overlapped greedy decode on/off, interleaved per point (default: the generator's, "
+        "overlapped greedy decode on/off, interleaved per point (default: the generator's, "
         "on for CUDA)",
     )
-    ap.add_argument(
+    on_off(
         "--fuse-silu",
-        nargs="+",
-        choices=["on", "off"],
-        default=None,
-        help="SiLU x up inside the FP8 down projection's one-row GEMV on/off, interleaved "
+        "SiLU x up inside the FP8 down projection's one-row GEMV on/off, interleaved "
         "per point (default: off, the engine's)",
     )
     ap.add_argument(
@@ -403,12 +401,9 @@ def main() -> None:
         + ", ".join(LINEAR_SWITCHES)
         + " (e.g. --linear default GEMV_UNIT=on GEMV_XVEC=on,GEMV_UNIT=on)",
     )
-    ap.add_argument(
+    on_off(
         "--inductor-pdl",
-        nargs="+",
-        choices=["on", "off"],
-        default=None,
-        help="Inductor's programmatic dependent launch (its kernels start while the previous "
+        "Inductor's programmatic dependent launch (its kernels start while the previous "
         "kernel drains; CUDA sm_90+) on/off, interleaved per point, each point compiled afresh "
         "(default: Inductor's, off)",
     )
