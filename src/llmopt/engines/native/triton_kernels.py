@@ -286,6 +286,7 @@ if triton is not None:
             tl.store(v_ptr + crow, vc, mask=dmask)
             kf = kc.to(qdt).to(tl.float32)
             qk = tl.sum(q.to(tl.float32) * kf[None, :], axis=1) * qk_scale
+            qk = qk.to(tl.float32)  # as in _tile: an fp64 scale would make `m` fp64 here
             m_new = tl.maximum(m, qk)
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(qk - m_new)
