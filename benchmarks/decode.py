@@ -317,7 +317,7 @@ def run_hf(args, model, prompt: list[int], cache: str) -> dict:
 
 
 # `llmopt.engines.native.linear`'s module switches that `--linear` may set
-LINEAR_SWITCHES = ("GEMV_XVEC", "GEMV_UNIT", "GEMV_EVEN", "FUSE_SILU")
+LINEAR_SWITCHES = ("GEMV_EVEN", "FUSE_SILU")
 
 
 def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
@@ -399,7 +399,7 @@ def main() -> None:
         help="settings of the quantized linears' switches to run side by side, interleaved per "
         "point: each 'default' or NAME=on|off[,NAME=on|off...] with NAME one of "
         + ", ".join(LINEAR_SWITCHES)
-        + " (e.g. --linear default GEMV_UNIT=on GEMV_XVEC=on,GEMV_UNIT=on)",
+        + " (e.g. --linear default GEMV_EVEN=off GEMV_EVEN=off,FUSE_SILU=on)",
     )
     on_off(
         "--inductor-pdl",

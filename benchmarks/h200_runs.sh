@@ -12,12 +12,9 @@
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 # Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call):
-#   KERNEL_M=1 KERNEL_ARGS="--kernels int8-gemv fp8-gemv" ROUNDS=5 bash benchmarks/h200_runs.sh kernels
-#     (the GEMV's variants: -xvec, -unit, -xvec-unit, -masked against the default; ~2 min)
-#   MODES=int8 AB="--linear default GEMV_XVEC=on,GEMV_UNIT=on" bash benchmarks/h200_runs.sh ab
-#   MODES=fp8 AB="--fuse-silu off on --inductor-pdl off on" bash benchmarks/h200_runs.sh ab
-#   MODES=int8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab
-#   MODES=int4 PROFILE=--profile bash benchmarks/h200_runs.sh decode; then smol-part x 2, realweights
+#   MODES=fp8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab  # fused RoPE
+#   bash benchmarks/h200_runs.sh smol-part; (next call) ... smol-part setup realweights
+#     (the real-weight check, now with a one-token-at-a-time tail through the decode kernels)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7

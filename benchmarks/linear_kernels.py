@@ -109,9 +109,6 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
         if m == 1:  # the GEMV's variants (`linear.GEMV_*` switches) against its default
             sc = s.to(device=device, dtype=dt)
             for name, wq, ws, ref, flags in (
-                ("int8-gemv-xvec", q, sc, ref8, {"GEMV_XVEC": True}),
-                ("int8-gemv-unit", q, sc, ref8, {"GEMV_UNIT": True}),
-                ("int8-gemv-xvec-unit", q, sc, ref8, {"GEMV_XVEC": True, "GEMV_UNIT": True}),
                 ("int8-gemv-masked", q, sc, ref8, {"GEMV_EVEN": False}),
                 (
                     "fp8-gemv-masked",

@@ -52,8 +52,6 @@ __all__ = [
     "WO8_KERNEL",
     "FUSE_SILU",
     "GEMV_EVEN",
-    "GEMV_XVEC",
-    "GEMV_UNIT",
     "silu_down",
     "pack_int4_planar",
     "unpack_int4_planar",
@@ -352,13 +350,6 @@ SPLIT_K_MAX = 8  # the largest K split among `triton_kernels.wo8_dot`'s configs
 # `benchmarks/linear_kernels.py`'s `-masked` columns).
 GEMV_TILE_N, GEMV_TILE_K = 64, 1024
 GEMV_EVEN = True
-# Two variants of the int8 GEMV's inner loop, each fewer instructions per weight in the
-# compiled code (docs/benchmarks.md), off until timed on a GPU: XVEC loads a tile's activations
-# as one vector (not four strided loads), UNIT turns bytes into floats without a subtraction
-# (`triton_kernels._bytes_as_unit`). `benchmarks/linear_kernels.py`'s `int8-gemv-xvec`,
-# `-unit` and `-xvec-unit` columns time them against the default.
-GEMV_XVEC = False
-GEMV_UNIT = False
 
 
 def tile_counters(n: int, m: int, device) -> torch.Tensor:
@@ -408,7 +399,7 @@ def wo_mm(
         words = w.dtype == torch.int8 and k % 4 == 0
         wv = w.view(torch.int32) if words else w
         even = GEMV_EVEN and n % GEMV_TILE_N == 0 and k % GEMV_TILE_K == 0
-        kw = {"WORDS": words, "GATED": gated, "EVEN": even, "XVEC": GEMV_XVEC, "UNIT": GEMV_UNIT}
+        kw = {"WORDS": words, "GATED": gated, "EVEN": even}
         launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, n, k, **kw)
         return y
 

@@ -339,24 +339,6 @@ if triton is not None:
         return f - 8388736.0
 
     @triton.jit
-    def _bytes_as_unit(wd, i: tl.constexpr):
-        # Byte i of int32 words `wd` as the fp32 (b + 384) / 256 = 1 + (b + 128) / 256 in
-        # [1, 2): the byte shifted to the top of the mantissa of 1.0 with its sign bit flipped,
-        # one shift and one 3-input logic instruction, no subtraction; the caller removes the
-        # offset from the row's sum (1.5 sum x) and scales by 256. Exact: eight bits fit the
-        # mantissa. The sums stay accurate: the offset's share of a row's sum is that of the
-        # weights' magnitudes, so fp32 loses a few of its 24 bits to the cancellation.
-        if i == 0:
-            u = wd << 15
-        elif i == 1:
-            u = wd << 7
-        elif i == 2:
-            u = wd >> 1
-        else:
-            u = wd >> 9
-        return ((u & 0x7F8000) ^ 0x3FC00000).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _gemv_x(x_ptr, m, k, mask, K: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr):
         # x[m, k] as fp32; GATED: silu(gate) * up of a gate/up row (2K wide), each rounded to the
         # activation dtype as the two separate ops round (F.silu, then the product): the down
@@ -405,8 +387,6 @@ if triton is not None:
         WORDS: tl.constexpr,
         GATED: tl.constexpr,
         EVEN: tl.constexpr,
-        XVEC: tl.constexpr,
-        UNIT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -415,15 +395,12 @@ if triton is not None:
         # rows of x are a gate/up projection's output (2K: gate, then up), and x[m] is
         # silu(gate) * up, made here as it is read (`_gated_x`). EVEN: every config's tiles
         # divide N and K, so no load or store is masked (a masked load costs a register move
-        # per element, and FP8, which has no literal for `other=`, a select per weight). XVEC
-        # (int8 words): the activations of a tile loaded as one contiguous vector and split
-        # into the four byte positions in registers, instead of four strided loads, which
-        # compile to one 2-byte load and one 64-bit address add per element. UNIT (int8
-        # words): bytes as (b + 384) / 256 (`_bytes_as_unit`), the offset taken out once per
-        # row at the end: one instruction less per weight than `_bytes_as_float`.
+        # per element, and FP8, which has no literal for `other=`, a select per weight). The int8
+        # tile's activations are loaded as one contiguous vector and split into the four byte
+        # positions in registers: four strided loads compile to a 2-byte load and a 64-bit
+        # address add per element, and measured slower (docs/benchmarks.md).
         pid_n, m = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        xs = tl.zeros((BLOCK_K // 4,), dtype=tl.float32)  # UNIT: the sum of x, per column
         if WORDS:
             BW: tl.constexpr = BLOCK_K // 4
             j = tl.arange(0, BW)
@@ -435,28 +412,16 @@ if triton is not None:
                     wd = tl.load(ptrs)
                 else:  # masked words are 0 and their activations 0.0: they add nothing
                     wd = tl.load(ptrs, mask=(rn[:, None] < N) & (wc[None, :] < K // 4), other=0)
-                if XVEC:  # x[4 j + i] for i = 0..3, from one load: (BW, 2, 2) split twice
-                    xk = 4 * w0 + tl.arange(0, BLOCK_K)
-                    xv = _gemv_x(x_ptr, m, xk, xk < K, K, GATED, EVEN)
-                    xa, xb = tl.split(tl.reshape(xv, (BW, 2, 2)))  # 4 j + 2 a, 4 j + 2 a + 1
-                    x0, x2 = tl.split(xa)
-                    x1, x3 = tl.split(xb)
-                else:
-                    x0 = _gemv_x(x_ptr, m, 4 * wc, wc < K // 4, K, GATED, EVEN)
-                    x1 = _gemv_x(x_ptr, m, 4 * wc + 1, wc < K // 4, K, GATED, EVEN)
-                    x2 = _gemv_x(x_ptr, m, 4 * wc + 2, wc < K // 4, K, GATED, EVEN)
-                    x3 = _gemv_x(x_ptr, m, 4 * wc + 3, wc < K // 4, K, GATED, EVEN)
-                if UNIT:
-                    acc += _bytes_as_unit(wd, 0) * x0[None, :]
-                    acc += _bytes_as_unit(wd, 1) * x1[None, :]
-                    acc += _bytes_as_unit(wd, 2) * x2[None, :]
-                    acc += _bytes_as_unit(wd, 3) * x3[None, :]
-                    xs += x0 + x1 + x2 + x3
-                else:
-                    acc += _bytes_as_float(wd, 0) * x0[None, :]
-                    acc += _bytes_as_float(wd, 1) * x1[None, :]
-                    acc += _bytes_as_float(wd, 2) * x2[None, :]
-                    acc += _bytes_as_float(wd, 3) * x3[None, :]
+                # x[4 j + i] for i = 0..3, from one load: (BW, 2, 2) split twice
+                xk = 4 * w0 + tl.arange(0, BLOCK_K)
+                xv = _gemv_x(x_ptr, m, xk, xk < K, K, GATED, EVEN)
+                xa, xb = tl.split(tl.reshape(xv, (BW, 2, 2)))  # 4 j + 2 a, 4 j + 2 a + 1
+                x0, x2 = tl.split(xa)
+                x1, x3 = tl.split(xb)
+                acc += _bytes_as_float(wd, 0) * x0[None, :]
+                acc += _bytes_as_float(wd, 1) * x1[None, :]
+                acc += _bytes_as_float(wd, 2) * x2[None, :]
+                acc += _bytes_as_float(wd, 3) * x3[None, :]
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in tl.range(0, K, BLOCK_K):
@@ -471,8 +436,6 @@ if triton is not None:
                 x = _gemv_x(x_ptr, m, rk, rk < K, K, GATED, EVEN)
                 acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
-        if WORDS and UNIT:  # sum (b + 384) / 256 x = (sum b x) / 256 + 1.5 sum x
-            y = (y - 1.5 * tl.sum(xs, axis=0)) * 256.0
         if EVEN:
             s = tl.load(s_ptr + rn).to(tl.float32)
             tl.store(y_ptr + m * N + rn, (y * s).to(y_ptr.dtype.element_ty))

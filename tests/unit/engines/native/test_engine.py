@@ -307,7 +307,7 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         "1",
         "--linear",
         "default",
-        "GEMV_UNIT=on,FUSE_SILU=off",
+        "GEMV_EVEN=off,FUSE_SILU=off",
         "--json",
         str(out),
     ]
@@ -319,9 +319,9 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         ("int8", 1),
     }
     labels = [r["linear"] for r in res["native"] if r["mode"] == "int8"]
-    assert labels == ["default", "GEMV_UNIT=on,FUSE_SILU=off"]  # one point per setting
+    assert labels == ["default", "GEMV_EVEN=off,FUSE_SILU=off"]  # one point per setting
     bad = subprocess.run(
-        cmd[:2] + ["--linear", "GEMV_UNIT=maybe"], capture_output=True, text=True, timeout=300
+        cmd[:2] + ["--linear", "GEMV_EVEN=maybe"], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode != 0 and "NAME=on|off" in bad.stderr
     assert all(r["tok_s"] > 0 and r["achieved_GBps"] > 0 for r in res["native"])
@@ -412,26 +412,6 @@ for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", dots)):
                     ref = (torch.nn.functional.silu(g) * u) @ (q.float() * s[:, None]).t()
                     err = float((y - ref).norm() / ref.norm())
                     assert err < 1e-5, ("gated", cfg, n, k, q.dtype, err)
-# the int8 GEMV's opt-in inner loops: activations as one vector, bytes without a subtraction
-for xvec, unit in ((True, False), (False, True), (True, True)):
-    L.GEMV_XVEC, L.GEMV_UNIT = xvec, unit
-    for cfg in (0, 6):
-        A.INTERPRET_CONFIG = cfg
-        for n, k, m in ((96, 256, 1), (200, 512, 3), (128, 2048, 1)):
-            w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
-            q, s = L.quantize_int8(w)
-            ref = x @ (q.float() * s[:, None]).t()
-            y = L.wo_mm(x, q, s.contiguous(), "gemv")
-            err = float((y - ref).norm() / ref.norm())
-            assert err < 1e-5, ("variant", xvec, unit, cfg, n, k, m, err)
-            if m == 1:
-                gu = torch.randn(1, 2 * k) * 3
-                g, u = gu.chunk(2, dim=-1)
-                ref = (torch.nn.functional.silu(g) * u) @ (q.float() * s[:, None]).t()
-                y = L.wo_mm(gu, q, s.contiguous(), "gemv", gated=True)
-                err = float((y - ref).norm() / ref.norm())
-                assert err < 1e-5, ("variant gated", xvec, unit, cfg, n, k, err)
-L.GEMV_XVEC = L.GEMV_UNIT = False
 # the GEMV's unmasked variant is for shapes its largest tiles divide
 tiles = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in T.wo8_gemv.configs}
 assert (L.GEMV_TILE_N, L.GEMV_TILE_K) == (max(t[0] for t in tiles), max(t[1] for t in tiles))
