@@ -6,9 +6,12 @@
 For every format the same held-out windows (the built-in Wikipedia's evaluation split, tokenized
 by the model's tokenizer) run through the native model on `--device`, and each window's logits
 are compared with the fp32 model's on the same device: perplexity and its change, SQNR of the
-logits (dB) and top-1 agreement. Each window runs as two chunks, the first `--split` tokens as a
-prefill and the rest through the paged attention path, which reads the KV cache: so a KV cache in
-float8 (`kv-fp8`, bf16 weights) is part of what is measured. int4 is round-to-nearest with groups
+logits (dB) and top-1 agreement. Each window runs as the engine runs it
+(`engines.native.scoring.window_logits`): the first `--split` tokens as a prefill, the rest but
+the last `--decode` as a chunk through the paged attention path, which reads the KV cache (so a
+KV cache in float8, `kv-fp8`, is part of what is measured), then the last `--decode` tokens one
+at a time through the decode kernels (on CUDA: the GEMV linears, the flash-decoding attention),
+also scored alone (the `decode` columns). int4 is round-to-nearest with groups
 of `--group` (64 divides SmolLM2's 576-wide rows; 128 does not). Results: a table and `--json`.
 """
 
@@ -22,28 +25,13 @@ import torch
 import torch.nn.functional as F
 
 
-def window_logits(model, ids: torch.Tensor, split: int, kv_dtype, device) -> torch.Tensor:
-    """fp32 logits (T, V) of one window: a prefill of `split` tokens, then the rest as a chunk
-    through the paged path (which reads the cache, in `kv_dtype`)."""
-    t = ids.numel()
-    bs = 16
-    nb = math.ceil(t / bs)
-    model.setup_cache(nb + 1, bs, kv_dtype, device)
-    table = torch.arange(1, nb + 1, device=device).unsqueeze(0)
-    x = ids.view(1, -1).to(device)
-    pos = torch.arange(t, device=device).unsqueeze(0)
-    with torch.inference_mode():
-        a = model(x[:, :split], pos[:, :split], table, prefill=True, last_only=False)
-        b = model(x[:, split:], pos[:, split:], table, prefill=False, last_only=False)
-    return torch.cat([a, b], dim=1)[0].float()
-
-
 def main() -> None:
     from transformers import AutoTokenizer
 
     from llmopt.assets.models import resolve_model
     from llmopt.assets.text import evaluation_text, token_windows
     from llmopt.engines.native import linear as L
+    from llmopt.engines.native.scoring import window_logits
     from llmopt.engines.native.weights import load_model, quantize_model_
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -53,6 +41,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--split", type=int, default=128)
+    ap.add_argument("--decode", type=int, default=64, help="tokens per window decoded one by one")
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -71,48 +60,71 @@ def main() -> None:
         if fmt in ("int8", "int4", "fp8"):
             quantize_model_(model, fmt, group=args.group)
         kv = torch.float8_e4m3fn if fmt == "kv-fp8" else dtype
-        out = [window_logits(model, w, args.split, kv, args.device).cpu() for w in windows]
+        out = [
+            window_logits(model, w, args.split, args.decode, kv, args.device).cpu() for w in windows
+        ]
         del model
         if cuda:
             torch.cuda.empty_cache()
         return out
 
-    def nll(logits: list[torch.Tensor]) -> float:
+    def nll(logits: list[torch.Tensor], tail: int = 0) -> float:
+        # mean over each window's predicted tokens; `tail`: only its last `tail` predictions
+        lo = -tail - 1 if tail else 0
         tot = sum(
-            float(F.cross_entropy(lg[:-1], w[1:], reduction="sum"))
+            float(F.cross_entropy(lg[lo:-1], w[lo + 1 :], reduction="sum"))
             for lg, w in zip(logits, windows, strict=True)
         )
-        return tot / sum(w.numel() - 1 for w in windows)
+        return tot / sum(len(w[lo + 1 :]) for w in windows)
 
+    def agreement(ref: list[torch.Tensor], got: list[torch.Tensor], tail: int = 0):
+        r = torch.cat([x[-tail:] for x in ref] if tail else ref)
+        g = torch.cat([x[-tail:] for x in got] if tail else got)
+        sq = float(10 * torch.log10(r.pow(2).sum() / (r - g).pow(2).sum().clamp(min=1e-30)))
+        return sq, float((r.argmax(-1) == g.argmax(-1)).float().mean())
+
+    tail = args.decode
     ref = run("fp32")
-    ref_nll = nll(ref)
-    rows = [{"format": "fp32", "ppl": math.exp(ref_nll)}]
+    rows = [{"format": "fp32", "ppl": math.exp(nll(ref))}]
+    if tail:
+        rows[0]["decode_ppl"] = math.exp(nll(ref, tail - 1))
     print(json.dumps({"device": args.device, "model": str(folder), "windows": len(windows)}))
     print(json.dumps(rows[0]))
     for fmt in formats:
         got = run(fmt)
-        r = torch.cat(ref)
-        g = torch.cat(got)
-        sq = float(10 * torch.log10(r.pow(2).sum() / (r - g).pow(2).sum().clamp(min=1e-30)))
-        top1 = float((r.argmax(-1) == g.argmax(-1)).float().mean())
+        sq, top1 = agreement(ref, got)
         ppl = math.exp(nll(got))
-        rows.append(
-            {
-                "format": fmt,
-                "ppl": ppl,
-                "ppl_change": ppl / rows[0]["ppl"] - 1,
-                "logits_sqnr_db": sq,
-                "top1_agreement": top1,
+        row = {
+            "format": fmt,
+            "ppl": ppl,
+            "ppl_change": ppl / rows[0]["ppl"] - 1,
+            "logits_sqnr_db": sq,
+            "top1_agreement": top1,
+        }
+        if tail:  # the one-token steps alone (their last logit predicts past the window)
+            dsq, dtop1 = agreement(ref, got, tail)
+            dppl = math.exp(nll(got, tail - 1))
+            row |= {
+                "decode_ppl_change": dppl / rows[0]["decode_ppl"] - 1,
+                "decode_sqnr_db": dsq,
+                "decode_top1": dtop1,
             }
-        )
-        print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'format':8s} {'ppl':>8s} {'vs fp32':>8s} {'SQNR dB':>8s} {'top-1':>6s}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(
+        f"\n{'format':8s} {'ppl':>8s} {'vs fp32':>8s} {'SQNR dB':>8s} {'top-1':>6s}"
+        f" | decode: {'vs fp32':>8s} {'SQNR dB':>8s} {'top-1':>6s}"
+    )
+
+    def pct(x):
+        return "-" if x is None else format(100 * x, "+.2f") + "%"
+
     for r in rows:
-        ch = r.get("ppl_change")
         print(
-            f"{r['format']:8s} {r['ppl']:8.3f} "
-            f"{'-' if ch is None else format(100 * ch, '+.2f') + '%':>8s} "
+            f"{r['format']:8s} {r['ppl']:8.3f} {pct(r.get('ppl_change')):>8s} "
             f"{r.get('logits_sqnr_db', float('nan')):8.1f} {r.get('top1_agreement', 1.0):6.3f}"
+            f" |         {pct(r.get('decode_ppl_change')):>8s} "
+            f"{r.get('decode_sqnr_db', float('nan')):8.1f} {r.get('decode_top1', 1.0):6.3f}"
         )
     if args.json:
         with open(args.json, "w") as f:
