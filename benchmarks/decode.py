@@ -61,7 +61,8 @@ def weight_bytes(model) -> int:
     """Bytes one decode step reads from weights: all linears and norms, one embedding row."""
     total = 0
     emb = model.model.embed_tokens.weight
-    seen = {emb.data_ptr()} if not model.cfg.tie_embeddings else set()
+    # the embedding table counts only where it is also the (tied, dense) lm_head's weight
+    seen = set() if getattr(model.lm_head, "weight", None) is emb else {emb.data_ptr()}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is None or "cache" in name or name == "inv_freq" or t.data_ptr() in seen:
             continue
@@ -91,7 +92,8 @@ def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
-    """The model for `mode`, and the SQNR (dB) of its prompt logits against the unquantized model."""
+    """The model for `mode`, and by `--lm-head` choice ("dense"; "quant": quantized as `mode`)
+    the lm_head module and the SQNR (dB) of the prompt logits against the unquantized model."""
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import load_model, quantize_model_, random_model
@@ -109,13 +111,19 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
         model = load_model(folder, args.device, dtype)
     else:
         model = random_model(NativeConfig.from_hf(cfg_dict), args.device, dtype, seed=args.seed)
+    dense = model.lm_head
     if not quant:
-        return model, None
+        return model, {"dense": (dense, None)}
     ref = prompt_logits(model, prompt, args.device)
-    quantize_model_(model, quant)
+    quantize_model_(model, quant)  # every linear but lm_head (the engine's default)
+    heads = {"dense": (dense, sqnr_db(ref, prompt_logits(model, prompt, args.device)))}
+    if "quant" in args.lm_head:  # a quantized copy of the head too, swapped in per point
+        quantize_model_(model, quant, ignore=())  # (only lm_head is still a dense linear)
+        heads["quant"] = (model.lm_head, sqnr_db(ref, prompt_logits(model, prompt, args.device)))
+        model.lm_head = dense
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return model, sqnr_db(ref, prompt_logits(model, prompt, args.device))
+    return model, heads
 
 
 def run_native(
@@ -407,6 +415,14 @@ def main() -> None:
         "kernel drains; CUDA sm_90+) on/off, interleaved per point, each point compiled afresh "
         "(default: Inductor's, off)",
     )
+    ap.add_argument(
+        "--lm-head",
+        nargs="+",
+        choices=["dense", "quant"],
+        default=["dense"],
+        help="quantized modes: the output projection dense (the engine's default) or quantized "
+        "like the other linears, interleaved per point",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
@@ -455,22 +471,24 @@ def main() -> None:
     native_tokens = None
     tokens_b1: list[tuple[str, list[int]]] = []
     for mode in modes:
-        model, sqnr = build(args, mode, dtype, cfg_dict, prompt)
-        wbytes = weight_bytes(model)
+        model, heads = build(args, mode, dtype, cfg_dict, prompt)
         overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
         silus = [None] if args.fuse_silu is None else [o == "on" for o in args.fuse_silu]
         pdls = [None] if args.inductor_pdl is None else [o == "on" for o in args.inductor_pdl]
         points = [
-            (b, path, ov, silu, pdl, lin)
+            (b, path, ov, silu, pdl, lin, head)
             for b in (args.batches if mode in ("bf16", "fp32") else args.quant_batches)
             for path in args.attention
             for ov in overlaps
             for silu in silus
             for pdl in pdls
             for lin in range(len(linears))
+            for head in (args.lm_head if len(heads) > 1 else ["dense"])
         ]
         first_point = points[0][1:]
-        for b, path, ov, silu, pdl, lin in points:
+        for b, path, ov, silu, pdl, lin, head in points:
+            model.lm_head, sqnr = heads[head]
+            wbytes = weight_bytes(model)
             A.ENABLED = path != "gather"
             A.FUSE_ROPE = path == "triton-rope"
             for name, value in {**switch_defaults, "FUSE_SILU": bool(silu), **linears[lin]}.items():
@@ -487,6 +505,7 @@ def main() -> None:
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
             r.update(
+                lm_head=head,
                 fuse_silu=L.FUSE_SILU,
                 linear=",".join(f"{k}={'on' if v else 'off'}" for k, v in linears[lin].items())
                 or "default",
@@ -499,7 +518,7 @@ def main() -> None:
             r["share_of_copy_bw"] = r["achieved_GBps"] * 1e9 / bw
             if b == 1 and mode in ("bf16", "fp32") and native_tokens is None:
                 native_tokens = r["tokens"]
-            if b == 1 and (path, ov, silu, pdl, lin) != first_point:  # against the first
+            if b == 1 and (path, ov, silu, pdl, lin, head) != first_point:  # against the first
                 first = next(x for x in tokens_b1 if x[0] == mode)[1]
                 r["greedy_equal_to_first_path"] = sum(
                     a == c for a, c in zip(first, r["tokens"], strict=False)
@@ -539,6 +558,7 @@ def main() -> None:
             f"{r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
             f"{'-' if q is None else format(q, '.1f'):>8s} {r['linear']}"
+            + (" lm_head=quant" if r["lm_head"] == "quant" else "")
         )
     for h in results["hf"]:
         if "error" in h:

@@ -12,7 +12,8 @@ the last `--decode` as a chunk through the paged attention path, which reads the
 KV cache in float8, `kv-fp8`, is part of what is measured), then the last `--decode` tokens one
 at a time through the decode kernels (on CUDA: the GEMV linears, the flash-decoding attention),
 also scored alone (the `decode` columns). int4 is round-to-nearest with groups
-of `--group` (64 divides SmolLM2's 576-wide rows; 128 does not). Results: a table and `--json`.
+of `--group` (64 divides SmolLM2's 576-wide rows; 128 does not). `--lm-head quant` quantizes the
+output projection too (the engine keeps it dense by default). Results: a table and `--json`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64, help="tokens per window decoded one by one")
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument(
+        "--lm-head",
+        choices=["dense", "quant"],
+        default="dense",
+        help="quantized formats: the output projection dense (the engine's default) or "
+        "quantized like the other linears",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = torch.device(args.device).type == "cuda"
@@ -58,7 +66,8 @@ def main() -> None:
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         model = load_model(folder, args.device, dtype)
         if fmt in ("int8", "int4", "fp8"):
-            quantize_model_(model, fmt, group=args.group)
+            ignore = () if args.lm_head == "quant" else ("lm_head",)
+            quantize_model_(model, fmt, ignore=ignore, group=args.group)
         kv = torch.float8_e4m3fn if fmt == "kv-fp8" else dtype
         out = [
             window_logits(model, w, args.split, args.decode, kv, args.device).cpu() for w in windows

@@ -308,6 +308,9 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         "--linear",
         "default",
         "GEMV_EVEN=off,FUSE_SILU=off",
+        "--lm-head",
+        "dense",
+        "quant",
         "--json",
         str(out),
     ]
@@ -318,8 +321,13 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         ("fp32", 2),
         ("int8", 1),
     }
-    labels = [r["linear"] for r in res["native"] if r["mode"] == "int8"]
-    assert labels == ["default", "GEMV_EVEN=off,FUSE_SILU=off"]  # one point per setting
+    int8 = [r for r in res["native"] if r["mode"] == "int8"]
+    labels = [(r["linear"], r["lm_head"]) for r in int8]  # one point per setting, interleaved
+    lin = "GEMV_EVEN=off,FUSE_SILU=off"
+    assert labels == [(x, h) for x in ("default", lin) for h in ("dense", "quant")]
+    # the quantized head reads fewer bytes and moves the logits further from the dense model's
+    assert int8[1]["weight_GB"] < int8[0]["weight_GB"]
+    assert int8[1]["logits_sqnr_db_vs_dense"] < int8[0]["logits_sqnr_db_vs_dense"]
     bad = subprocess.run(
         cmd[:2] + ["--linear", "GEMV_EVEN=maybe"], capture_output=True, text=True, timeout=300
     )
