@@ -92,11 +92,16 @@ def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 
 def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
-    """The model for `mode`, and by `--lm-head` choice ("dense"; "quant": quantized as `mode`)
-    the lm_head module and the SQNR (dB) of the prompt logits against the unquantized model."""
+    """The model for `mode`, and by `--lm-head` choice (dense, or a quantized format) the lm_head
+    module and the SQNR (dB) of the prompt logits against the unquantized model."""
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.config import NativeConfig
-    from llmopt.engines.native.weights import load_model, quantize_model_, random_model
+    from llmopt.engines.native.weights import (
+        load_model,
+        quantize_linear,
+        quantize_model_,
+        random_model,
+    )
 
     base, _, kernel = mode.partition("@")
     quant = None if base in ("bf16", "fp32") else base
@@ -112,14 +117,16 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
     else:
         model = random_model(NativeConfig.from_hf(cfg_dict), args.device, dtype, seed=args.seed)
     dense = model.lm_head
-    if not quant:
+    quant_heads = [h for h in args.lm_head if h != "dense"]
+    if not quant and not quant_heads:
         return model, {"dense": (dense, None)}
     ref = prompt_logits(model, prompt, args.device)
-    quantize_model_(model, quant)  # every linear but lm_head (the engine's default)
+    if quant:
+        quantize_model_(model, quant)  # every linear but lm_head (the engine's default)
     heads = {"dense": (dense, sqnr_db(ref, prompt_logits(model, prompt, args.device)))}
-    if "quant" in args.lm_head:  # a quantized copy of the head too, swapped in per point
-        quantize_model_(model, quant, ignore=())  # (only lm_head is still a dense linear)
-        heads["quant"] = (model.lm_head, sqnr_db(ref, prompt_logits(model, prompt, args.device)))
+    for h in quant_heads:  # a quantized copy of the head, swapped in per point
+        model.lm_head = quantize_linear(dense, h)
+        heads[h] = (model.lm_head, sqnr_db(ref, prompt_logits(model, prompt, args.device)))
         model.lm_head = dense
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -418,10 +425,10 @@ def main() -> None:
     ap.add_argument(
         "--lm-head",
         nargs="+",
-        choices=["dense", "quant"],
+        choices=["dense", "int8", "fp8", "int4"],
         default=["dense"],
-        help="quantized modes: the output projection dense (the engine's default) or quantized "
-        "like the other linears, interleaved per point",
+        help="the output projection dense (the engine's default) or quantized in these formats, "
+        "whatever the mode's, interleaved per point (e.g. --modes fp8 --lm-head dense int8)",
     )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
@@ -483,7 +490,7 @@ def main() -> None:
             for silu in silus
             for pdl in pdls
             for lin in range(len(linears))
-            for head in (args.lm_head if len(heads) > 1 else ["dense"])
+            for head in heads
         ]
         first_point = points[0][1:]
         for b, path, ov, silu, pdl, lin, head in points:
@@ -527,6 +534,7 @@ def main() -> None:
                 tokens_b1.append((mode, r["tokens"]))
             results["native"].append({k: v for k, v in r.items() if k != "tokens"})
             print(json.dumps(results["native"][-1]), flush=True)
+        model.lm_head = heads["dense"][0]  # HF's generate() below runs the dense head
         if args.hf and mode in ("bf16", "fp32"):
             for cache in ("dynamic", "static"):
                 try:
@@ -558,7 +566,7 @@ def main() -> None:
             f"{r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
             f"{'-' if q is None else format(q, '.1f'):>8s} {r['linear']}"
-            + (" lm_head=quant" if r["lm_head"] == "quant" else "")
+            + ("" if r["lm_head"] == "dense" else f" lm_head={r['lm_head']}")
         )
     for h in results["hf"]:
         if "error" in h:

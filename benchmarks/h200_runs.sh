@@ -13,7 +13,7 @@
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 # Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call):
 #   MODES=fp8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab  # fused RoPE
-#   MODES=int8 AB="--lm-head dense quant" bash benchmarks/h200_runs.sh ab  # the head quantized too
+#   MODES="int8 fp8" AB="--lm-head dense int8" bash benchmarks/h200_runs.sh ab  # head in int8 too
 #   bash benchmarks/h200_runs.sh smol-part; (next call) ... smol-part setup realweights
 #     (the real-weight check, now with a one-token-at-a-time tail through the decode kernels)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap

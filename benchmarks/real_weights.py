@@ -12,8 +12,8 @@ the last `--decode` as a chunk through the paged attention path, which reads the
 KV cache in float8, `kv-fp8`, is part of what is measured), then the last `--decode` tokens one
 at a time through the decode kernels (on CUDA: the GEMV linears, the flash-decoding attention),
 also scored alone (the `decode` columns). int4 is round-to-nearest with groups
-of `--group` (64 divides SmolLM2's 576-wide rows; 128 does not). `--lm-head quant` quantizes the
-output projection too (the engine keeps it dense by default). Results: a table and `--json`.
+of `--group` (64 divides SmolLM2's 576-wide rows; 128 does not). `--lm-head FORMAT` quantizes the
+output projection too, in FORMAT (the engine keeps it dense by default). Results: a table and `--json`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     from llmopt.assets.text import evaluation_text, token_windows
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.scoring import window_logits
-    from llmopt.engines.native.weights import load_model, quantize_model_
+    from llmopt.engines.native.weights import load_model, quantize_linear, quantize_model_
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m")
@@ -46,10 +46,10 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument(
         "--lm-head",
-        choices=["dense", "quant"],
+        choices=["dense", "int8", "fp8", "int4"],
         default="dense",
-        help="quantized formats: the output projection dense (the engine's default) or "
-        "quantized like the other linears",
+        help="the output projection dense (the engine's default) or quantized in this format "
+        "in every format but fp32 (kv-fp8 included)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -66,8 +66,9 @@ def main() -> None:
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         model = load_model(folder, args.device, dtype)
         if fmt in ("int8", "int4", "fp8"):
-            ignore = () if args.lm_head == "quant" else ("lm_head",)
-            quantize_model_(model, fmt, ignore=ignore, group=args.group)
+            quantize_model_(model, fmt, group=args.group)
+        if fmt != "fp32" and args.lm_head != "dense":
+            model.lm_head = quantize_linear(model.lm_head, args.lm_head, args.group)
         kv = torch.float8_e4m3fn if fmt == "kv-fp8" else dtype
         out = [
             window_logits(model, w, args.split, args.decode, kv, args.device).cpu() for w in windows

@@ -113,7 +113,10 @@ def _finish(model: Transformer, device) -> Transformer:
     return model.eval()
 
 
-def _quantized_linear(w: torch.Tensor, bias, mode: str, dtype, group: int = 128) -> nn.Module:
+def quantize_linear(lin: nn.Linear, mode: str, group: int = 128) -> nn.Module:
+    """A `mode` (int8, int4, fp8) round-to-nearest copy of one dense linear, in its dtype."""
+    assert mode in QUANT_MODES, mode
+    w, bias, dtype = lin.weight.data, lin.bias, lin.weight.dtype
     if mode == "int8":
         q, s = L.quantize_int8(w)
         return L.Int8Linear(q, s, bias, dtype)
@@ -138,8 +141,7 @@ def quantize_model_(
             continue  # already quantized by the checkpoint (exact values kept)
         if mode == "int4" and lin.in_features % group:
             continue  # left dense; the build lists it
-        dtype = lin.weight.dtype
-        _set_module(model, name, _quantized_linear(lin.weight.data, lin.bias, mode, dtype, group))
+        _set_module(model, name, quantize_linear(lin, mode, group))
         done.append(name)
     return done
 

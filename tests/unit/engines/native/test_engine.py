@@ -310,7 +310,7 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
         "GEMV_EVEN=off,FUSE_SILU=off",
         "--lm-head",
         "dense",
-        "quant",
+        "int8",
         "--json",
         str(out),
     ]
@@ -324,7 +324,7 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
     int8 = [r for r in res["native"] if r["mode"] == "int8"]
     labels = [(r["linear"], r["lm_head"]) for r in int8]  # one point per setting, interleaved
     lin = "GEMV_EVEN=off,FUSE_SILU=off"
-    assert labels == [(x, h) for x in ("default", lin) for h in ("dense", "quant")]
+    assert labels == [(x, h) for x in ("default", lin) for h in ("dense", "int8")]
     # the quantized head reads fewer bytes and moves the logits further from the dense model's
     assert int8[1]["weight_GB"] < int8[0]["weight_GB"]
     assert int8[1]["logits_sqnr_db_vs_dense"] < int8[0]["logits_sqnr_db_vs_dense"]
