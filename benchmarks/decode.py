@@ -91,12 +91,14 @@ def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum().clamp(min=1e-30)))
 
 
-def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
+def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = False):
     """The model for `mode`, and by `--lm-head` choice (dense, or a quantized format) the lm_head
-    module and the SQNR (dB) of the prompt logits against the unquantized model."""
+    module and the SQNR (dB) of the prompt logits against the unquantized model. `fold`: the
+    norms folded into the projections first (`weights.fold_norms_`), for `FUSE_NORM` points."""
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import (
+        fold_norms_,
         load_model,
         quantize_linear,
         quantize_model_,
@@ -121,6 +123,8 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int]):
     if not quant and not quant_heads:
         return model, {"dense": (dense, None)}
     ref = prompt_logits(model, prompt, args.device)
+    if fold:  # (then the points with FUSE_NORM off run the norms as kernels of weight 1)
+        fold_norms_(model)
     if quant:
         quantize_model_(model, quant)  # every linear but lm_head (the engine's default)
     heads = {"dense": (dense, sqnr_db(ref, prompt_logits(model, prompt, args.device)))}
@@ -332,7 +336,7 @@ def run_hf(args, model, prompt: list[int], cache: str) -> dict:
 
 
 # `llmopt.engines.native.linear`'s module switches that `--linear` may set
-LINEAR_SWITCHES = ("GEMV_EVEN", "FUSE_SILU")
+LINEAR_SWITCHES = ("GEMV_EVEN", "FUSE_SILU", "FUSE_NORM")
 
 
 def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
@@ -414,7 +418,8 @@ def main() -> None:
         help="settings of the quantized linears' switches to run side by side, interleaved per "
         "point: each 'default' or NAME=on|off[,NAME=on|off...] with NAME one of "
         + ", ".join(LINEAR_SWITCHES)
-        + " (e.g. --linear default GEMV_EVEN=off GEMV_EVEN=off,FUSE_SILU=on)",
+        + " (e.g. --linear default FUSE_NORM=on GEMV_EVEN=off,FUSE_SILU=on; with FUSE_NORM "
+        "in any, the norms are folded into the projections for every point)",
     )
     on_off(
         "--inductor-pdl",
@@ -478,7 +483,8 @@ def main() -> None:
     native_tokens = None
     tokens_b1: list[tuple[str, list[int]]] = []
     for mode in modes:
-        model, heads = build(args, mode, dtype, cfg_dict, prompt)
+        fold = any(lin.get("FUSE_NORM") for lin in linears) or L.FUSE_NORM
+        model, heads = build(args, mode, dtype, cfg_dict, prompt, fold)
         overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
         silus = [None] if args.fuse_silu is None else [o == "on" for o in args.fuse_silu]
         pdls = [None] if args.inductor_pdl is None else [o == "on" for o in args.inductor_pdl]

@@ -14,6 +14,8 @@
 # Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call):
 #   MODES=fp8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab  # fused RoPE
 #   MODES="int8 fp8" AB="--lm-head dense int8" bash benchmarks/h200_runs.sh ab  # head in int8 too
+#   MODES="int8 fp8" AB="--linear default FUSE_NORM=on" bash benchmarks/h200_runs.sh ab  # norm in GEMV
+#   python3 -m pytest -q tests/unit/engines/native/test_scoring.py   # its GPU test (and the rest)
 #   bash benchmarks/h200_runs.sh smol-part; (next call) ... smol-part setup realweights
 #     (the real-weight check, now with a one-token-at-a-time tail through the decode kernels)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap

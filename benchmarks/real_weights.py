@@ -33,7 +33,12 @@ def main() -> None:
     from llmopt.assets.text import evaluation_text, token_windows
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.scoring import window_logits
-    from llmopt.engines.native.weights import load_model, quantize_linear, quantize_model_
+    from llmopt.engines.native.weights import (
+        fold_norms_,
+        load_model,
+        quantize_linear,
+        quantize_model_,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m")
@@ -51,6 +56,12 @@ def main() -> None:
         help="the output projection dense (the engine's default) or quantized in this format "
         "in every format but fp32 (kv-fp8 included)",
     )
+    ap.add_argument(
+        "--fold-norms",
+        action="store_true",
+        help="fold the RMSNorm weights into the projections before quantizing (what the "
+        "engine does for its norm-in-the-GEMV path, `linear.FUSE_NORM`)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = torch.device(args.device).type == "cuda"
@@ -66,6 +77,8 @@ def main() -> None:
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         model = load_model(folder, args.device, dtype)
         if fmt in ("int8", "int4", "fp8"):
+            if args.fold_norms:
+                fold_norms_(model)
             quantize_model_(model, fmt, group=args.group)
         if fmt != "fp32" and args.lm_head != "dense":
             model.lm_head = quantize_linear(model.lm_head, args.lm_head, args.group)

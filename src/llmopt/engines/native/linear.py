@@ -51,6 +51,9 @@ __all__ = [
     "INT4_ONE_ROW",
     "WO8_KERNEL",
     "FUSE_SILU",
+    "FUSE_NORM",
+    "norm_linear",
+    "linear_add",
     "GEMV_EVEN",
     "silu_down",
     "pack_int4_planar",
@@ -278,6 +281,13 @@ INT4_ONE_ROW = "dot"
 # alone it costs about what it saves (the compiled step's own SiLU x up is one small Inductor
 # kernel; docs/benchmarks.md); `benchmarks/decode.py --fuse-silu off on` measures it end to end.
 FUSE_SILU = False
+# RMSNorm inside the one-row GEMV that reads its output (qkv, gate/up; `norm_linear`) and the
+# residual add in the epilogue of the one that ends each half-layer (o, down; `linear_add`), for
+# int8/FP8 at batch 1: the norm kernels between the linears (0.14 ms of an 8B step) are gone.
+# Needs the norms' weights folded into the linears before quantizing (`weights.fold_norms_`,
+# done by `quantize_model_` while this is on). Off until timed end to end (`benchmarks/decode.py
+# --fuse-norm off on`).
+FUSE_NORM = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -367,6 +377,8 @@ def wo_mm(
     kernel: str | None = None,
     counters: torch.Tensor | None = None,
     gated: bool = False,
+    norm_eps: float | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (w (N, K) * scale (N,))^T for decode rows, on CUDA via Triton.
 
@@ -375,7 +387,9 @@ def wo_mm(
     (`triton_kernels.wo8_gemv`) or "auto" (see `WO8_KERNEL`, the default). `counters`: the
     dot kernel's per-tile counters (`tile_counters`); made here when not given. `gated`: x is a
     gate/up projection's output (M, 2K) and the product's input is silu(gate) * up, computed by
-    the GEMV as it reads x (`silu_down`; GEMV only).
+    the GEMV as it reads x (`silu_down`; GEMV only). `norm_eps`: x is an RMSNorm's input whose
+    weight is folded into `w` (`weights.fold_norms_`), normalized by the GEMV (`norm_linear`);
+    `residual` (M, N): added to the output in the GEMV's epilogue (`linear_add`). GEMV only.
     """
     import triton
 
@@ -388,8 +402,8 @@ def wo_mm(
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
         kernel = "gemv" if m == 1 else "dot"
-    if gated and kernel != "gemv":
-        raise ValueError(f"gated input needs the GEMV kernel, not {kernel!r}")
+    if (gated or norm_eps is not None or residual is not None) and kernel != "gemv":
+        raise ValueError(f"gated, normalized or residual input needs the GEMV, not {kernel!r}")
     if kernel == "gemv":
 
         def grid(meta):
@@ -400,7 +414,10 @@ def wo_mm(
         wv = w.view(torch.int32) if words else w
         even = GEMV_EVEN and n % GEMV_TILE_N == 0 and k % GEMV_TILE_K == 0
         kw = {"WORDS": words, "GATED": gated, "EVEN": even}
-        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, n, k, **kw)
+        kw |= {"NORM": norm_eps is not None, "RESID": residual is not None}
+        r = y if residual is None else residual.reshape(m, n).contiguous()
+        eps = 0.0 if norm_eps is None else float(norm_eps)
+        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, r, eps, n, k, **kw)
         return y
 
     def grid2(meta):
@@ -436,6 +453,42 @@ def silu_down(down: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
         return None
     y = wo_mm(gu.reshape(1, -1), down.weight, down.scale, kernel="gemv", gated=True)
     return down._finish(y, gu.shape)
+
+
+def _gemv_row(lin: nn.Module, x: torch.Tensor) -> bool:
+    # one activation row, an int8/FP8 layer on the Triton kernels, the GEMV chosen for it
+    return (
+        FUSE_NORM
+        and isinstance(lin, (Int8Linear, Fp8Linear))
+        and lin.triton_kernel
+        and lin.bias is None
+        and x.numel() == x.shape[-1]
+        and WO8_KERNEL in ("auto", "gemv")
+    )
+
+
+def norm_linear(lin: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`lin(rmsnorm(x))` in one kernel, for a layer whose columns hold the norm's weight
+    (`weights.fold_norms_`): the GEMV normalizes the row it reads. Applies where `FUSE_NORM` is
+    on, `lin` is an int8/FP8 layer on the Triton kernels and x is one row; otherwise None (the
+    caller runs the norm, whose weight is then all ones, and the layer)."""
+    if not _gemv_row(lin, x):
+        return None
+    y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", norm_eps=eps)
+    return y.reshape(*x.shape[:-1], lin.out_features)
+
+
+def linear_add(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+    """`residual + lin(x)` in one kernel (the add in the GEMV's epilogue), under the same
+    conditions as `norm_linear`; otherwise None."""
+    if not _gemv_row(lin, x):
+        return None
+    y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", residual=residual)
+    return y.reshape(*x.shape[:-1], lin.out_features)
+
+
+def _gemv_scale(lin: nn.Module) -> torch.Tensor:
+    return lin.scale_f if isinstance(lin, Int8Linear) else lin.scale
 
 
 def pack_int4_planar(q: torch.Tensor) -> torch.Tensor:

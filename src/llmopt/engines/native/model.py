@@ -43,7 +43,7 @@ from torch import nn
 
 from llmopt.engines.native import attention
 from llmopt.engines.native.config import NativeConfig
-from llmopt.engines.native.linear import silu_down
+from llmopt.engines.native.linear import linear_add, norm_linear, silu_down
 
 __all__ = ["Transformer", "rope_inv_freq"]
 
@@ -146,12 +146,25 @@ class Attention(nn.Module):
     max_score_elems = 1 << 27
 
     def forward(
-        self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None
+        self,
+        x,
+        cos,
+        sin,
+        rows,
+        pos,
+        block_tables,
+        block_size: int,
+        prefill: bool,
+        ring=None,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
     ):
+        # `norm`: x is the norm's input (its weight folded into the projections, `Block`);
+        # `residual`: returned plus the output projection's result
         B, T, _ = x.shape
         if self.fuse_rope and self.decode_kernel and not prefill and T == 1 and ring is None:
             out = attention.paged_decode_rope(
-                self.qkv_proj(x)[:, 0],
+                self._qkv(x, norm)[:, 0],
                 cos.reshape(B, -1),
                 sin.reshape(B, -1),
                 self.k_cache,
@@ -163,11 +176,12 @@ class Attention(nn.Module):
                 sms=self.decode_sms,
                 scale=self.scale,
             )
-            return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
+            return self._out(out.reshape(B, T, self.n_heads * self.hd), residual)
         if self.qkv_proj is not None:
             nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
-            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+            q, k, v = self._qkv(x, norm).split([nq, nkv, nkv], dim=-1)
         else:
+            x = x if norm is None else norm(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -179,7 +193,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ring is not None:  # a local layer over its window-sized ring (see the module doc)
             out = self._ring(q, k, v, pos, ring, block_size)
-            return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
+            return self._out(out.reshape(B, T, self.n_heads * self.hd), residual)
         # Write this step's keys/values into their cache rows (a float8 cache stores them
         # rounded to e4m3, no scale: vLLM's `kv_cache_dtype=fp8` with its default scale 1).
         write_rows(self.k_cache, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
@@ -217,7 +231,22 @@ class Attention(nn.Module):
             ).transpose(1, 2)
         else:
             out = self._paged(q, pos, block_tables, block_size)
-        return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
+        return self._out(out.reshape(B, T, self.n_heads * self.hd), residual)
+
+    def _qkv(self, x, norm):
+        # the fused projection of x, normalized first by `norm` (in the GEMV where it can)
+        if norm is not None:
+            y = norm_linear(self.qkv_proj, x, norm.eps)
+            if y is not None:
+                return y
+            x = norm(x)
+        return self.qkv_proj(x)
+
+    def _out(self, x, residual):
+        if residual is None:
+            return self.o_proj(x)
+        y = linear_add(self.o_proj, x, residual)
+        return residual + self.o_proj(x) if y is None else y
 
     def _paged(self, q, pos, block_tables, block_size):
         B, T, _, hd = q.shape
@@ -320,17 +349,24 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # fused after loading, like qkv_proj
         self.gemma = cfg.gemma
 
-    def forward(self, x):
+    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        # `norm` and `residual` as in `Attention.forward`
         if self.gate_up_proj is not None:
-            gu = self.gate_up_proj(x)
-            y = None if self.gemma else silu_down(self.down_proj, gu)
+            gu = None if norm is None else norm_linear(self.gate_up_proj, x, norm.eps)
+            if gu is None:
+                gu = self.gate_up_proj(x if norm is None else norm(x))
+            y = None if self.gemma or residual is not None else silu_down(self.down_proj, gu)
             if y is not None:
                 return y
             g, u = gu.chunk(2, dim=-1)
         else:
+            x = x if norm is None else norm(x)
             g, u = self.gate_proj(x), self.up_proj(x)
         g = F.gelu(g, approximate="tanh") if self.gemma else F.silu(g)
-        return self.down_proj(g * u)
+        if residual is None:
+            return self.down_proj(g * u)
+        y = linear_add(self.down_proj, g * u, residual)
+        return residual + self.down_proj(g * u) if y is None else y
 
 
 class Block(nn.Module):
@@ -349,6 +385,10 @@ class Block(nn.Module):
         else:
             self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
+        # The two norms' weights live in the projections that read their outputs (set by
+        # `weights.fold_norms_`; the norms' own weights are then ones): the projections
+        # normalize their input, in the GEMV at batch 1 (`linear.FUSE_NORM`).
+        self.norms_folded = False
 
     def forward(
         self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None
@@ -362,6 +402,9 @@ class Block(nn.Module):
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, *args))
             return x + self.post_feedforward_layernorm(self.mlp(x))
+        if self.norms_folded:
+            x = self.self_attn(x, cos, sin, *args, norm=self.input_layernorm, residual=x)
+            return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, *args)
         return x + self.mlp(self.post_attention_layernorm(x))

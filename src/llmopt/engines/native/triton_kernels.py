@@ -382,11 +382,15 @@ if triton is not None:
         w_ptr,
         s_ptr,
         y_ptr,
+        r_ptr,
+        eps,
         N,
         K: tl.constexpr,
         WORDS: tl.constexpr,
         GATED: tl.constexpr,
         EVEN: tl.constexpr,
+        NORM: tl.constexpr,
+        RESID: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -399,8 +403,14 @@ if triton is not None:
         # tile's activations are loaded as one contiguous vector and split into the four byte
         # positions in registers: four strided loads compile to a 2-byte load and a 64-bit
         # address add per element, and measured slower (docs/benchmarks.md).
+        # NORM: x[m] is an RMSNorm's input, the norm's weight already folded into w's columns
+        # (`weights.fold_norms_`): the output is rsqrt(mean(x^2) + eps) (w @ x), the sum of
+        # squares gathered from the activations every program reads anyway, so the norm kernel
+        # and its round trip are gone. RESID: the output is r[m] + (w @ x[m]) * scale, the
+        # residual add of the layer done in the epilogue (one rounding instead of two).
         pid_n, m = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        xsq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: sum of x^2, per position in a tile
         if WORDS:
             BW: tl.constexpr = BLOCK_K // 4
             j = tl.arange(0, BW)
@@ -415,6 +425,8 @@ if triton is not None:
                 # x[4 j + i] for i = 0..3, from one load: (BW, 2, 2) split twice
                 xk = 4 * w0 + tl.arange(0, BLOCK_K)
                 xv = _gemv_x(x_ptr, m, xk, xk < K, K, GATED, EVEN)
+                if NORM:
+                    xsq += xv * xv
                 xa, xb = tl.split(tl.reshape(xv, (BW, 2, 2)))  # 4 j + 2 a, 4 j + 2 a + 1
                 x0, x2 = tl.split(xa)
                 x1, x3 = tl.split(xb)
@@ -434,14 +446,22 @@ if triton is not None:
                     w = tl.load(ptrs, mask=wmask)
                     w = tl.where(wmask, w.to(tl.float32), 0.0)  # (no FP8 literal for `other=`)
                 x = _gemv_x(x_ptr, m, rk, rk < K, K, GATED, EVEN)
+                if NORM:
+                    xsq += x * x
                 acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
+        if NORM:  # (fp32: inside a compiled graph Inductor passes `eps` as fp64)
+            y = y * tl.math.rsqrt((tl.sum(xsq, axis=0) / K + eps).to(tl.float32))
         if EVEN:
-            s = tl.load(s_ptr + rn).to(tl.float32)
-            tl.store(y_ptr + m * N + rn, (y * s).to(y_ptr.dtype.element_ty))
+            y = y * tl.load(s_ptr + rn).to(tl.float32)
+            if RESID:
+                y += tl.load(r_ptr + m * N + rn).to(tl.float32)
+            tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty))
         else:
-            s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            tl.store(y_ptr + m * N + rn, (y * s).to(y_ptr.dtype.element_ty), mask=rn < N)
+            y = y * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            if RESID:
+                y += tl.load(r_ptr + m * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
     # Weight-only matmuls on the tensor cores, dequantization fused: decode rows are padded to a
     # 16-row `tl.dot` (the idle rows cost tensor-core time, which a memory-bound matmul has to

@@ -100,6 +100,38 @@ def fold_multipliers_(model: Transformer) -> None:
             model.model.norm.weight.div_(s)
 
 
+def fold_norms_(model: Transformer) -> int:
+    """Fold each block's two RMSNorm weights into the columns of the dense projections that read
+    their outputs (q/k/v, gate/up), in place, and set the norms' weights to ones: the block then
+    passes the norm along with the raw residual stream (`Block.norms_folded`), so that at batch 1
+    the int8/FP8 GEMV normalizes what it reads (`linear.FUSE_NORM`). Same function: norm(x) W^T
+    = (x r) (W diag(g))^T. Before quantizing (the fold changes what each row's scale covers).
+    Blocks of other shapes (sandwich or post norms, Gemma's 1 + w, already-quantized
+    projections) are left as they are. Returns the number of blocks folded."""
+    done = 0
+    with torch.no_grad():
+        for b in model.model.layers:
+            att, mlp = b.self_attn, b.mlp
+            if b.norms_folded or b.sandwich or b.post_norms or mlp.gemma:
+                continue
+            ins = (
+                [att.qkv_proj] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
+            )
+            outs = (
+                [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+            )
+            if not all(type(m) is nn.Linear for m in ins + outs):
+                continue
+            for lins, norm in ((ins, b.input_layernorm), (outs, b.post_attention_layernorm)):
+                g = norm.weight.detach().float()
+                for m in lins:  # (in fp32: one rounding to the weights' dtype)
+                    m.weight.copy_(m.weight.float() * g[None, :])
+                norm.weight.fill_(1.0)
+            b.norms_folded = True
+            done += 1
+    return done
+
+
 def _finish(model: Transformer, device) -> Transformer:
     cfg = model.cfg
     if cfg.tie_embeddings or model.lm_head.weight.is_meta:
@@ -132,6 +164,8 @@ def quantize_model_(
 ) -> list[str]:
     """Replace the dense linears by `mode` layers (round-to-nearest), in place; returns names."""
     assert mode in QUANT_MODES, mode
+    if L.FUSE_NORM and mode in ("int8", "fp8"):  # the norms go into the GEMVs: fold them first
+        fold_norms_(model)
     done = []
     for name in _linear_names(model):
         lin = model.get_submodule(name)

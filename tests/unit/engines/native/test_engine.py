@@ -420,6 +420,22 @@ for kernel, cfgs in (("gemv", (0, 2, 6)), ("dot", dots)):
                     ref = (torch.nn.functional.silu(g) * u) @ (q.float() * s[:, None]).t()
                     err = float((y - ref).norm() / ref.norm())
                     assert err < 1e-5, ("gated", cfg, n, k, q.dtype, err)
+# RMSNorm inside the GEMV (the norm's weight folded into w's columns) and the residual add in
+# its epilogue, masked and unmasked, both formats; `norm_linear` / `linear_add` only where on
+for cfg in (0, 6):
+    A.INTERPRET_CONFIG = cfg
+    for n, k in ((96, 256), (128, 2048), (40, 520)):
+        w, x, r = torch.randn(n, k) * 0.02, torch.randn(1, k) * 3, torch.randn(1, n)
+        eps = 1e-5
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        for q, s in (L.quantize_int8(w), L.quantize_fp8(w)):
+            wd = q.float() * s[:, None]
+            y = L.wo_mm(x, q, s.contiguous(), "gemv", norm_eps=eps)
+            err = float((y - xn @ wd.t()).norm() / (xn @ wd.t()).norm())
+            assert err < 1e-5, ("norm", cfg, n, k, q.dtype, err)
+            y = L.wo_mm(x, q, s.contiguous(), "gemv", residual=r)
+            ref = r + x @ wd.t()
+            assert float((y - ref).norm() / ref.norm()) < 1e-5, ("residual", cfg, n, k, q.dtype)
 # the GEMV's unmasked variant is for shapes its largest tiles divide
 tiles = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in T.wo8_gemv.configs}
 assert (L.GEMV_TILE_N, L.GEMV_TILE_K) == (max(t[0] for t in tiles), max(t[1] for t in tiles))

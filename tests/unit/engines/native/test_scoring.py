@@ -1,5 +1,6 @@
 """`scoring.window_logits`: a window scored in three pieces (prefill, paged chunk, one-token
-steps) gives the logits of one prefill over the whole window."""
+steps) gives the logits of one prefill over the whole window; with it, the norms folded into the
+projections (`weights.fold_norms_`) keep the model's logits on every path."""
 
 from __future__ import annotations
 
@@ -41,3 +42,89 @@ def test_pieces_match_one_prefill(prefill, decode):
 def test_window_too_short_is_refused():
     with pytest.raises(ValueError, match="cannot hold prefill=30, decode=20"):
         window_logits(_model(), torch.zeros(40, dtype=torch.long), 30, 20, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_folding_the_norms_keeps_the_model(monkeypatch, fuse):
+    """`weights.fold_norms_`: the norms' weights moved into the projections, the blocks pass the
+    norm along; prefill, paged chunk and one-token steps give the same logits (on the CPU the
+    GEMV path declines, so FUSE_NORM on exercises the fallbacks)."""
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native.weights import fold_norms_
+
+    monkeypatch.setattr(L, "FUSE_NORM", fuse)
+    model = _model()
+    gen = torch.Generator().manual_seed(1)
+    for b in model.model.layers:  # norms that are not all ones, or the fold proves nothing
+        for norm in (b.input_layernorm, b.post_attention_layernorm):
+            norm.weight.data = torch.rand(norm.weight.shape, generator=gen) + 0.5
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    ref = window_logits(model, ids, 8, 5, torch.float32, "cpu")
+    assert fold_norms_(model) == len(model.model.layers)
+    assert fold_norms_(model) == 0  # once
+    assert all(b.norms_folded for b in model.model.layers)
+    got = window_logits(model, ids, 8, 5, torch.float32, "cpu")
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), float((got - ref).abs().max())
+
+
+def test_quantizing_with_fuse_norm_folds_first(monkeypatch):
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native.weights import quantize_model_
+
+    monkeypatch.setattr(L, "FUSE_NORM", True)
+    model = _model()
+    quantize_model_(model, "int8")
+    assert all(b.norms_folded for b in model.model.layers)
+    model = _model()
+    quantize_model_(model, "int4", group=32)  # no GEMV for int4: nothing to fold for
+    assert not any(b.norms_folded for b in model.model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode):
+    """RMSNorm inside the one-row GEMV and the residual add in its epilogue (`FUSE_NORM`): a
+    folded, quantized model's one-token steps give the logits of the same model with the norms
+    run as their own kernels (bf16: one rounding fewer per fusion); the chunks are unchanged."""
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native.weights import fold_norms_, quantize_model_
+
+    if mode == "fp8" and not L.fp8_supported():
+        pytest.skip("FP8 needs compute capability 8.9+")
+    cfg = NativeConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 1024,
+        }
+    )
+    model = random_model(cfg, "cuda", torch.bfloat16, seed=2)
+    for b in model.model.layers:
+        for norm in (b.input_layernorm, b.post_attention_layernorm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    fold_norms_(model)
+    quantize_model_(model, mode)
+    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(0))
+    want = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
+    row = torch.ones(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert L.norm_linear(qkv, row, 1e-5) is None  # opt-in
+    L.FUSE_NORM = True
+    try:
+        assert L.norm_linear(qkv, row, 1e-5) is not None
+        assert L.norm_linear(qkv, row.expand(1, 2, 1024), 1e-5) is None  # two rows: declined
+        got = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
+    finally:
+        L.FUSE_NORM = False
+    d = want[-16:] - got[-16:]
+    assert d.abs().max() > 0  # the fused kernels ran
+    sqnr = 10 * torch.log10(want[-16:].pow(2).sum() / d.pow(2).sum())
+    assert sqnr > 30, float(sqnr)
+    torch.testing.assert_close(got[:-16], want[:-16])
