@@ -15,7 +15,7 @@
 #   MODES=fp8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab  # fused RoPE
 #   MODES="int8 fp8" AB="--lm-head dense int8" bash benchmarks/h200_runs.sh ab  # head in int8 too
 #   MODES="int8 fp8" AB="--linear default FUSE_NORM=on" bash benchmarks/h200_runs.sh ab  # norm in GEMV
-#   python3 -m pytest -q tests/unit/engines/native/test_scoring.py   # its GPU test (and the rest)
+#   bash benchmarks/h200_runs.sh native-tests   # the GPU tests, the norm-in-GEMV one first run
 #   bash benchmarks/h200_runs.sh smol-part; (next call) ... smol-part setup realweights
 #     (the real-weight check, now with a one-token-at-a-time tail through the decode kernels)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
@@ -117,6 +117,7 @@ for step in "$@"; do
     native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed)
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
         tests/unit/engines/native/test_linear_int4.py tests/unit/engines/native/test_engine.py \
+        tests/unit/engines/native/test_scoring.py \
         -k "attention or int4 or triton or gpu" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
     decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
