@@ -355,9 +355,9 @@ class MLP(nn.Module):
             gu = None if norm is None else norm_linear(self.gate_up_proj, x, norm.eps)
             if gu is None:
                 gu = self.gate_up_proj(x if norm is None else norm(x))
-            y = None if self.gemma or residual is not None else silu_down(self.down_proj, gu)
+            y = None if self.gemma else silu_down(self.down_proj, gu)
             if y is not None:
-                return y
+                return y if residual is None else residual + y
             g, u = gu.chunk(2, dim=-1)
         else:
             x = x if norm is None else norm(x)
