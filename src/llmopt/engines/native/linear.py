@@ -39,6 +39,7 @@ __all__ = [
     "Int8Linear",
     "Int4Linear",
     "Fp8Linear",
+    "DenseLinear",
     "quantize_int8",
     "quantize_int4",
     "quantize_fp8",
@@ -261,6 +262,23 @@ class Fp8Linear(_QuantLinear):
         return self._finish(y, shape)
 
 
+class DenseLinear(_QuantLinear):
+    """16-bit weights as they are, made to take the one-row GEMV's fusions (`FUSE_NORM`): at one
+    activation row on CUDA, `norm_linear` / `linear_add` run the RMSNorm before the layer and
+    the residual add after it inside the Triton GEMV (unit scales), as for int8 and FP8; its own
+    forward is the dense matmul (cuBLAS), which reads bf16 weights as fast as the GEMV does
+    (docs/benchmarks.md) but takes no norm or add. Made by `weights.dense_gemv_`."""
+
+    def __init__(self, w: torch.Tensor, bias, dtype: torch.dtype):
+        super().__init__(w.shape[0], w.shape[1], bias, dtype)
+        self.register_buffer("weight", w.to(dtype).contiguous())
+        self.register_buffer("scale", torch.ones(w.shape[0], device=w.device))  # fp32
+        self.triton_kernel = w.device.type == "cuda" and _triton_available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._finish(F.linear(x.reshape(-1, self.in_features), self.weight), x.shape)
+
+
 # Rows up to which int8/FP8 layers take the Triton kernel (`wo_mm`): decode batches. Above it
 # (prompts) the dense matmul on dequantized weights is compute-bound and cuBLAS wins.
 TRITON_M = 16
@@ -283,10 +301,11 @@ INT4_ONE_ROW = "dot"
 FUSE_SILU = False
 # RMSNorm inside the one-row GEMV that reads its output (qkv, gate/up; `norm_linear`) and the
 # residual add in the epilogue of the one that ends each half-layer (o, down; `linear_add`), for
-# int8/FP8 at batch 1: the norm kernels between the linears (0.14 ms of an 8B step) are gone.
-# Needs the norms' weights folded into the linears before quantizing (`weights.fold_norms_`,
-# done by `quantize_model_` while this is on). Off until timed end to end (`benchmarks/decode.py
-# --fuse-norm off on`).
+# int8/FP8 and dense bf16 (`DenseLinear`) at batch 1: the norm kernels between the linears (0.14
+# ms of an 8B step) and their launches are gone. Needs the norms' weights folded into the
+# linears first (`weights.fold_norms_`, done by `quantize_model_` for int8/FP8 and by
+# `weights.dense_gemv_` for 16-bit models while this is on). Off until timed end to end
+# (`benchmarks/decode.py --linear default FUSE_NORM=on`).
 FUSE_NORM = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
@@ -456,10 +475,10 @@ def silu_down(down: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gemv_row(lin: nn.Module, x: torch.Tensor) -> bool:
-    # one activation row, an int8/FP8 layer on the Triton kernels, the GEMV chosen for it
+    # one activation row, an int8/FP8/dense-GEMV layer on the Triton kernels, the GEMV chosen
     return (
         FUSE_NORM
-        and isinstance(lin, (Int8Linear, Fp8Linear))
+        and isinstance(lin, (Int8Linear, Fp8Linear, DenseLinear))
         and lin.triton_kernel
         and lin.bias is None
         and x.numel() == x.shape[-1]
@@ -471,7 +490,8 @@ def norm_linear(lin: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | N
     """`lin(rmsnorm(x))` in one kernel, for a layer whose columns hold the norm's weight
     (`weights.fold_norms_`): the GEMV normalizes the row it reads. Applies where `FUSE_NORM` is
     on, `lin` is an int8/FP8 layer on the Triton kernels and x is one row; otherwise None (the
-    caller runs the norm, whose weight is then all ones, and the layer)."""
+    caller runs the norm, whose weight is then all ones, and the layer). Dense 16-bit layers
+    take it as `DenseLinear`."""
     if not _gemv_row(lin, x):
         return None
     y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", norm_eps=eps)

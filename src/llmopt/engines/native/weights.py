@@ -30,7 +30,15 @@ from llmopt.engines.native import linear as L
 from llmopt.engines.native.config import HF_HINT, NativeConfig, UnsupportedModel
 from llmopt.engines.native.model import Transformer, rope_inv_freq
 
-__all__ = ["load_model", "random_model", "quantize_model_", "fuse_projections_", "QUANT_MODES"]
+__all__ = [
+    "load_model",
+    "random_model",
+    "quantize_model_",
+    "fuse_projections_",
+    "fold_norms_",
+    "dense_gemv_",
+    "QUANT_MODES",
+]
 
 QUANT_MODES = ("int8", "int4", "fp8")
 
@@ -180,6 +188,24 @@ def quantize_model_(
     return done
 
 
+def dense_gemv_(model: Transformer) -> list[str]:
+    """For a 16-bit model under `linear.FUSE_NORM`: fold the norms (`fold_norms_`) and make each
+    folded block's dense projections `linear.DenseLinear`, so that at batch 1 the Triton GEMV
+    runs the RMSNorm before them and the residual add after them, as for int8/FP8 (the same
+    weights: cuBLAS still serves every other row count). Returns the names swapped."""
+    fold_norms_(model)
+    done = []
+    for i, b in enumerate(model.model.layers):
+        if not b.norms_folded:
+            continue
+        for name in _linear_names(b):
+            lin = b.get_submodule(name)
+            if type(lin) is nn.Linear:
+                _set_module(b, name, L.DenseLinear(lin.weight.data, lin.bias, lin.weight.dtype))
+                done.append(f"model.layers.{i}.{name}")
+    return done
+
+
 def random_model(cfg: NativeConfig, device, dtype: torch.dtype, seed: int = 0) -> Transformer:
     """Seeded random weights (std 0.02; norms 1), never all-zero: for benchmarks of big shapes."""
     with torch.device("meta"):
@@ -248,6 +274,8 @@ def load_model(
     fuse_projections_(model)
     if quant:
         quantize_model_(model, quant, ignore, group)
+    elif L.FUSE_NORM and model.lm_head.weight.device.type == "cuda" and dtype != torch.float32:
+        dense_gemv_(model)  # the norms and residual adds inside the one-row GEMV
     return model
 
 

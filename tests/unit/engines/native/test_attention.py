@@ -181,39 +181,6 @@ def test_rope_fused_kernel_under_triton_interpreter():
     assert "worst" in r.stdout
 
 
-def test_decode_kernels_compile_with_an_fp64_scale():
-    """Inside a compiled step Inductor passes `sm_scale` as fp64: both split kernels must still
-    compile for sm_90 (Triton compiles ahead of time without a GPU). The fused-RoPE kernel once
-    failed here: its new-position branch made the running maximum fp64."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from llmopt.engines.native import triton_kernels as T
-
-    const = {"H": 32, "G": 4, "N_KV": 8, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "PAGE": 16}
-    const |= {"SPLIT": 256, "NUM_SPLITS": 4, "DYNAMIC": False, "BLOCK_N": 32}
-    floats = {"po_ptr", "pl_ptr"}
-    for kernel in (T.decode_split, T.decode_split_rope):
-        names = kernel.fn.arg_names
-        sig = {
-            n: "constexpr"
-            if n in const
-            else "fp64"
-            if n == "sm_scale"
-            else ("*fp32" if n in floats else "*i32" if n in ("tab_ptr", "pos_ptr") else "*bf16")
-            if n.endswith("_ptr")
-            else "i32"
-            for n in names
-        }
-        src = ASTSource(kernel.fn, sig, constexprs={n: const[n] for n in names if n in const})
-        try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        except RuntimeError as e:  # no ptxas on this host: the front end (the type check) ran
-            if "ptxas" not in str(e).lower():
-                raise
-
-
 def test_cpu_decode_keeps_the_torch_path(monkeypatch):
     from llmopt.engines.native.config import NativeConfig
     from llmopt.engines.native.weights import random_model

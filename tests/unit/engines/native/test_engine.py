@@ -428,7 +428,8 @@ for cfg in (0, 6):
         w, x, r = torch.randn(n, k) * 0.02, torch.randn(1, k) * 3, torch.randn(1, n)
         eps = 1e-5
         xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        for q, s in (L.quantize_int8(w), L.quantize_fp8(w)):
+        # int8, FP8 and dense weights with unit scales (`DenseLinear`; fp32 here, bf16 on a GPU)
+        for q, s in (L.quantize_int8(w), L.quantize_fp8(w), (w, torch.ones(n))):
             wd = q.float() * s[:, None]
             y = L.wo_mm(x, q, s.contiguous(), "gemv", norm_eps=eps)
             err = float((y - xn @ wd.t()).norm() / (xn @ wd.t()).norm())

@@ -80,15 +80,40 @@ def test_quantizing_with_fuse_norm_folds_first(monkeypatch):
     assert not any(b.norms_folded for b in model.model.layers)
 
 
+def test_dense_gemv_folds_and_keeps_the_model(monkeypatch):
+    """`weights.dense_gemv_` (16-bit models under FUSE_NORM): the norms folded, every block's
+    projections made `DenseLinear` (lm_head left alone), the logits unchanged; on the CPU the
+    layers decline the GEMV and run the dense matmul."""
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native.weights import dense_gemv_
+
+    monkeypatch.setattr(L, "FUSE_NORM", True)
+    model = _model()
+    for b in model.model.layers:
+        for norm in (b.input_layernorm, b.post_attention_layernorm):
+            norm.weight.data = torch.rand(norm.weight.shape, generator=torch.Generator()) + 0.5
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    ref = window_logits(model, ids, 8, 5, torch.float32, "cpu")
+    names = dense_gemv_(model)
+    assert len(names) == 4 * len(model.model.layers), names  # qkv, o, gate_up, down
+    assert all(isinstance(model.get_submodule(n), L.DenseLinear) for n in names)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert dense_gemv_(model) == []  # once
+    row = torch.ones(1, 1, model.cfg.dim)
+    assert L.norm_linear(model.get_submodule(names[0]), row, 1e-5) is None  # no GPU here
+    got = window_logits(model, ids, 8, 5, torch.float32, "cpu")
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), float((got - ref).abs().max())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "bf16"])
 def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode):
     """RMSNorm inside the one-row GEMV and the residual add in its epilogue (`FUSE_NORM`): a
     folded, quantized model's one-token steps give the logits of the same model with the norms
     run as their own kernels (bf16: one rounding fewer per fusion); the chunks are unchanged."""
     from llmopt.engines.native import linear as L
-    from llmopt.engines.native.weights import fold_norms_, quantize_model_
+    from llmopt.engines.native.weights import dense_gemv_, fold_norms_, quantize_model_
 
     if mode == "fp8" and not L.fp8_supported():
         pytest.skip("FP8 needs compute capability 8.9+")
@@ -110,7 +135,10 @@ def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode):
         for norm in (b.input_layernorm, b.post_attention_layernorm):
             norm.weight.data.uniform_(0.5, 1.5)
     fold_norms_(model)
-    quantize_model_(model, mode)
+    if mode == "bf16":  # dense bf16 weights through the GEMV (`DenseLinear`)
+        dense_gemv_(model)
+    else:
+        quantize_model_(model, mode)
     ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(0))
     want = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
     row = torch.ones(1, 1, 1024, device="cuda", dtype=torch.bfloat16)

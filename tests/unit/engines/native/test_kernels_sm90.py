@@ -1,0 +1,132 @@
+"""Every Triton kernel of the native engine compiles for the H200 (sm_90), on any machine.
+
+Triton compiles ahead of time without a GPU (its wheel carries ptxas), so the type checks, layout
+conversions and register allocation that only a real compile runs are tested here, where the
+interpreter tests (`test_attention.py`, `test_engine.py`, `test_linear_int4.py`) check the
+arithmetic: a variant that fails here would otherwise first fail on a lent GPU. Each kernel is
+compiled with the argument types it gets in the engine, including those of a compiled step,
+where Inductor passes Python floats as fp64.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from llmopt.engines.native import triton_kernels as T  # noqa: E402
+
+
+def _compile(kernel, types: dict[str, str], const: dict, num_warps=4, num_stages=3) -> None:
+    """Compile `kernel` (a `triton.jit` function, or an autotuner over one) for sm_90:
+    `types` maps each runtime argument to its Triton type, `const` each constexpr to its value.
+    Without ptxas on the host, the front end (parsing, type checks, Triton IR) still runs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(kernel, "fn", kernel)
+    names = fn.arg_names
+    missing = [n for n in names if n not in types and n not in const]
+    assert not missing, f"the test gives no type or value for {missing}"
+    sig = {n: "constexpr" if n in const else types[n] for n in names}
+    src = ASTSource(fn, sig, constexprs={n: const[n] for n in names if n in const})
+    try:
+        triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+    except RuntimeError as e:  # no ptxas on this host: the front end (the type check) ran
+        if "ptxas" not in str(e).lower():
+            raise
+
+
+def _config(cfg) -> tuple[dict, int, int]:
+    return dict(cfg.kwargs), cfg.num_warps, cfg.num_stages
+
+
+# Argument types as `linear.wo_mm` / `linear.int4_mm` launch them: bf16 activations and outputs,
+# fp32 scales, int32 counters; scalars i32, and `eps` fp64 (inside a compiled step).
+_GEMV_TYPES = {"x_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "r_ptr": "*bf16"}
+_GEMV_TYPES |= {"eps": "fp64", "N": "i32"}
+_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+_W = {"fp8": "*fp8e4nv", "int8": "*i32", "bf16": "*bf16"}  # int8: read as words of four
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
+def test_gemv_every_variant_compiles(fmt):
+    """wo8_gemv with each switch (SiLU x up, no masks, RMSNorm folded in, residual add) alone and
+    together, at the first autotune config; bf16 weights as `DenseLinear` gives them."""
+    types = _GEMV_TYPES | {"w_ptr": _W[fmt]}
+    tile, warps, stages = _config(T.wo8_gemv.configs[0])
+    for gated, even, norm, resid in [
+        (False, False, False, False),
+        (True, False, False, False),
+        (False, True, False, False),
+        (False, False, True, False),
+        (False, False, False, True),
+        (True, True, False, True),
+        (False, True, True, True),
+    ]:
+        const = {"K": 4096, "WORDS": fmt == "int8", "GATED": gated, "EVEN": even}
+        const |= {"NORM": norm, "RESID": resid} | tile
+        _compile(T.wo8_gemv, types, const, warps, stages)
+
+
+def test_gemv_every_config_compiles():
+    """Every autotune config of wo8_gemv, on the int8 word path with no masks (the default at
+    one row) and on FP8 with masks, at the down projection's K."""
+    for cfg in T.wo8_gemv.configs:
+        tile, warps, stages = _config(cfg)
+        for fmt, even in (("int8", True), ("fp8", False)):
+            types = _GEMV_TYPES | {"w_ptr": _W[fmt]}
+            const = {"K": _8B["down"][1], "WORDS": fmt == "int8", "GATED": False, "EVEN": even}
+            _compile(
+                T.wo8_gemv, types, const | {"NORM": False, "RESID": True} | tile, warps, stages
+            )
+
+
+@pytest.mark.parametrize("fmt,k", [("fp8", 4000), ("int8", 4096)])
+def test_dot_every_config_compiles(fmt, k):
+    """wo8_dot (tensor cores, K split) at every config: FP8 on a K that no split divides into
+    whole tiles, int8 on one they all do."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fmt == "fp8" else "*i8", "s_ptr": "*fp32"}
+    types |= {"y_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32"}
+    types |= {"M": "i32", "N": "i32", "M_BUCKET": "i32"}
+    for cfg in T.wo8_dot.configs:
+        tile, warps, stages = _config(cfg)
+        _compile(T.wo8_dot, types, {"K": k} | tile, warps, stages)
+
+
+@pytest.mark.parametrize("group,has_zero", [(128, False), (32, True), (256, False)])
+def test_int4_kernels_compile(group, has_zero):
+    """int4_dot (decode and prompt tiles) and int4_gemv: every config at the engine's group of
+    128, the first of each kernel at the other groups and with zero points."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16"}
+    types |= {"y_ptr": "*bf16", "M": "i32", "N": "i32", "M_BUCKET": "i32"}
+    shape = {"K": 4096, "KP": 4096, "G": group, "HAS_ZERO": has_zero}
+    for kernel in (T.int4_dot, T.int4_dot_prompt, T.int4_gemv):
+        for cfg in kernel.configs if group == 128 else kernel.configs[:1]:
+            tile, warps, stages = _config(cfg)
+            _compile(kernel, types, shape | tile, warps, stages)
+
+
+def test_decode_kernels_compile_with_an_fp64_scale():
+    """Inside a compiled step Inductor passes `sm_scale` as fp64: both split kernels must still
+    compile. The fused-RoPE kernel once failed here: its new-position branch made the running
+    maximum fp64."""
+    const = {"H": 32, "G": 4, "N_KV": 8, "BLOCK_H": 16, "D": 128, "BLOCK_D": 128, "PAGE": 16}
+    const |= {"SPLIT": 256, "NUM_SPLITS": 4, "DYNAMIC": False, "BLOCK_N": 32}
+    floats = {"po_ptr", "pl_ptr"}
+    for kernel in (T.decode_split, T.decode_split_rope):
+        types = {
+            n: "fp64"
+            if n == "sm_scale"
+            else ("*fp32" if n in floats else "*i32" if n in ("tab_ptr", "pos_ptr") else "*bf16")
+            if n.endswith("_ptr")
+            else "i32"
+            for n in getattr(kernel, "fn", kernel).arg_names
+        }
+        _compile(kernel, types, const)
