@@ -40,7 +40,7 @@ dl pydantic==2.14.4
 dl --no-deps gguf compressed-tensors==0.20.1 annotated-doc fastapi starlette uvicorn hypercorn \
   h2 hpack hyperframe priority wsproto loguru opentelemetry-api importlib-metadata
 swap "$tmp/whl" .whl
-ls .whl | sed 's/^/  /'
+printf '  %s\n' .whl/*.whl
 
 echo "--- SmolLM2: tokenizer and GGUF pieces"
 gguf=$("$PY" -c "from llmopt.assets.models import builtin_gguf; print(builtin_gguf('smollm2-135m') or '')")
@@ -62,7 +62,7 @@ swap "$tmp/tok" .devdata/smollm2-tok
 mkdir -p "$tmp/smol"
 split -n 2 "$gguf" "$tmp/smol/part-"  # part-aa, part-ab
 swap "$tmp/smol" .devdata/smol
-ls -l .devdata/smol | tail -n +2 | sed 's/^/  /'
+du -b .devdata/smol/part-* | sed 's/^/  /'
 
 echo "--- the Wikipedia text: its source file and the parsed cache"
 dump=$("$PY" -c "from llmopt.assets.text import WIKI_DUMP, gensim_data_dir as d; print(d() / WIKI_DUMP)")
