@@ -14,6 +14,9 @@ activation dtype. The kernels are PyTorch's and, on CUDA at decode rows, our own
 |             |                                       | `wo8_dot` at 2-16; `_scaled_mm` above        |
 |             |                                       | (row-wise scales, cc >= 8.9)                 |
 
+`DenseLinear` keeps 16-bit weights and cuBLAS, and lends them to the one-row GEMV where it
+takes the RMSNorm before the layer or the residual add after it (`FUSE_NORM`).
+
 Above `TRITON_M` rows (prompts), int8 layers dequantize and use the dense matmul: the weight-only
 kernels are built for memory-bound decode rows and lose to cuBLAS/oneDNN on a whole prompt.
 
@@ -266,8 +269,9 @@ class DenseLinear(_QuantLinear):
     """16-bit weights as they are, made to take the one-row GEMV's fusions (`FUSE_NORM`): at one
     activation row on CUDA, `norm_linear` / `linear_add` run the RMSNorm before the layer and
     the residual add after it inside the Triton GEMV (unit scales), as for int8 and FP8; its own
-    forward is the dense matmul (cuBLAS), which reads bf16 weights as fast as the GEMV does
-    (docs/benchmarks.md) but takes no norm or add. Made by `weights.dense_gemv_`."""
+    forward, for every other call, is the dense matmul (cuBLAS) as before. Whether the GEMV
+    reads bf16 weights as fast as cuBLAS is `benchmarks/linear_kernels.py`'s `bf16-gemv`
+    column. Made by `weights.dense_gemv_`."""
 
     def __init__(self, w: torch.Tensor, bias, dtype: torch.dtype):
         super().__init__(w.shape[0], w.shape[1], bias, dtype)
@@ -489,9 +493,8 @@ def _gemv_row(lin: nn.Module, x: torch.Tensor) -> bool:
 def norm_linear(lin: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`lin(rmsnorm(x))` in one kernel, for a layer whose columns hold the norm's weight
     (`weights.fold_norms_`): the GEMV normalizes the row it reads. Applies where `FUSE_NORM` is
-    on, `lin` is an int8/FP8 layer on the Triton kernels and x is one row; otherwise None (the
-    caller runs the norm, whose weight is then all ones, and the layer). Dense 16-bit layers
-    take it as `DenseLinear`."""
+    on, `lin` is an int8/FP8 layer or a `DenseLinear` on the Triton kernels and x is one row;
+    otherwise None (the caller runs the norm, whose weight is then all ones, and the layer)."""
     if not _gemv_row(lin, x):
         return None
     y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", norm_eps=eps)
