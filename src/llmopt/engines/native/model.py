@@ -164,7 +164,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if self.fuse_rope and self.decode_kernel and not prefill and T == 1 and ring is None:
             out = attention.paged_decode_rope(
-                self._qkv(x, norm)[:, 0],
+                _normed(self.qkv_proj, x, norm)[:, 0],
                 cos.reshape(B, -1),
                 sin.reshape(B, -1),
                 self.k_cache,
@@ -176,10 +176,10 @@ class Attention(nn.Module):
                 sms=self.decode_sms,
                 scale=self.scale,
             )
-            return self._out(out.reshape(B, T, self.n_heads * self.hd), residual)
+            return _added(self.o_proj, out.reshape(B, T, self.n_heads * self.hd), residual)
         if self.qkv_proj is not None:
             nq, nkv = self.n_heads * self.hd, self.n_kv * self.hd
-            q, k, v = self._qkv(x, norm).split([nq, nkv, nkv], dim=-1)
+            q, k, v = _normed(self.qkv_proj, x, norm).split([nq, nkv, nkv], dim=-1)
         else:
             x = x if norm is None else norm(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -193,7 +193,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ring is not None:  # a local layer over its window-sized ring (see the module doc)
             out = self._ring(q, k, v, pos, ring, block_size)
-            return self._out(out.reshape(B, T, self.n_heads * self.hd), residual)
+            return _added(self.o_proj, out.reshape(B, T, self.n_heads * self.hd), residual)
         # Write this step's keys/values into their cache rows (a float8 cache stores them
         # rounded to e4m3, no scale: vLLM's `kv_cache_dtype=fp8` with its default scale 1).
         write_rows(self.k_cache, rows.reshape(-1), k.reshape(-1, self.n_kv, self.hd))
@@ -231,22 +231,7 @@ class Attention(nn.Module):
             ).transpose(1, 2)
         else:
             out = self._paged(q, pos, block_tables, block_size)
-        return self._out(out.reshape(B, T, self.n_heads * self.hd), residual)
-
-    def _qkv(self, x, norm):
-        # the fused projection of x, normalized first by `norm` (in the GEMV where it can)
-        if norm is not None:
-            y = norm_linear(self.qkv_proj, x, norm.eps)
-            if y is not None:
-                return y
-            x = norm(x)
-        return self.qkv_proj(x)
-
-    def _out(self, x, residual):
-        if residual is None:
-            return self.o_proj(x)
-        y = linear_add(self.o_proj, x, residual)
-        return residual + self.o_proj(x) if y is None else y
+        return _added(self.o_proj, out.reshape(B, T, self.n_heads * self.hd), residual)
 
     def _paged(self, q, pos, block_tables, block_size):
         B, T, _, hd = q.shape
@@ -352,9 +337,7 @@ class MLP(nn.Module):
     def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         # `norm` and `residual` as in `Attention.forward`
         if self.gate_up_proj is not None:
-            gu = None if norm is None else norm_linear(self.gate_up_proj, x, norm.eps)
-            if gu is None:
-                gu = self.gate_up_proj(x if norm is None else norm(x))
+            gu = _normed(self.gate_up_proj, x, norm)
             y = None if self.gemma else silu_down(self.down_proj, gu)
             if y is not None:
                 return y if residual is None else residual + y
@@ -363,10 +346,23 @@ class MLP(nn.Module):
             x = x if norm is None else norm(x)
             g, u = self.gate_proj(x), self.up_proj(x)
         g = F.gelu(g, approximate="tanh") if self.gemma else F.silu(g)
-        if residual is None:
-            return self.down_proj(g * u)
-        y = linear_add(self.down_proj, g * u, residual)
-        return residual + self.down_proj(g * u) if y is None else y
+        return _added(self.down_proj, g * u, residual)
+
+
+def _normed(lin: nn.Module, x, norm: RMSNorm | None):
+    # lin(norm(x)), the norm inside the GEMV where it can be (`linear.norm_linear`)
+    if norm is None:
+        return lin(x)
+    y = norm_linear(lin, x, norm.eps)
+    return lin(norm(x)) if y is None else y
+
+
+def _added(lin: nn.Module, x, residual):
+    # residual + lin(x), the add in the GEMV's epilogue where it can be (`linear.linear_add`)
+    if residual is None:
+        return lin(x)
+    y = linear_add(lin, x, residual)
+    return residual + lin(x) if y is None else y
 
 
 class Block(nn.Module):

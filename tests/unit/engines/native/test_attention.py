@@ -181,24 +181,8 @@ def test_rope_fused_kernel_under_triton_interpreter():
     assert "worst" in r.stdout
 
 
-def test_cpu_decode_keeps_the_torch_path(monkeypatch):
-    from llmopt.engines.native.config import NativeConfig
-    from llmopt.engines.native.weights import random_model
-
-    cfg = NativeConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 128,
-            "max_position_embeddings": 256,
-        }
-    )
-    model = random_model(cfg, "cpu", torch.float32, seed=0)
+def test_cpu_decode_keeps_the_torch_path(monkeypatch, tiny_native):
+    model = tiny_native(seed=0)
     monkeypatch.setattr(attention, "FUSE_ROPE", True)  # no kernel here, so no fused RoPE either
     model.setup_cache(4, 16, torch.float32, "cpu")
     assert not any(layer.self_attn.decode_kernel for layer in model.model.layers)

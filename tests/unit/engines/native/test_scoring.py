@@ -12,26 +12,9 @@ from llmopt.engines.native.scoring import window_logits
 from llmopt.engines.native.weights import random_model
 
 
-def _model():
-    cfg = NativeConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 128,
-            "max_position_embeddings": 256,
-        }
-    )
-    return random_model(cfg, "cpu", torch.float32, seed=3)
-
-
 @pytest.mark.parametrize("prefill,decode", [(8, 5), (40, 0), (1, 39)])
-def test_pieces_match_one_prefill(prefill, decode):
-    model = _model()
+def test_pieces_match_one_prefill(prefill, decode, tiny_native):
+    model = tiny_native()
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
     got = window_logits(model, ids, prefill, decode, torch.float32, "cpu")
     whole = window_logits(model, ids, 40, 0, torch.float32, "cpu")
@@ -39,13 +22,15 @@ def test_pieces_match_one_prefill(prefill, decode):
     assert torch.allclose(got, whole, atol=1e-4, rtol=1e-4), float((got - whole).abs().max())
 
 
-def test_window_too_short_is_refused():
+def test_window_too_short_is_refused(tiny_native):
     with pytest.raises(ValueError, match="cannot hold prefill=30, decode=20"):
-        window_logits(_model(), torch.zeros(40, dtype=torch.long), 30, 20, torch.float32, "cpu")
+        window_logits(
+            tiny_native(), torch.zeros(40, dtype=torch.long), 30, 20, torch.float32, "cpu"
+        )
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-def test_folding_the_norms_keeps_the_model(monkeypatch, fuse):
+def test_folding_the_norms_keeps_the_model(monkeypatch, fuse, tiny_native):
     """`weights.fold_norms_`: the norms' weights moved into the projections, the blocks pass the
     norm along; prefill, paged chunk and one-token steps give the same logits (on the CPU the
     GEMV path declines, so FUSE_NORM on exercises the fallbacks)."""
@@ -53,7 +38,7 @@ def test_folding_the_norms_keeps_the_model(monkeypatch, fuse):
     from llmopt.engines.native.weights import fold_norms_
 
     monkeypatch.setattr(L, "FUSE_NORM", fuse)
-    model = _model()
+    model = tiny_native()
     gen = torch.Generator().manual_seed(1)
     for b in model.model.layers:  # norms that are not all ones, or the fold proves nothing
         for norm in (b.input_layernorm, b.post_attention_layernorm):
@@ -67,20 +52,20 @@ def test_folding_the_norms_keeps_the_model(monkeypatch, fuse):
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), float((got - ref).abs().max())
 
 
-def test_quantizing_with_fuse_norm_folds_first(monkeypatch):
+def test_quantizing_with_fuse_norm_folds_first(monkeypatch, tiny_native):
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.weights import quantize_model_
 
     monkeypatch.setattr(L, "FUSE_NORM", True)
-    model = _model()
+    model = tiny_native()
     quantize_model_(model, "int8")
     assert all(b.norms_folded for b in model.model.layers)
-    model = _model()
+    model = tiny_native()
     quantize_model_(model, "int4", group=32)  # no GEMV for int4: nothing to fold for
     assert not any(b.norms_folded for b in model.model.layers)
 
 
-def test_dense_gemv_folds_and_keeps_the_model(monkeypatch):
+def test_dense_gemv_folds_and_keeps_the_model(monkeypatch, tiny_native):
     """`weights.dense_gemv_` (16-bit models under FUSE_NORM): the norms folded, every block's
     projections made `DenseLinear` (lm_head left alone), the logits unchanged; on the CPU the
     layers decline the GEMV and run the dense matmul."""
@@ -88,7 +73,7 @@ def test_dense_gemv_folds_and_keeps_the_model(monkeypatch):
     from llmopt.engines.native.weights import dense_gemv_
 
     monkeypatch.setattr(L, "FUSE_NORM", True)
-    model = _model()
+    model = tiny_native()
     for b in model.model.layers:
         for norm in (b.input_layernorm, b.post_attention_layernorm):
             norm.weight.data = torch.rand(norm.weight.shape, generator=torch.Generator()) + 0.5
