@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.engines.native.attention import launch
+from llmopt.engines.native.attention import _INTERPRET, launch
 
 __all__ = [
     "Int8Linear",
@@ -59,6 +59,7 @@ __all__ = [
     "norm_linear",
     "linear_add",
     "GEMV_EVEN",
+    "GEMV_PDL",
     "silu_down",
     "pack_int4_planar",
     "unpack_int4_planar",
@@ -311,6 +312,12 @@ FUSE_SILU = False
 # `weights.dense_gemv_` for 16-bit models while this is on). Off until timed end to end
 # (`benchmarks/decode.py --linear default FUSE_NORM=on`).
 FUSE_NORM = False
+# The one-row GEMV launched as a programmatic dependent (CUDA sm_90+, `_wo8_gemv_pdl`): it may
+# start while the kernel before it drains, loads its first weight tile, and only then waits for
+# its input; each linear's fixed ramp-up (~2.7 us of an ~8 us FP8 projection on the H200,
+# docs/native-engine.md) overlaps the kernel before. Off until timed end to end
+# (`benchmarks/decode.py --linear default GEMV_PDL=on`).
+GEMV_PDL = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -438,8 +445,11 @@ def wo_mm(
         even = GEMV_EVEN and n % GEMV_TILE_N == 0 and k % GEMV_TILE_K == 0
         kw = {"WORDS": words, "GATED": gated, "EVEN": even}
         kw |= {"NORM": norm_eps is not None, "RESID": residual is not None}
-        r = y if residual is None else residual.reshape(m, n).contiguous()
         eps = 0.0 if norm_eps is None else float(norm_eps)
+        if GEMV_PDL and not _INTERPRET:
+            r = x if residual is None else residual.reshape(m, n).contiguous()
+            return torch.ops.llmopt.wo8_gemv_pdl(x, wv, scale, r, eps, n, k, **_lower(kw))
+        r = y if residual is None else residual.reshape(m, n).contiguous()
         launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, r, eps, n, k, **kw)
         return y
 
@@ -457,6 +467,50 @@ def wo_mm(
     name = "wo8_dot_nosplit" if kernel == "dot1" else "wo8_dot"
     launch(_kernel(name), grid2, x, w, scale, y, ws, counters, m, n, _m_bucket(m), K=k)
     return y
+
+
+def _lower(flags: dict[str, bool]) -> dict[str, bool]:
+    return {name.lower(): value for name, value in flags.items()}
+
+
+# An opaque operator, not a Triton kernel that the compiled step traces: Inductor recompiles a
+# traced user kernel from its own metadata, which has no launch attribute, so only a launch
+# it cannot see keeps `launch_pdl` (CUDA graphs capture it as a programmatic edge).
+@torch.library.custom_op("llmopt::wo8_gemv_pdl", mutates_args=())
+def _wo8_gemv_pdl(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    r: torch.Tensor,
+    eps: float,
+    n: int,
+    k: int,
+    words: bool,
+    gated: bool,
+    even: bool,
+    norm: bool,
+    resid: bool,
+) -> torch.Tensor:
+    """`triton_kernels.wo8_gemv` as `wo_mm` launches it, with `PDL` (`GEMV_PDL`); `r`: the
+    residual under `resid`, else any tensor (unread)."""
+    import triton
+
+    m = x.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), m)
+
+    flags = {"WORDS": words, "GATED": gated, "EVEN": even, "NORM": norm, "RESID": resid}
+    launch(
+        _kernel("wo8_gemv"), grid, x, w, scale, y, r, eps, n, k, **flags, PDL=True, launch_pdl=True
+    )
+    return y
+
+
+@_wo8_gemv_pdl.register_fake
+def _(x, w, scale, r, eps, n, k, words, gated, even, norm, resid):
+    return x.new_empty(x.shape[0], n)
 
 
 def silu_down(down: nn.Module, gu: torch.Tensor) -> torch.Tensor | None:

@@ -358,6 +358,68 @@ if triton is not None:
             return tl.load(x_ptr + m * K + k).to(tl.float32)
         return tl.load(x_ptr + m * K + k, mask=mask, other=0.0).to(tl.float32)
 
+    @triton.jit
+    def _gemv_w(
+        w_ptr,
+        rn,
+        c0,
+        N,
+        KW: tl.constexpr,
+        BW: tl.constexpr,
+        WORDS: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):
+        # The GEMV's weight tile: rows rn, columns c0 .. c0 + BW of w (N, KW). Masked int8 words
+        # are 0; masked FP8 / bf16 weights are left undefined (no FP8 literal for `other=`) and
+        # zeroed as floats by `_gemv_acc`.
+        c = c0 + tl.arange(0, BW)
+        ptrs = w_ptr + rn[:, None] * KW + c[None, :]
+        if EVEN:
+            return tl.load(ptrs)
+        mask = (rn[:, None] < N) & (c[None, :] < KW)
+        if WORDS:
+            return tl.load(ptrs, mask=mask, other=0)
+        return tl.load(ptrs, mask=mask)
+
+    @triton.jit
+    def _gemv_acc(
+        acc,
+        xsq,
+        wt,
+        x_ptr,
+        m,
+        k0,
+        rn,
+        N,
+        K: tl.constexpr,
+        WORDS: tl.constexpr,
+        GATED: tl.constexpr,
+        EVEN: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # acc += the products of weight tile `wt` (`_gemv_w`) with activations k0 .. k0 +
+        # BLOCK_K of row m; NORM: xsq += their squares. Returns (acc, xsq).
+        xk = k0 + tl.arange(0, BLOCK_K)
+        xv = _gemv_x(x_ptr, m, xk, xk < K, K, GATED, EVEN)
+        if NORM:
+            xsq += xv * xv
+        if WORDS:  # x[4 j + i] for i = 0..3, from one load: (BW, 2, 2) split twice
+            BW: tl.constexpr = BLOCK_K // 4
+            xa, xb = tl.split(tl.reshape(xv, (BW, 2, 2)))  # 4 j + 2 a, 4 j + 2 a + 1
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            acc += _bytes_as_float(wt, 0) * x0[None, :]
+            acc += _bytes_as_float(wt, 1) * x1[None, :]
+            acc += _bytes_as_float(wt, 2) * x2[None, :]
+            acc += _bytes_as_float(wt, 3) * x3[None, :]
+        else:
+            w = wt.to(tl.float32)
+            if not EVEN:  # (undefined where masked: see `_gemv_w`)
+                w = tl.where((rn[:, None] < N) & (xk[None, :] < K), w, 0.0)
+            acc += w * xv[None, :]
+        return acc, xsq
+
     # Weight-only GEMV on the CUDA cores (written by hand: neither cuBLAS nor PyTorch's CUDA
     # int8pack kernel reads 1-byte weights near bandwidth). One program computes BLOCK_N outputs
     # of one activation row; the partial products stay in a register tile, reduced at the end.
@@ -393,6 +455,7 @@ if triton is not None:
         RESID: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # y[m] = (w @ x[m]) * scale; w (N, K) float8_e4m3fn, or with WORDS int8 read as an
         # (N, K / 4) int32 view (byte i of word j is k = 4 j + i, `_bytes_as_float`). GATED: the
@@ -411,44 +474,31 @@ if triton is not None:
         pid_n, m = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         xsq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: sum of x^2, per position in a tile
-        if WORDS:
+        if WORDS:  # a tile is BW words of w's (N, K / 4) int32 view, BLOCK_K activations
             BW: tl.constexpr = BLOCK_K // 4
-            j = tl.arange(0, BW)
-            acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
-            for w0 in tl.range(0, K // 4, BW):
-                wc = w0 + j
-                ptrs = w_ptr + rn[:, None] * (K // 4) + wc[None, :]
-                if EVEN:
-                    wd = tl.load(ptrs)
-                else:  # masked words are 0 and their activations 0.0: they add nothing
-                    wd = tl.load(ptrs, mask=(rn[:, None] < N) & (wc[None, :] < K // 4), other=0)
-                # x[4 j + i] for i = 0..3, from one load: (BW, 2, 2) split twice
-                xk = 4 * w0 + tl.arange(0, BLOCK_K)
-                xv = _gemv_x(x_ptr, m, xk, xk < K, K, GATED, EVEN)
-                if NORM:
-                    xsq += xv * xv
-                xa, xb = tl.split(tl.reshape(xv, (BW, 2, 2)))  # 4 j + 2 a, 4 j + 2 a + 1
-                x0, x2 = tl.split(xa)
-                x1, x3 = tl.split(xb)
-                acc += _bytes_as_float(wd, 0) * x0[None, :]
-                acc += _bytes_as_float(wd, 1) * x1[None, :]
-                acc += _bytes_as_float(wd, 2) * x2[None, :]
-                acc += _bytes_as_float(wd, 3) * x3[None, :]
+            KW: tl.constexpr = K // 4
         else:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                ptrs = w_ptr + rn[:, None] * K + rk[None, :]
-                if EVEN:
-                    w = tl.load(ptrs).to(tl.float32)
-                else:
-                    wmask = (rn[:, None] < N) & (rk[None, :] < K)
-                    w = tl.load(ptrs, mask=wmask)
-                    w = tl.where(wmask, w.to(tl.float32), 0.0)  # (no FP8 literal for `other=`)
-                x = _gemv_x(x_ptr, m, rk, rk < K, K, GATED, EVEN)
-                if NORM:
-                    xsq += x * x
-                acc += w * x[None, :]
+            BW: tl.constexpr = BLOCK_K
+            KW: tl.constexpr = K
+        acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+        FIRST: tl.constexpr = BW if PDL else 0
+        if PDL:
+            # Launched as a programmatic dependent (`linear.GEMV_PDL`): this program may run while
+            # the kernel before still drains. The weights do not depend on it, so the first tile
+            # is loaded before waiting; the activations (and the residual) only after.
+            wt = _gemv_w(w_ptr, rn, 0, N, KW, BW, WORDS, EVEN)
+            tl.extra.cuda.gdc_wait()
+            acc, xsq = _gemv_acc(
+                acc, xsq, wt, x_ptr, m, 0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K
+            )
+        for c0 in tl.range(FIRST, KW, BW):
+            wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, WORDS, EVEN)
+            k0 = c0 * (BLOCK_K // BW)
+            acc, xsq = _gemv_acc(
+                acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K
+            )
+        if PDL:  # every weight load issued: the next dependent kernel may start its own
+            tl.extra.cuda.gdc_launch_dependents()
         y = tl.sum(acc, axis=1)
         if NORM:  # (fp32: inside a compiled graph Inductor passes `eps` as fp64)
             y = y * tl.math.rsqrt((tl.sum(xsq, axis=0) / K + eps).to(tl.float32))

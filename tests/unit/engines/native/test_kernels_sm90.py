@@ -17,21 +17,23 @@ triton = pytest.importorskip("triton")
 from llmopt.engines.native import triton_kernels as T  # noqa: E402
 
 
-def _compile(kernel, types: dict[str, str], const: dict, num_warps=4, num_stages=3) -> None:
+def _compile(kernel, types: dict[str, str], const: dict, num_warps=4, num_stages=3):
     """Compile `kernel` (a `triton.jit` function, or an autotuner over one) for sm_90:
-    `types` maps each runtime argument to its Triton type, `const` each constexpr to its value.
-    Without ptxas on the host, the front end (parsing, type checks, Triton IR) still runs."""
+    `types` maps each runtime argument to its Triton type, `const` each constexpr to its value
+    (a constexpr with a default may be left out). Returns the compiled kernel; None without
+    ptxas on the host, where the front end (parsing, type checks, Triton IR) still ran."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(kernel, "fn", kernel)
+    const = {p.name: p.default for p in fn.params if p.has_default} | const
     names = fn.arg_names
     missing = [n for n in names if n not in types and n not in const]
     assert not missing, f"the test gives no type or value for {missing}"
     sig = {n: "constexpr" if n in const else types[n] for n in names}
     src = ASTSource(fn, sig, constexprs={n: const[n] for n in names if n in const})
     try:
-        triton.compile(
+        return triton.compile(
             src,
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": num_warps, "num_stages": num_stages},
@@ -39,6 +41,7 @@ def _compile(kernel, types: dict[str, str], const: dict, num_warps=4, num_stages
     except RuntimeError as e:  # no ptxas on this host: the front end (the type check) ran
         if "ptxas" not in str(e).lower():
             raise
+        return None
 
 
 def _config(cfg) -> tuple[dict, int, int]:
@@ -73,6 +76,28 @@ def test_gemv_every_variant_compiles(fmt):
         const = {"K": 4096, "WORDS": fmt == "int8", "GATED": gated, "EVEN": even}
         const |= {"NORM": norm, "RESID": resid} | tile
         _compile(T.wo8_gemv, types, const, warps, stages)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
+def test_gemv_pdl_loads_weights_before_it_waits(fmt):
+    """With `PDL` (`linear.GEMV_PDL`) the GEMV waits for the kernel before it
+    (griddepcontrol.wait) after its first weight loads, and lets the next start once its own
+    loads are issued; without, neither instruction is there. Masked and unmasked, with the
+    norm and the residual (the reads that must come after the wait)."""
+    types = _GEMV_TYPES | {"w_ptr": _W[fmt]}
+    tile, warps, stages = _config(T.wo8_gemv.configs[0])
+    for even in (True, False):
+        const = {"K": 4096, "WORDS": fmt == "int8", "GATED": False, "EVEN": even}
+        const |= {"NORM": True, "RESID": True} | tile
+        plain = _compile(T.wo8_gemv, types, const, warps, stages)
+        pdl = _compile(T.wo8_gemv, types, const | {"PDL": True}, warps, stages)
+        if pdl is None:
+            pytest.skip("no ptxas here: the PTX was not made")
+        assert "griddepcontrol" not in plain.asm["ptx"]
+        ptx = pdl.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert "ld.global" in ptx[:wait]  # the first weight tile, before the wait
+        assert "griddepcontrol.launch_dependents" in ptx[wait:]
 
 
 def test_gemv_every_config_compiles():
