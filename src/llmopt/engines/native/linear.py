@@ -450,7 +450,8 @@ def wo_mm(
             r = x if residual is None else residual.reshape(m, n).contiguous()
             return torch.ops.llmopt.wo8_gemv_pdl(x, wv, scale, r, eps, n, k, **_lower(kw))
         r = y if residual is None else residual.reshape(m, n).contiguous()
-        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, r, eps, n, k, **kw)
+        # (PDL given: Inductor, which traces this launch, passes no constexpr defaults)
+        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, r, eps, n, k, **kw, PDL=False)
         return y
 
     def grid2(meta):
