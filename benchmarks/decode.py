@@ -127,7 +127,7 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
     if fold:  # (then the points with FUSE_NORM off run the norms as kernels of weight 1)
         fold_norms_(model)
     if quant:
-        quantize_model_(model, quant)  # every linear but lm_head (the engine's default)
+        quantize_model_(model, quant, fold=fold)  # every linear but lm_head (the engine's default)
     elif fold:  # 16-bit: the projections take the GEMV's norm and add (`DenseLinear`)
         dense_gemv_(model)
     heads = {"dense": (dense, sqnr_db(ref, prompt_logits(model, prompt, args.device)))}
@@ -143,6 +143,7 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
 def run_native(
     args, model, batch: int, prompt: list[int], compile_: bool, overlap: bool | None = None
 ) -> dict:
+    from llmopt.engines.native import attention as A
     from llmopt.engines.native.generator import Generator, SamplingParams
 
     new = args.new_tokens
@@ -156,7 +157,7 @@ def run_native(
         overlap=overlap,
     )
     kernel = model.model.layers[0].self_attn.decode_kernel
-    rope = model.model.layers[0].self_attn.fuse_rope
+    rope = model.model.layers[0].self_attn.fuse_rope and batch <= A.FUSE_ROPE_MAX_ROWS
     params = SamplingParams(
         max_tokens=new, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
     )
@@ -399,10 +400,11 @@ def main() -> None:
     ap.add_argument(
         "--attention",
         nargs="+",
-        choices=["triton", "triton-rope", "gather"],
-        default=["triton"],
+        choices=["auto", "triton", "triton-rope", "gather"],
+        default=["auto"],
         help="decode attention paths to run, interleaved per point (CUDA; the CPU has gather "
-        "only); triton-rope: the kernel with RoPE and the KV write folded in",
+        "only); triton-rope: the kernel with RoPE and the KV write folded in, at every batch "
+        "size; auto: the engine's choice (attention.FUSE_ROPE up to FUSE_ROPE_MAX_ROWS rows)",
     )
     on_off(
         "--overlap",
@@ -457,6 +459,7 @@ def main() -> None:
     )
     linears = linear_settings(args.linear)
     switch_defaults = {name: getattr(L, name) for name in LINEAR_SWITCHES}
+    rope_default, rope_rows = A.FUSE_ROPE, A.FUSE_ROPE_MAX_ROWS
     modes = args.modes or (["bf16", "int8", "int4"] + (["fp8"] if L.fp8_supported() else []))
     compile_ = cuda if args.compile == "auto" else args.compile == "on"
     g = torch.Generator().manual_seed(args.seed)
@@ -486,7 +489,8 @@ def main() -> None:
     native_tokens = None
     tokens_b1: list[tuple[str, list[int]]] = []
     for mode in modes:
-        fold = any(lin.get("FUSE_NORM") for lin in linears) or L.FUSE_NORM
+        # the norms folded where the engine folds them: on CUDA, for FUSE_NORM (the default)
+        fold = cuda and (any(lin.get("FUSE_NORM") for lin in linears) or L.FUSE_NORM)
         model, heads = build(args, mode, dtype, cfg_dict, prompt, fold)
         overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
         silus = [None] if args.fuse_silu is None else [o == "on" for o in args.fuse_silu]
@@ -506,7 +510,8 @@ def main() -> None:
             model.lm_head, sqnr = heads[head]
             wbytes = weight_bytes(model)
             A.ENABLED = path != "gather"
-            A.FUSE_ROPE = path == "triton-rope"
+            A.FUSE_ROPE = rope_default if path == "auto" else path == "triton-rope"
+            A.FUSE_ROPE_MAX_ROWS = rope_rows if path == "auto" else 1 << 30
             for name, value in {**switch_defaults, "FUSE_SILU": bool(silu), **linears[lin]}.items():
                 setattr(L, name, value)
             if pdl is not None:  # an Inductor setting: Dynamo does not guard on it, so recompile

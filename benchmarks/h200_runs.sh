@@ -11,16 +11,17 @@
 #     bash benchmarks/h200_runs.sh kernels                # SiLU x up inside the down GEMV, alone
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
-# Next run (each decode.py point compiles the step afresh, ~60-100 s: about four points a call;
-# end the session's last call with `cache-out`, and start the next with `cache-in`). The `ab`
-# lists cross: two lists of two give each switch alone, both, and neither, interleaved.
-#   call 1: native-tests, then MODES=fp8 AB="--attention triton triton-rope --linear default
-#           FUSE_NORM=on" TAG=fp8 ... ab       # fused RoPE x norm-in-GEMV, FP8
-#   call 2: the same with MODES=bf16 TAG=bf16  # bf16 through the GEMV (`DenseLinear`)
-#   call 3: MODES=int8 AB="--lm-head dense int8 --linear default FUSE_NORM=on" TAG=int8 ... ab
+# Next run (each decode.py point compiles the step afresh, ~40-100 s: about four points a call;
+# `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
+# `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
+# give each switch alone, both, and neither, interleaved.
+#   call 1: MODES="bf16 int8 fp8 int4" bash ... decode  # the engine's defaults (fused norm,
+#           RoPE, dependent launch), every format at batch 1
+#   call 2: MODES=int8 AB="--linear default GEMV_PDL=off FUSE_NORM=off" TAG=int8 ... ab
+#   call 3: MODES=bf16 AB="--attention triton auto --linear default GEMV_PDL=off" TAG=bf16 ... ab
 #   call 4: smol-decode smol-part (carry .devdata/smol/part-aa)  # every format, SmolLM2 shape
 #   call 5: smol-part setup realweights cache-out (carry part-ab and the rest; the real-weight
-#           check with its one-token-at-a-time tail)
+#           check with its one-token-at-a-time tail, the norms folded as the engine does)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #
@@ -121,11 +122,12 @@ for step in "$@"; do
       python3 benchmarks/decode.py --shape smollm2-135m --batches 1 \
         --modes bf16 int8 int4 fp8 --json "$OUT/smol-decode.json" > "$OUT/smol-decode.log" 2>&1
       grep -v "^ " "$OUT/smol-decode.log" | tail -6 ;;
-    native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed)
+    native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed;
+      # the calibration test needs the built-in text: `setup`, then run it by name)
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
         tests/unit/engines/native/test_linear_int4.py tests/unit/engines/native/test_engine.py \
         tests/unit/engines/native/test_scoring.py \
-        -k "attention or int4 or triton or gpu" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
+        -k "(attention or int4 or triton or gpu) and not calibrated" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
     decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
         --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \

@@ -61,7 +61,8 @@ def main() -> None:
         "--fold-norms",
         action="store_true",
         help="fold the RMSNorm weights into the projections before quantizing (what the "
-        "engine does for its norm-in-the-GEMV path, `linear.FUSE_NORM`; bf16 too)",
+        "engine does on CUDA for its norm-in-the-GEMV path, `linear.FUSE_NORM`, on by default; "
+        "this flag folds on any device, bf16 too)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

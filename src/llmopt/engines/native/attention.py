@@ -36,6 +36,7 @@ __all__ = [
     "paged_decode_rope",
     "prepare_rope",
     "FUSE_ROPE",
+    "FUSE_ROPE_MAX_ROWS",
     "reference",
     "launch",
     "sm_count",
@@ -45,9 +46,12 @@ log = logging.getLogger(__name__)
 
 ENABLED = True  # set False to run the torch gather path on CUDA too (benchmarks, A/B checks)
 # RoPE and the KV-cache write inside the decode kernel (`paged_decode_rope`) instead of the
-# compiled step's own kernels: opt-in until it is timed on a GPU (benchmarks/decode.py
-# --rope-fusion off on)
-FUSE_ROPE = False
+# compiled step's own kernels, for steps of up to FUSE_ROPE_MAX_ROWS rows: on the H200 at batch
+# 1, bf16 +2-2.5% tokens/s in two side-by-side pairs (docs/benchmarks.md); larger batches keep
+# the separate kernels until timed (`benchmarks/decode.py --attention triton triton-rope`,
+# which fuses at every batch size).
+FUSE_ROPE = True
+FUSE_ROPE_MAX_ROWS = 1
 _KERNELS: dict = {}
 _SM_COUNT: dict = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -60,6 +60,7 @@ __all__ = [
     "linear_add",
     "GEMV_EVEN",
     "GEMV_PDL",
+    "pdl_supported",
     "silu_down",
     "pack_int4_planar",
     "unpack_int4_planar",
@@ -100,6 +101,18 @@ def fp8_supported(device: torch.device | str | None = None) -> bool:
     if not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+_PDL: dict[int, bool] = {}  # CUDA device index -> has programmatic dependent launch
+
+
+def pdl_supported(index: int) -> bool:
+    """Programmatic dependent launch (griddepcontrol) needs compute capability 9.0 or newer.
+    Answered once per device, eagerly by the layers' kernel checks: inside a compiled step
+    this is a dict lookup (Dynamo does not trace the driver query)."""
+    if index not in _PDL:
+        _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _PDL[index]
 
 
 class _QuantLinear(nn.Module):
@@ -306,18 +319,19 @@ INT4_ONE_ROW = "dot"
 FUSE_SILU = False
 # RMSNorm inside the one-row GEMV that reads its output (qkv, gate/up; `norm_linear`) and the
 # residual add in the epilogue of the one that ends each half-layer (o, down; `linear_add`), for
-# int8/FP8 and dense bf16 (`DenseLinear`) at batch 1: the norm kernels between the linears (0.14
-# ms of an 8B step) and their launches are gone. Needs the norms' weights folded into the
-# linears first (`weights.fold_norms_`, done by `quantize_model_` for int8/FP8 and by
-# `weights.dense_gemv_` for 16-bit models while this is on). Off until timed end to end
-# (`benchmarks/decode.py --linear default FUSE_NORM=on`).
-FUSE_NORM = False
+# int8/FP8 and dense bf16 (`DenseLinear`) at batch 1: the norm kernels between the linears and
+# their launches are gone. Needs the norms' weights folded into the linears first
+# (`weights.fold_norms_`, done on CUDA by `quantize_model_` for int8/FP8 and by
+# `weights.dense_gemv_` for 16-bit models while this is on). On: on the H200, side by side at
+# batch 1, bf16 +11% and FP8 +8% tokens/s, quality unchanged (docs/benchmarks.md;
+# `benchmarks/decode.py --linear FUSE_NORM=off default`).
+FUSE_NORM = True
 # The one-row GEMV launched as a programmatic dependent (CUDA sm_90+, `_wo8_gemv_pdl`): it may
 # start while the kernel before it drains, loads its first weight tile, and only then waits for
-# its input; each linear's fixed ramp-up (~2.7 us of an ~8 us FP8 projection on the H200,
-# docs/native-engine.md) overlaps the kernel before. Off until timed end to end
-# (`benchmarks/decode.py --linear default GEMV_PDL=on`).
-GEMV_PDL = False
+# its input; each linear's fixed ramp-up overlaps the kernel before. On where the GPU has it
+# (`pdl_supported`): FP8 +6% tokens/s at batch 1 on the H200 (docs/benchmarks.md;
+# `benchmarks/decode.py --linear GEMV_PDL=off default`).
+GEMV_PDL = True
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -360,6 +374,8 @@ def _triton_available() -> bool:
     def check():
         for name in ("wo8_gemv", "wo8_dot", "wo8_dot_nosplit"):
             _kernel(name)
+        for i in range(torch.cuda.device_count()):
+            pdl_supported(i)
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int8(w)
@@ -428,31 +444,28 @@ def wo_mm(
         k //= 2
     n = w.shape[0]
     x = x.contiguous()
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     kernel = kernel or WO8_KERNEL
     if kernel == "auto":
         kernel = "gemv" if m == 1 else "dot"
     if (gated or norm_eps is not None or residual is not None) and kernel != "gemv":
         raise ValueError(f"gated, normalized or residual input needs the GEMV, not {kernel!r}")
     if kernel == "gemv":
-
-        def grid(meta):
-            return (triton.cdiv(n, meta["BLOCK_N"]), m)
-
         # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
         words = w.dtype == torch.int8 and k % 4 == 0
         wv = w.view(torch.int32) if words else w
         even = GEMV_EVEN and n % GEMV_TILE_N == 0 and k % GEMV_TILE_K == 0
-        kw = {"WORDS": words, "GATED": gated, "EVEN": even}
-        kw |= {"NORM": norm_eps is not None, "RESID": residual is not None}
+        flags = {"WORDS": words, "GATED": gated, "EVEN": even}
+        flags |= {"NORM": norm_eps is not None, "RESID": residual is not None}
         eps = 0.0 if norm_eps is None else float(norm_eps)
-        if GEMV_PDL and not _INTERPRET:
-            r = x if residual is None else residual.reshape(m, n).contiguous()
-            return torch.ops.llmopt.wo8_gemv_pdl(x, wv, scale, r, eps, n, k, **_lower(kw))
-        r = y if residual is None else residual.reshape(m, n).contiguous()
-        # (PDL given: Inductor, which traces this launch, passes no constexpr defaults)
-        launch(_kernel("wo8_gemv"), grid, x, wv, scale, y, r, eps, n, k, **kw, PDL=False)
-        return y
+        r = None if residual is None else residual.reshape(m, n).contiguous()
+        if GEMV_PDL and not _INTERPRET and pdl_supported(x.device.index or 0):
+            lower = {name.lower(): value for name, value in flags.items()}
+            return torch.ops.llmopt.wo8_gemv_pdl(
+                x, wv, scale, x if r is None else r, eps, n, k, **lower
+            )
+        return _gemv(x, wv, scale, r, eps, n, k, flags, pdl=False)
+
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
     def grid2(meta):
         return (
@@ -470,8 +483,22 @@ def wo_mm(
     return y
 
 
-def _lower(flags: dict[str, bool]) -> dict[str, bool]:
-    return {name.lower(): value for name, value in flags.items()}
+def _gemv(x, w, scale, r, eps: float, n: int, k: int, flags: dict, pdl: bool) -> torch.Tensor:
+    """Launch `triton_kernels.wo8_gemv` (`wo_mm`'s arguments; `r` the residual or None), as a
+    programmatic dependent with `pdl`."""
+    import triton
+
+    m = x.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), m)
+
+    # (PDL always given: Inductor, which traces the plain launch, passes no constexpr defaults)
+    opts = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+    r = y if r is None else r  # (unread without RESID)
+    launch(_kernel("wo8_gemv"), grid, x, w, scale, y, r, eps, n, k, **flags, **opts)
+    return y
 
 
 # An opaque operator, not a Triton kernel that the compiled step traces: Inductor recompiles a
@@ -492,21 +519,9 @@ def _wo8_gemv_pdl(
     norm: bool,
     resid: bool,
 ) -> torch.Tensor:
-    """`triton_kernels.wo8_gemv` as `wo_mm` launches it, with `PDL` (`GEMV_PDL`); `r`: the
-    residual under `resid`, else any tensor (unread)."""
-    import triton
-
-    m = x.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-
-    def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]), m)
-
+    """`wo_mm`'s GEMV with `GEMV_PDL`; `r`: the residual under `resid`, else any tensor."""
     flags = {"WORDS": words, "GATED": gated, "EVEN": even, "NORM": norm, "RESID": resid}
-    launch(
-        _kernel("wo8_gemv"), grid, x, w, scale, y, r, eps, n, k, **flags, PDL=True, launch_pdl=True
-    )
-    return y
+    return _gemv(x, w, scale, r if resid else None, eps, n, k, flags, pdl=True)
 
 
 @_wo8_gemv_pdl.register_fake

@@ -162,7 +162,8 @@ class Attention(nn.Module):
         # `norm`: x is the norm's input (its weight folded into the projections, `Block`);
         # `residual`: returned plus the output projection's result
         B, T, _ = x.shape
-        if self.fuse_rope and self.decode_kernel and not prefill and T == 1 and ring is None:
+        fuse = self.fuse_rope and self.decode_kernel and B <= attention.FUSE_ROPE_MAX_ROWS
+        if fuse and not prefill and T == 1 and ring is None:
             out = attention.paged_decode_rope(
                 _normed(self.qkv_proj, x, norm)[:, 0],
                 cos.reshape(B, -1),

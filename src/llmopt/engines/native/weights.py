@@ -168,14 +168,24 @@ def quantize_linear(lin: nn.Linear, mode: str, group: int = 128) -> nn.Module:
 
 
 def quantize_model_(
-    model: Transformer, mode: str, ignore: tuple[str, ...] = ("lm_head",), group: int = 128
+    model: Transformer,
+    mode: str,
+    ignore: tuple[str, ...] = ("lm_head",),
+    group: int = 128,
+    fold: bool | None = None,
 ) -> list[str]:
-    """Replace the dense linears by `mode` layers (round-to-nearest), in place; returns names."""
+    """Replace the dense linears by `mode` layers (round-to-nearest), in place; returns names.
+    `fold`: fold the norms into the projections first (`fold_norms_`), int8/FP8 only; by
+    default where their one-row GEMV takes the norm (`linear.FUSE_NORM`, on CUDA)."""
     assert mode in QUANT_MODES, mode
-    if L.FUSE_NORM and mode in ("int8", "fp8"):  # the norms go into the GEMVs: fold them first
+    if fold is None:  # (the GEMV runs on CUDA only: the CPU keeps the model as it was)
+        fold = L.FUSE_NORM and model.lm_head.weight.device.type == "cuda"
+    if fold and mode in ("int8", "fp8"):
         fold_norms_(model)
     done = []
-    for name in _linear_names(model):
+    # (a 16-bit model loaded on CUDA holds `DenseLinear` projections: `dense_gemv_`)
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, L.DenseLinear))]
+    for name in names:
         lin = model.get_submodule(name)
         if any(name == s or name.endswith("." + s) for s in ignore):
             continue

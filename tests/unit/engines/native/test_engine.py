@@ -490,7 +490,7 @@ def test_silu_down_matches_the_two_ops_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
-def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt):
+def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt, monkeypatch):
     """The one-row GEMV launched as a programmatic dependent (`GEMV_PDL`: its first weight tile
     loaded before it waits for its input) gives the plain launch's output in every variant,
     with and without masks, eagerly and inside a compiled step's CUDA graph, where its input
@@ -514,13 +514,10 @@ def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt):
         return torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
 
     def both(fn, *args, **kw):
-        L.GEMV_PDL = False
+        monkeypatch.setattr(L, "GEMV_PDL", False)
         want = fn(*args, **kw)
-        L.GEMV_PDL = True
-        try:
-            got = fn(*args, **kw)
-        finally:
-            L.GEMV_PDL = False
+        monkeypatch.setattr(L, "GEMV_PDL", True)
+        got = fn(*args, **kw)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         return want
 

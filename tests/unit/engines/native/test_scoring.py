@@ -52,16 +52,19 @@ def test_folding_the_norms_keeps_the_model(monkeypatch, fuse, tiny_native):
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), float((got - ref).abs().max())
 
 
-def test_quantizing_with_fuse_norm_folds_first(monkeypatch, tiny_native):
+def test_quantizing_folds_the_norms_where_the_gemv_takes_them(monkeypatch, tiny_native):
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.weights import quantize_model_
 
     monkeypatch.setattr(L, "FUSE_NORM", True)
     model = tiny_native()
-    quantize_model_(model, "int8")
+    quantize_model_(model, "int8")  # on the CPU no GEMV takes the norm: the model as it was
+    assert not any(b.norms_folded for b in model.model.layers)
+    model = tiny_native()
+    quantize_model_(model, "int8", fold=True)  # (the default on CUDA)
     assert all(b.norms_folded for b in model.model.layers)
     model = tiny_native()
-    quantize_model_(model, "int4", group=32)  # no GEMV for int4: nothing to fold for
+    quantize_model_(model, "int4", group=32, fold=True)  # no GEMV for int4: nothing to fold for
     assert not any(b.norms_folded for b in model.model.layers)
 
 
@@ -93,7 +96,7 @@ def test_dense_gemv_folds_and_keeps_the_model(monkeypatch, tiny_native):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "fp8", "bf16"])
-def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode):
+def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode, monkeypatch):
     """RMSNorm inside the one-row GEMV and the residual add in its epilogue (`FUSE_NORM`): a
     folded, quantized model's one-token steps give the logits of the same model with the norms
     run as their own kernels (bf16: one rounding fewer per fusion); the chunks are unchanged."""
@@ -125,17 +128,15 @@ def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode):
     else:
         quantize_model_(model, mode)
     ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(0))
-    want = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
     row = torch.ones(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert L.norm_linear(qkv, row, 1e-5) is None  # opt-in
-    L.FUSE_NORM = True
-    try:
-        assert L.norm_linear(qkv, row, 1e-5) is not None
-        assert L.norm_linear(qkv, row.expand(1, 2, 1024), 1e-5) is None  # two rows: declined
-        got = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
-    finally:
-        L.FUSE_NORM = False
+    monkeypatch.setattr(L, "FUSE_NORM", False)
+    want = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
+    assert L.norm_linear(qkv, row, 1e-5) is None  # switched off: the norm kernel runs
+    monkeypatch.setattr(L, "FUSE_NORM", True)
+    assert L.norm_linear(qkv, row, 1e-5) is not None
+    assert L.norm_linear(qkv, row.expand(1, 2, 1024), 1e-5) is None  # two rows: declined
+    got = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
     d = want[-16:] - got[-16:]
     assert d.abs().max() > 0  # the fused kernels ran
     sqnr = 10 * torch.log10(want[-16:].pow(2).sum() / d.pow(2).sum())
