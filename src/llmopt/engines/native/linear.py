@@ -454,6 +454,8 @@ def wo_mm(
         words = w.dtype == torch.int8 and k % 4 == 0
         wv = w.view(torch.int32) if words else w
         even = GEMV_EVEN and n % GEMV_TILE_N == 0 and k % GEMV_TILE_K == 0
+        if w.dtype == torch.float8_e4m3fn and not even:  # masked loads need a 0: read bytes
+            wv = w.view(torch.uint8)
         flags = {"WORDS": words, "GATED": gated, "EVEN": even}
         flags |= {"NORM": norm_eps is not None, "RESID": residual is not None}
         eps = 0.0 if norm_eps is None else float(norm_eps)

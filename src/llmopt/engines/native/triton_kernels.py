@@ -366,20 +366,18 @@ if triton is not None:
         N,
         KW: tl.constexpr,
         BW: tl.constexpr,
-        WORDS: tl.constexpr,
         EVEN: tl.constexpr,
     ):
-        # The GEMV's weight tile: rows rn, columns c0 .. c0 + BW of w (N, KW). Masked int8 words
-        # are 0; masked FP8 / bf16 weights are left undefined (no FP8 literal for `other=`) and
-        # zeroed as floats by `_gemv_acc`.
+        # The GEMV's weight tile: rows rn, columns c0 .. c0 + BW of w (N, KW), 0 where masked.
+        # FP8 weights come as their bytes (uint8) where masked: FP8 has no literal for
+        # `other=`, and zeroing after the load would be a select per weight.
         c = c0 + tl.arange(0, BW)
         ptrs = w_ptr + rn[:, None] * KW + c[None, :]
-        if EVEN:
-            return tl.load(ptrs)
-        mask = (rn[:, None] < N) & (c[None, :] < KW)
-        if WORDS:
-            return tl.load(ptrs, mask=mask, other=0)
-        return tl.load(ptrs, mask=mask)
+        if EVEN:  # (one return: after a static `if` Triton still builds what follows it)
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=(rn[:, None] < N) & (c[None, :] < KW), other=0)
+        return w
 
     @triton.jit
     def _gemv_acc(
@@ -414,10 +412,9 @@ if triton is not None:
             acc += _bytes_as_float(wt, 2) * x2[None, :]
             acc += _bytes_as_float(wt, 3) * x3[None, :]
         else:
-            w = wt.to(tl.float32)
-            if not EVEN:  # (undefined where masked: see `_gemv_w`)
-                w = tl.where((rn[:, None] < N) & (xk[None, :] < K), w, 0.0)
-            acc += w * xv[None, :]
+            if wt.dtype == tl.uint8:  # FP8 bytes (`_gemv_w`)
+                wt = wt.to(tl.float8e4nv, bitcast=True)
+            acc += wt.to(tl.float32) * xv[None, :]
         return acc, xsq
 
     # Weight-only GEMV on the CUDA cores (written by hand: neither cuBLAS nor PyTorch's CUDA
@@ -486,13 +483,13 @@ if triton is not None:
             # Launched as a programmatic dependent (`linear.GEMV_PDL`): this program may run while
             # the kernel before still drains. The weights do not depend on it, so the first tile
             # is loaded before waiting; the activations (and the residual) only after.
-            wt = _gemv_w(w_ptr, rn, 0, N, KW, BW, WORDS, EVEN)
+            wt = _gemv_w(w_ptr, rn, 0, N, KW, BW, EVEN)
             tl.extra.cuda.gdc_wait()
             acc, xsq = _gemv_acc(
                 acc, xsq, wt, x_ptr, m, 0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K
             )
         for c0 in tl.range(FIRST, KW, BW):
-            wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, WORDS, EVEN)
+            wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, EVEN)
             k0 = c0 * (BLOCK_K // BW)
             acc, xsq = _gemv_acc(
                 acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K

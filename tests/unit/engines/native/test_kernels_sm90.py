@@ -58,11 +58,15 @@ _8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down":
 _W = {"fp8": "*fp8e4nv", "int8": "*i32", "bf16": "*bf16"}  # int8: read as words of four
 
 
+def _w(fmt: str, even: bool) -> str:
+    # as `linear.wo_mm` passes the weights: masked FP8 as its bytes (a 0 for the masked loads)
+    return "*u8" if fmt == "fp8" and not even else _W[fmt]
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
 def test_gemv_every_variant_compiles(fmt):
     """wo8_gemv with each switch (SiLU x up, no masks, RMSNorm folded in, residual add) alone and
     together, at the first autotune config; bf16 weights as `DenseLinear` gives them."""
-    types = _GEMV_TYPES | {"w_ptr": _W[fmt]}
     tile, warps, stages = _config(T.wo8_gemv.configs[0])
     for gated, even, norm, resid in [
         (False, False, False, False),
@@ -75,6 +79,7 @@ def test_gemv_every_variant_compiles(fmt):
     ]:
         const = {"K": 4096, "WORDS": fmt == "int8", "GATED": gated, "EVEN": even}
         const |= {"NORM": norm, "RESID": resid} | tile
+        types = _GEMV_TYPES | {"w_ptr": _w(fmt, even)}
         _compile(T.wo8_gemv, types, const, warps, stages)
 
 
@@ -84,9 +89,9 @@ def test_gemv_pdl_loads_weights_before_it_waits(fmt):
     (griddepcontrol.wait) after its first weight loads, and lets the next start once its own
     loads are issued; without, neither instruction is there. Masked and unmasked, with the
     norm and the residual (the reads that must come after the wait)."""
-    types = _GEMV_TYPES | {"w_ptr": _W[fmt]}
     tile, warps, stages = _config(T.wo8_gemv.configs[0])
     for even in (True, False):
+        types = _GEMV_TYPES | {"w_ptr": _w(fmt, even)}
         const = {"K": 4096, "WORDS": fmt == "int8", "GATED": False, "EVEN": even}
         const |= {"NORM": True, "RESID": True} | tile
         plain = _compile(T.wo8_gemv, types, const, warps, stages)
@@ -100,13 +105,25 @@ def test_gemv_pdl_loads_weights_before_it_waits(fmt):
         assert "griddepcontrol.launch_dependents" in ptx[wait:]
 
 
+def test_masked_fp8_gemv_has_no_select_per_weight():
+    """Masked FP8 weights are read as bytes with 0 for the masked ones (`linear.wo_mm`), so the
+    kernel needs no select per weight to zero them (`benchmarks/gemv_ptx.py` counts it)."""
+    tile, warps, stages = _config(T.wo8_gemv.configs[0])
+    const = {"K": 576, "WORDS": False, "GATED": False, "EVEN": False, "NORM": False}
+    const |= {"RESID": False} | tile
+    k = _compile(T.wo8_gemv, _GEMV_TYPES | {"w_ptr": _w("fp8", False)}, const, warps, stages)
+    if k is None:
+        pytest.skip("no ptxas here: the PTX was not made")
+    assert "selp" not in k.asm["ptx"]
+
+
 def test_gemv_every_config_compiles():
     """Every autotune config of wo8_gemv, on the int8 word path with no masks (the default at
     one row) and on FP8 with masks, at the down projection's K."""
     for cfg in T.wo8_gemv.configs:
         tile, warps, stages = _config(cfg)
         for fmt, even in (("int8", True), ("fp8", False)):
-            types = _GEMV_TYPES | {"w_ptr": _W[fmt]}
+            types = _GEMV_TYPES | {"w_ptr": _w(fmt, even)}
             const = {"K": _8B["down"][1], "WORDS": fmt == "int8", "GATED": False, "EVEN": even}
             _compile(
                 T.wo8_gemv, types, const | {"NORM": False, "RESID": True} | tile, warps, stages

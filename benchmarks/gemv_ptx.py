@@ -1,0 +1,83 @@
+"""Count the instructions of the one-row GEMV (`triton_kernels.wo8_gemv`) as compiled for sm_90.
+
+Runs on any host with Triton (no GPU: Triton compiles for a named target with its bundled
+ptxas). A kernel that reads 1-byte weights at one row is bound by its instructions per weight
+as much as by its bytes (docs/native-engine.md), so a change to the GEMV can be weighed here
+before a GPU times it. Prints, per format and masking, the PTX instructions in all, and the
+selects (`selp`) and conversions (`cvt`) among them, for each autotune config asked for.
+
+    python benchmarks/gemv_ptx.py                       # K = 576 (SmolLM2's hidden size)
+    python benchmarks/gemv_ptx.py --k 4096 --configs 0 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+# pointer types as `linear.wo_mm` passes the weights (masked FP8 as its bytes, int8 as words)
+WEIGHT_TYPES = {
+    ("fp8", True): "*fp8e4nv",
+    ("fp8", False): "*u8",
+    ("int8", True): "*i32",
+    ("int8", False): "*i32",
+    ("bf16", True): "*bf16",
+    ("bf16", False): "*bf16",
+}
+
+
+def count(fmt: str, even: bool, k: int, config: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from llmopt.engines.native import triton_kernels as T
+
+    fn, cfg = T.wo8_gemv.fn, T.wo8_gemv.configs[config]
+    const = {"K": k, "WORDS": fmt == "int8", "GATED": False, "EVEN": even, "NORM": False}
+    const |= {"RESID": False, "PDL": False} | cfg.kwargs
+    types = {"x_ptr": "*bf16", "w_ptr": WEIGHT_TYPES[fmt, even], "s_ptr": "*fp32"}
+    types |= {"y_ptr": "*bf16", "r_ptr": "*bf16", "eps": "fp32", "N": "i32"}
+    sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={n: const[n] for n in fn.arg_names if n in const})
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    skip = ("//", ".", "$", "{", "}")  # comments, directives, labels, braces
+    ins = [line.strip() for line in ptx.splitlines()]
+    ins = [line for line in ins if line and not line.startswith(skip)]
+    return {
+        "format": fmt,
+        "masked": not even,
+        "K": k,
+        "config": config,
+        "tile": cfg.kwargs,
+        "instructions": len(ins),
+        "selp": sum(line.startswith("selp") for line in ins),
+        "cvt": sum(line.startswith("cvt") for line in ins),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=576, help="the input width (K) compiled for")
+    ap.add_argument("--formats", nargs="+", default=["fp8", "int8", "bf16"])
+    ap.add_argument("--configs", nargs="+", type=int, default=[0], help="autotune config indices")
+    args = ap.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("needs Triton: pip install triton==3.6.0 (Linux x86-64)")
+    from llmopt.engines.native import linear as L
+
+    for fmt in args.formats:  # unmasked only where the largest tiles divide K, as in `wo_mm`
+        for even in (False, True) if args.k % L.GEMV_TILE_K == 0 else (False,):
+            for c in args.configs:
+                print(json.dumps(count(fmt, even, args.k, c)))
+
+
+if __name__ == "__main__":
+    main()
