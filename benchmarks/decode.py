@@ -16,7 +16,10 @@ each point twice, back to back: decode attention through the flash-decoding Trit
 launched before this one's tokens are read back; the CUDA default) and without it. Each point
 reports ms per step as timed in the decode loop (wall), the same step replayed back to back
 (device-only: the host out of the loop) and their difference (host ms: what the host adds per
-step). Results go to stdout (a table at the end) and `--json`.
+step). `--rounds N` runs the whole list of points N times in turn (A B A B: the second round
+reuses the compiled steps) and ends with each point's median and range, and its ratio to the
+first point of the same round, so a comparison has its spread. Results go to stdout (a table
+at the end) and `--json`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import gc
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -360,6 +364,45 @@ def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
     return out
 
 
+def round_summary(rows: list[dict]) -> list[dict]:
+    """Per point (mode, batch and switches) over the rounds: tokens/s median and range, and its
+    ratio to the first point of the same mode and round (paired: one window per round)."""
+
+    def point(r: dict) -> str:
+        head = "" if r["lm_head"] == "dense" else f" lm_head={r['lm_head']}"
+        return (
+            f"{r['mode']} b{r['batch']} {r['attention']} overlap={'on' if r['overlap'] else 'off'}"
+            f" silu={'on' if r['fuse_silu'] else 'off'} {r['linear']}{head}"
+            + (" inductor-pdl" if r["inductor_pdl"] else "")
+        )
+
+    firsts = {}  # (mode, round) -> the round's first tokens/s
+    for r in rows:
+        firsts.setdefault((r["mode"], r["round"]), r["tok_s"])
+    by_point: dict[str, list[dict]] = {}
+    for r in rows:
+        by_point.setdefault(point(r), []).append(r)
+    out = []
+    for name, rs in by_point.items():
+        tok = sorted(r["tok_s"] for r in rs)
+        ratio = sorted(r["tok_s"] / firsts[r["mode"], r["round"]] for r in rs)
+        out.append(
+            {
+                "point": name,
+                "rounds": len(rs),
+                "tok_s": [r["tok_s"] for r in rs],
+                "tok_s_median": statistics.median(tok),
+                "tok_s_min": tok[0],
+                "tok_s_max": tok[-1],
+                "ratio_to_first": [r["tok_s"] / firsts[r["mode"], r["round"]] for r in rs],
+                "ratio_median": statistics.median(ratio),
+                "ratio_min": ratio[0],
+                "ratio_max": ratio[-1],
+            }
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -387,6 +430,13 @@ def main() -> None:
     )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each mode's list of points this many times in turn (A B A B) and report each "
+        "point's median, range and ratio to the first point of its round",
+    )
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--hf", action="store_true", help="also time HF generate() (dynamic, static)")
     ap.add_argument("--seed", type=int, default=0)
@@ -506,7 +556,9 @@ def main() -> None:
             for head in heads
         ]
         first_point = points[0][1:]
-        for b, path, ov, silu, pdl, lin, head in points:
+        for rnd, (b, path, ov, silu, pdl, lin, head) in (
+            (rnd, p) for rnd in range(args.rounds) for p in points
+        ):
             model.lm_head, sqnr = heads[head]
             wbytes = weight_bytes(model)
             A.ENABLED = path != "gather"
@@ -526,6 +578,7 @@ def main() -> None:
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
             r.update(
+                round=rnd,
                 lm_head=head,
                 fuse_silu=L.FUSE_SILU,
                 linear=",".join(f"{k}={'on' if v else 'off'}" for k, v in linears[lin].items())
@@ -588,6 +641,15 @@ def main() -> None:
         else:
             print(
                 f"hf-{h['cache']:7s}     1 {h['tok_s']:9.1f}   greedy tokens equal to native for the first {h['match_prefix']}; logits SQNR {h['logits_sqnr_db']:.1f} dB"
+            )
+    if args.rounds > 1:
+        results["rounds"] = round_summary(results["native"])
+        print(f"\nover {args.rounds} rounds (median [range]; ratio to the round's first point)")
+        for x in results["rounds"]:
+            print(
+                f"{x['point']:60s} {x['tok_s_median']:9.1f} [{x['tok_s_min']:.1f}-"
+                f"{x['tok_s_max']:.1f}]  x{x['ratio_median']:.3f} [{x['ratio_min']:.3f}-"
+                f"{x['ratio_max']:.3f}]"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -141,11 +141,13 @@ for step in "$@"; do
         ${PROFILE:-} --json "$OUT/rope-ab.json" > "$OUT/rope-ab.log" 2>&1
       grep -v "^ " "$OUT/rope-ab.log" | tail -8 ;;
     ab)  # issue 24: one format at batch 1, the engine's switches side by side, interleaved per
-      # point (AB: decode.py's --linear, --fuse-silu, --inductor-pdl, --attention, --overlap lists)
+      # point (AB: decode.py's --linear, --fuse-silu, --inductor-pdl, --attention, --overlap
+      # lists), in ROUNDS rounds (A B A B; the later rounds reuse the compiled steps)
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes ${MODES:-fp8} --batches 1 \
         --quant-batches 1 --new-tokens ${NEW_TOKENS:-128} ${AB:---fuse-silu off on} ${PROFILE:-} \
+        --rounds ${ROUNDS:-2} \
         --json "$OUT/ab${TAG:+-$TAG}.json" > "$OUT/ab${TAG:+-$TAG}.log" 2>&1
-      grep -v "^ " "$OUT/ab${TAG:+-$TAG}.log" | tail -8 ;;
+      grep -v "^ " "$OUT/ab${TAG:+-$TAG}.log" | grep -v "^{" | tail -16 ;;
     overlap)  # issue 24: the overlapped decode loop (step N+1 launched before N is read back)
       # against the synchronous one, interleaved per point, after its CUDA-graph tests
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_overlap.py \

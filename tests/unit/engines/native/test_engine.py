@@ -336,6 +336,29 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
     assert [h["match_prefix"] for h in res["hf"]] == [8, 8]  # same greedy tokens as HF
 
 
+def test_decode_benchmark_rounds_interleave_and_report_the_spread(tmp_path):
+    """`decode.py --rounds 2`: the points run A B A B, and each gets its median, range and ratio
+    to the first point of the same round."""
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--shape", "tiny"]
+    cmd += ["--device", "cpu", "--prompt-len", "8", "--new-tokens", "8", "--modes", "int8"]
+    cmd += ["--quant-batches", "1", "--threads", "1", "--linear", "default", "GEMV_EVEN=off"]
+    cmd += ["--rounds", "2", "--json", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    order = [(r["round"], r["linear"]) for r in res["native"]]
+    assert order == [(0, "default"), (0, "GEMV_EVEN=off"), (1, "default"), (1, "GEMV_EVEN=off")]
+    first, second = res["rounds"]
+    assert first["rounds"] == second["rounds"] == 2
+    assert first["ratio_to_first"] == [1.0, 1.0]
+    rows = res["native"]
+    assert second["ratio_to_first"] == [
+        rows[1]["tok_s"] / rows[0]["tok_s"],
+        rows[3]["tok_s"] / rows[2]["tok_s"],
+    ]
+    assert second["tok_s_min"] <= second["tok_s_median"] <= second["tok_s_max"]
+
+
 def test_loads_compressed_tensors_int4_from_llmopt_quantize(tiny_llama_dir, tmp_path):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
