@@ -123,11 +123,12 @@ for step in "$@"; do
         --modes bf16 int8 int4 fp8 --json "$OUT/smol-decode.json" > "$OUT/smol-decode.log" 2>&1
       grep -v "^ " "$OUT/smol-decode.log" | tail -6 ;;
     native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed;
-      # the calibration test needs the built-in text: `setup`, then run it by name)
+      # the calibration test needs the built-in text: `setup`, then run it by name). All of them
+      # take ~7 min on a fresh machine; TESTS_K narrows them (e.g. TESTS_K=pdl)
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
         tests/unit/engines/native/test_linear_int4.py tests/unit/engines/native/test_engine.py \
         tests/unit/engines/native/test_scoring.py \
-        -k "(attention or int4 or triton or gpu) and not calibrated" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
+        -k "${TESTS_K:-(attention or int4 or triton or gpu) and not calibrated}" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
     decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
         --attention gather triton ${PROFILE:---profile} --json "$OUT/decode-ab.json" \
