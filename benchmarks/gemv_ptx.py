@@ -1,10 +1,13 @@
 """Count the instructions of the one-row GEMV (`triton_kernels.wo8_gemv`) as compiled for sm_90.
 
 Runs on any host with Triton (no GPU: Triton compiles for a named target with its bundled
-ptxas). A kernel that reads 1-byte weights at one row is bound by its instructions per weight
-as much as by its bytes (docs/native-engine.md), so a change to the GEMV can be weighed here
-before a GPU times it. Prints, per format and masking, the PTX instructions in all, and the
-selects (`selp`) and conversions (`cvt`) among them, for each autotune config asked for.
+ptxas, and disassembles with its bundled cuobjdump). A kernel that reads 1-byte weights at one
+row is bound by its instructions per weight as much as by its bytes (docs/native-engine.md),
+so a change to the GEMV can be weighed here before a GPU times it. Prints, per format and
+masking, for each autotune config asked for: the PTX instructions in all, the selects (`selp`)
+and conversions (`cvt`) among them, and the machine code (SASS) of the main loop: its
+instructions per iteration and per weight (a thread's share of the tile), and the most
+frequent opcodes.
 
     python benchmarks/gemv_ptx.py                       # K = 576 (SmolLM2's hidden size)
     python benchmarks/gemv_ptx.py --k 4096 --configs 0 6
@@ -43,9 +46,16 @@ def count(fmt: str, even: bool, k: int, config: int) -> dict:
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHT_TYPES[fmt, even], "s_ptr": "*fp32"}
     types |= {"y_ptr": "*bf16", "r_ptr": "*bf16", "eps": "fp32", "N": "i32"}
     sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={n: const[n] for n in fn.arg_names if n in const})
+    # as Triton specializes a launch: 16-byte aligned pointers, N a multiple of 16 (the 8B
+    # shapes'); without these hints every load is one element wide
+    aligned = [i for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n == "N"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(
+        fn, sig, constexprs={n: const[n] for n in fn.arg_names if n in const}, attrs=attrs
+    )
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = kernel.asm["ptx"]
     skip = ("//", ".", "$", "{", "}")  # comments, directives, labels, braces
     ins = [line.strip() for line in ptx.splitlines()]
     ins = [line for line in ins if line and not line.startswith(skip)]
@@ -58,6 +68,48 @@ def count(fmt: str, even: bool, k: int, config: int) -> dict:
         "instructions": len(ins),
         "selp": sum(line.startswith("selp") for line in ins),
         "cvt": sum(line.startswith("cvt") for line in ins),
+    } | loop_sass(kernel.asm["cubin"], cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"], cfg.num_warps)
+
+
+def loop_sass(cubin: bytes, tile: int, warps: int) -> dict:
+    """The SASS of the kernel's longest loop (the K loop): instructions per iteration and per
+    weight of a thread's share of the `tile`, and the opcodes by count."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run(
+            [str(tool), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    # lines like "/*02e0*/  @!P0 BRA 0x2e0 ;": address, optional predicate, opcode, operands
+    code = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);", sass):
+        code.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    loops = [
+        (int(t.group(1), 16), addr)
+        for addr, op, args in code
+        if op.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", args))
+        if int(t.group(1), 16) < addr
+    ]
+    if not loops:
+        return {"loop_sass": None}
+    start, end = max(loops, key=lambda se: se[1] - se[0])
+    body = [op.split(".")[0] for addr, op, _ in code if start <= addr <= end]
+    per_thread = tile / (32 * warps)
+    return {
+        "loop_sass": len(body),
+        "loop_sass_per_weight": round(len(body) / per_thread, 2),
+        "loop_opcodes": dict(collections.Counter(body).most_common(8)),
     }
 
 
