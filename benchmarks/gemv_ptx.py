@@ -33,7 +33,7 @@ WEIGHT_TYPES = {
 }
 
 
-def count(fmt: str, even: bool, k: int, config: int) -> dict:
+def count(fmt: str, even: bool, k: int, config: int, f16: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,7 +42,7 @@ def count(fmt: str, even: bool, k: int, config: int) -> dict:
 
     fn, cfg = T.wo8_gemv.fn, T.wo8_gemv.configs[config]
     const = {"K": k, "WORDS": fmt == "int8", "GATED": False, "EVEN": even, "NORM": False}
-    const |= {"RESID": False, "PDL": False} | cfg.kwargs
+    const |= {"RESID": False, "PDL": False, "F16": f16} | cfg.kwargs
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHT_TYPES[fmt, even], "s_ptr": "*fp32"}
     types |= {"y_ptr": "*bf16", "r_ptr": "*bf16", "eps": "fp32", "N": "i32"}
     sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
@@ -60,7 +60,7 @@ def count(fmt: str, even: bool, k: int, config: int) -> dict:
     ins = [line.strip() for line in ptx.splitlines()]
     ins = [line for line in ins if line and not line.startswith(skip)]
     return {
-        "format": fmt,
+        "format": fmt + ("-f16" if f16 else ""),
         "masked": not even,
         "K": k,
         "config": config,
@@ -116,7 +116,12 @@ def loop_sass(cubin: bytes, tile: int, warps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=576, help="the input width (K) compiled for")
-    ap.add_argument("--formats", nargs="+", default=["fp8", "int8", "bf16"])
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["fp8", "int8", "int8-f16", "bf16"],
+        help="int8-f16: int8 made floats through half precision (`linear.GEMV_INT8_F16`)",
+    )
     ap.add_argument("--configs", nargs="+", type=int, default=[0], help="autotune config indices")
     args = ap.parse_args()
     try:
@@ -128,7 +133,8 @@ def main() -> None:
     for fmt in args.formats:  # unmasked only where the largest tiles divide K, as in `wo_mm`
         for even in (False, True) if args.k % L.GEMV_TILE_K == 0 else (False,):
             for c in args.configs:
-                print(json.dumps(count(fmt, even, args.k, c)))
+                base, _, f16 = fmt.partition("-")
+                print(json.dumps(count(base, even, args.k, c, f16 == "f16")))
 
 
 if __name__ == "__main__":

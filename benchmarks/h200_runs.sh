@@ -17,7 +17,8 @@
 # give each switch alone, both, and neither, interleaved.
 #   call 1: MODES="bf16 int8 fp8 int4" bash ... decode  # the engine's defaults (fused norm,
 #           RoPE, dependent launch), every format at batch 1
-#   call 2: MODES=int8 AB="--linear default GEMV_PDL=off FUSE_NORM=off" TAG=int8 ... ab
+#   call 2: MODES=int8 AB="--linear default GEMV_INT8_F16=on GEMV_PDL=off" TAG=int8 ... ab
+#           (bytes made floats through f16 pairs: fewer instructions per weight, untimed)
 #   call 3: MODES=bf16 AB="--attention triton auto --linear default GEMV_PDL=off" TAG=bf16 ... ab
 #   call 4: smol-decode smol-part (carry .devdata/smol/part-aa)  # every format, SmolLM2 shape
 #   call 5: smol-part setup realweights cache-out (carry part-ab and the rest; the real-weight

@@ -60,6 +60,7 @@ __all__ = [
     "linear_add",
     "GEMV_EVEN",
     "GEMV_PDL",
+    "GEMV_INT8_F16",
     "pdl_supported",
     "silu_down",
     "pack_int4_planar",
@@ -332,6 +333,12 @@ FUSE_NORM = True
 # (`pdl_supported`): FP8 +6% tokens/s at batch 1 on the H200 (docs/benchmarks.md;
 # `benchmarks/decode.py --linear GEMV_PDL=off default`).
 GEMV_PDL = True
+# The int8 GEMV's bytes made floats through half precision (`triton_kernels.
+# _words_as_floats_f16`: a byte permute and an f16x2 subtraction per pair, as FP8's pairs are
+# converted) instead of a shift and mask per byte: ~13% fewer instructions per weight in the
+# main loop for sm_90 (`benchmarks/gemv_ptx.py`). Off until timed on a GPU (`benchmarks/decode.py
+# --modes int8 --linear default GEMV_INT8_F16=on`).
+GEMV_INT8_F16 = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -458,6 +465,7 @@ def wo_mm(
             wv = w.view(torch.uint8)
         flags = {"WORDS": words, "GATED": gated, "EVEN": even}
         flags |= {"NORM": norm_eps is not None, "RESID": residual is not None}
+        flags["F16"] = words and GEMV_INT8_F16 and not _INTERPRET  # (inline PTX: GPU only)
         eps = 0.0 if norm_eps is None else float(norm_eps)
         r = None if residual is None else residual.reshape(m, n).contiguous()
         if GEMV_PDL and not _INTERPRET and pdl_supported(x.device.index or 0):
@@ -520,14 +528,16 @@ def _wo8_gemv_pdl(
     even: bool,
     norm: bool,
     resid: bool,
+    f16: bool,
 ) -> torch.Tensor:
     """`wo_mm`'s GEMV with `GEMV_PDL`; `r`: the residual under `resid`, else any tensor."""
     flags = {"WORDS": words, "GATED": gated, "EVEN": even, "NORM": norm, "RESID": resid}
+    flags["F16"] = f16
     return _gemv(x, w, scale, r if resid else None, eps, n, k, flags, pdl=True)
 
 
 @_wo8_gemv_pdl.register_fake
-def _(x, w, scale, r, eps, n, k, words, gated, even, norm, resid):
+def _(x, w, scale, r, eps, n, k, words, gated, even, norm, resid, f16):
     return x.new_empty(x.shape[0], n)
 
 

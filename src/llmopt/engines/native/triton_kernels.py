@@ -339,6 +339,41 @@ if triton is not None:
         return f - 8388736.0
 
     @triton.jit
+    def _words_as_floats_f16(wd):
+        # The four signed bytes of each int32 word as fp32 (byte i of word j: weight 4 j + i),
+        # through half precision (`linear.GEMV_INT8_F16`): one byte permute lays two bytes, sign
+        # bits flipped, under the f16 exponent of 1024 (0x64uu is 1024 + u exactly), one
+        # f16x2 subtraction of 1152 makes the pair signed, and each half becomes fp32 in one
+        # instruction, as FP8's pairs do: about 3.3 instructions per weight where
+        # `_bytes_as_float` takes about 5 (`benchmarks/gemv_ptx.py`).
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t, lo, hi, k;
+            .reg .b16 a, b, c, d;
+            xor.b32 t, $4, 0x80808080;
+            mov.b32 k, 0x64646464;
+            prmt.b32 lo, t, k, 0x4140;
+            prmt.b32 hi, t, k, 0x4342;
+            mov.b32 k, 0x64806480;
+            sub.f16x2 lo, lo, k;
+            sub.f16x2 hi, hi, k;
+            mov.b32 {a, b}, lo;
+            mov.b32 {c, d}, hi;
+            cvt.f32.f16 $0, a;
+            cvt.f32.f16 $1, b;
+            cvt.f32.f16 $2, c;
+            cvt.f32.f16 $3, d;
+            }
+            """,
+            "=f,=f,=f,=f,r",
+            [wd],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @triton.jit
     def _gemv_x(x_ptr, m, k, mask, K: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr):
         # x[m, k] as fp32; GATED: silu(gate) * up of a gate/up row (2K wide), each rounded to the
         # activation dtype as the two separate ops round (F.silu, then the product): the down
@@ -395,9 +430,11 @@ if triton is not None:
         EVEN: tl.constexpr,
         NORM: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        F16: tl.constexpr,
     ):
         # acc += the products of weight tile `wt` (`_gemv_w`) with activations k0 .. k0 +
-        # BLOCK_K of row m; NORM: xsq += their squares. Returns (acc, xsq).
+        # BLOCK_K of row m; NORM: xsq += their squares; F16: int8 words made floats through
+        # half precision (`_words_as_floats_f16`). Returns (acc, xsq).
         xk = k0 + tl.arange(0, BLOCK_K)
         xv = _gemv_x(x_ptr, m, xk, xk < K, K, GATED, EVEN)
         if NORM:
@@ -407,10 +444,17 @@ if triton is not None:
             xa, xb = tl.split(tl.reshape(xv, (BW, 2, 2)))  # 4 j + 2 a, 4 j + 2 a + 1
             x0, x2 = tl.split(xa)
             x1, x3 = tl.split(xb)
-            acc += _bytes_as_float(wt, 0) * x0[None, :]
-            acc += _bytes_as_float(wt, 1) * x1[None, :]
-            acc += _bytes_as_float(wt, 2) * x2[None, :]
-            acc += _bytes_as_float(wt, 3) * x3[None, :]
+            if F16:
+                w0, w1, w2, w3 = _words_as_floats_f16(wt)
+                acc += w0 * x0[None, :]
+                acc += w1 * x1[None, :]
+                acc += w2 * x2[None, :]
+                acc += w3 * x3[None, :]
+            else:
+                acc += _bytes_as_float(wt, 0) * x0[None, :]
+                acc += _bytes_as_float(wt, 1) * x1[None, :]
+                acc += _bytes_as_float(wt, 2) * x2[None, :]
+                acc += _bytes_as_float(wt, 3) * x3[None, :]
         else:
             if wt.dtype == tl.uint8:  # FP8 bytes (`_gemv_w`)
                 wt = wt.to(tl.float8e4nv, bitcast=True)
@@ -453,6 +497,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr = False,
+        F16: tl.constexpr = False,
     ):
         # y[m] = (w @ x[m]) * scale; w (N, K) float8_e4m3fn, or with WORDS int8 read as an
         # (N, K / 4) int32 view (byte i of word j is k = 4 j + i, `_bytes_as_float`). GATED: the
@@ -486,13 +531,13 @@ if triton is not None:
             wt = _gemv_w(w_ptr, rn, 0, N, KW, BW, EVEN)
             tl.extra.cuda.gdc_wait()
             acc, xsq = _gemv_acc(
-                acc, xsq, wt, x_ptr, m, 0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K
+                acc, xsq, wt, x_ptr, m, 0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
             )
         for c0 in tl.range(FIRST, KW, BW):
             wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, EVEN)
             k0 = c0 * (BLOCK_K // BW)
             acc, xsq = _gemv_acc(
-                acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K
+                acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
             )
         if PDL:  # every weight load issued: the next dependent kernel may start its own
             tl.extra.cuda.gdc_launch_dependents()

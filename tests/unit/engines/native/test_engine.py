@@ -570,6 +570,38 @@ def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_int8_gemv_through_half_precision_matches_on_gpu(monkeypatch):
+    """`GEMV_INT8_F16`: the int8 GEMV's bytes made floats through f16 pairs (inline PTX) give
+    the same weights, so the same outputs as the plain GEMV, in every variant, with and
+    without masks, and the dequantized reference."""
+    from llmopt.engines.native import linear as L
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((1024, 2048), (1000, 2000)):
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+        w[0, :8] = torch.linspace(-1, 1, 8)  # a row whose codes reach -127 and 127
+        q, s = L.quantize_int8(w)
+        s = s.float().contiguous()
+        x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        x2 = torch.randn(1, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
+        r = torch.randn(1, n, device="cuda", generator=g, dtype=torch.bfloat16)
+        for args, kw in (
+            ((x,), {}),
+            ((x2,), {"gated": True}),
+            ((x,), {"norm_eps": 1e-5}),
+            ((x,), {"residual": r}),
+        ):
+            monkeypatch.setattr(L, "GEMV_INT8_F16", False)
+            want = L.wo_mm(*args, q, s, "gemv", **kw)
+            monkeypatch.setattr(L, "GEMV_INT8_F16", True)
+            got = L.wo_mm(*args, q, s, "gemv", **kw)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        ref = x.float() @ (q.float() * s[:, None]).t()
+        torch.testing.assert_close(got.float() - r.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quantized_decode_on_gpu_matches_dense(tiny_llama_dir):
     dense = load_generator(tiny_llama_dir, "bf16", device="cuda", compile=False)
     want, _ = dense.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
