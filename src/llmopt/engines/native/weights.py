@@ -167,6 +167,12 @@ def quantize_linear(lin: nn.Linear, mode: str, group: int = 128) -> nn.Module:
     return L.Fp8Linear(q, s, bias, dtype)
 
 
+def _gemv_takes_norms(model: Transformer) -> bool:
+    # the one-row GEMV takes the norms (`linear.FUSE_NORM`) on CUDA only: elsewhere the model
+    # is kept as it was, norms unfolded
+    return L.FUSE_NORM and model.lm_head.weight.device.type == "cuda"
+
+
 def quantize_model_(
     model: Transformer,
     mode: str,
@@ -178,8 +184,8 @@ def quantize_model_(
     `fold`: fold the norms into the projections first (`fold_norms_`), int8/FP8 only; by
     default where their one-row GEMV takes the norm (`linear.FUSE_NORM`, on CUDA)."""
     assert mode in QUANT_MODES, mode
-    if fold is None:  # (the GEMV runs on CUDA only: the CPU keeps the model as it was)
-        fold = L.FUSE_NORM and model.lm_head.weight.device.type == "cuda"
+    if fold is None:
+        fold = _gemv_takes_norms(model)
     if fold and mode in ("int8", "fp8"):
         fold_norms_(model)
     done = []
@@ -284,7 +290,7 @@ def load_model(
     fuse_projections_(model)
     if quant:
         quantize_model_(model, quant, ignore, group)
-    elif L.FUSE_NORM and model.lm_head.weight.device.type == "cuda" and dtype != torch.float32:
+    elif _gemv_takes_norms(model) and dtype != torch.float32:
         dense_gemv_(model)  # the norms and residual adds inside the one-row GEMV
     return model
 
