@@ -1,4 +1,4 @@
-"""Count the instructions of the one-row GEMV (`triton_kernels.wo8_gemv`) as compiled for sm_90.
+"""Count the instructions of the one-row GEMVs (`triton_kernels.wo8_gemv`, `int4_gemv`) for sm_90.
 
 Runs on any host with Triton (no GPU: Triton compiles for a named target with its bundled
 ptxas, and disassembles with its bundled cuobjdump). A kernel that reads 1-byte weights at one
@@ -11,6 +11,7 @@ frequent opcodes.
 
     python benchmarks/gemv_ptx.py                       # K = 576 (SmolLM2's hidden size)
     python benchmarks/gemv_ptx.py --k 4096 --configs 0 6
+    python benchmarks/gemv_ptx.py --k 4096 --formats int4 int4-f32 --configs 0 4
 """
 
 from __future__ import annotations
@@ -30,21 +31,49 @@ WEIGHT_TYPES = {
     ("int8", False): "*i32",
     ("bf16", True): "*bf16",
     ("bf16", False): "*bf16",
-}
+}  # (int4: int32 words of eight codes)
 
 
 def count(fmt: str, even: bool, k: int, config: int, f16: bool = False) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from llmopt.engines.native import triton_kernels as T
 
-    fn, cfg = T.wo8_gemv.fn, T.wo8_gemv.configs[config]
+    if fmt == "int4":  # `int4_gemv`, groups of 128; f16: its half-precision products
+        cfg = T.int4_gemv.configs[config]
+        kp = -(-k // 256) * 256
+        const = {"K": k, "KP": kp, "G": 128 if k % 128 == 0 else 64, "HAS_ZERO": False}
+        const |= {"EVEN_N": even, "ASM": True, "HALF": f16} | cfg.kwargs
+        types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16"}
+        types |= {"y_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32", "N": "i32"}
+        tile = cfg.kwargs["BLOCK_N"] * 256 * cfg.kwargs["TILES"]
+        return _compile_count(T.int4_gemv.fn, cfg, const, types, tile) | {
+            "format": fmt + ("" if f16 else "-f32"),
+            "masked": not even,
+            "K": k,
+            "config": config,
+            "tile": cfg.kwargs,
+        }
+    cfg = T.wo8_gemv.configs[config]
     const = {"K": k, "WORDS": fmt == "int8", "GATED": False, "EVEN": even, "NORM": False}
     const |= {"RESID": False, "PDL": False, "F16": f16} | cfg.kwargs
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHT_TYPES[fmt, even], "s_ptr": "*fp32"}
     types |= {"y_ptr": "*bf16", "r_ptr": "*bf16", "eps": "fp32", "N": "i32"}
+    tile = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"]
+    return {
+        "format": fmt + ("-f16" if f16 else ""),
+        "masked": not even,
+        "K": k,
+        "config": config,
+        "tile": cfg.kwargs,
+    } | _compile_count(T.wo8_gemv.fn, cfg, const, types, tile)
+
+
+def _compile_count(fn, cfg, const: dict, types: dict, tile: int) -> dict:
+    """Compile `fn` for sm_90 with `const` and `types`; its PTX and main-loop SASS counts
+    (`tile`: weights per program per loop step)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
     # as Triton specializes a launch: 16-byte aligned pointers, N a multiple of 16 (the 8B
     # shapes'); without these hints every load is one element wide
@@ -60,15 +89,10 @@ def count(fmt: str, even: bool, k: int, config: int, f16: bool = False) -> dict:
     ins = [line.strip() for line in ptx.splitlines()]
     ins = [line for line in ins if line and not line.startswith(skip)]
     return {
-        "format": fmt + ("-f16" if f16 else ""),
-        "masked": not even,
-        "K": k,
-        "config": config,
-        "tile": cfg.kwargs,
         "instructions": len(ins),
         "selp": sum(line.startswith("selp") for line in ins),
         "cvt": sum(line.startswith("cvt") for line in ins),
-    } | loop_sass(kernel.asm["cubin"], cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"], cfg.num_warps)
+    } | loop_sass(kernel.asm["cubin"], tile, cfg.num_warps)
 
 
 def loop_sass(cubin: bytes, tile: int, warps: int) -> dict:
@@ -119,8 +143,10 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         nargs="+",
-        default=["fp8", "int8", "int8-f16", "bf16"],
-        help="int8-f16: int8 made floats through half precision (`linear.GEMV_INT8_F16`)",
+        default=["fp8", "int8", "int8-f16", "bf16", "int4", "int4-f32"],
+        help="int8-f16: int8 made floats through half precision (`linear.GEMV_INT8_F16`); "
+        "int4: `int4_gemv` with its products in half precision (`linear.INT4_GEMV_HALF`), "
+        "int4-f32 with them in fp32 (configs index `int4_gemv`'s own list)",
     )
     ap.add_argument("--configs", nargs="+", type=int, default=[0], help="autotune config indices")
     args = ap.parse_args()
@@ -131,10 +157,13 @@ def main() -> None:
     from llmopt.engines.native import linear as L
 
     for fmt in args.formats:  # unmasked only where the largest tiles divide K, as in `wo_mm`
-        for even in (False, True) if args.k % L.GEMV_TILE_K == 0 else (False,):
+        base, _, variant = fmt.partition("-")
+        evens = (False, True) if args.k % L.GEMV_TILE_K == 0 else (False,)
+        if base == "int4":  # (K is padded to whole tiles; EVEN is about the rows)
+            evens, variant = (False, True), "f16" if variant != "f32" else ""
+        for even in evens:
             for c in args.configs:
-                base, _, f16 = fmt.partition("-")
-                print(json.dumps(count(base, even, args.k, c, f16 == "f16")))
+                print(json.dumps(count(base, even, args.k, c, variant == "f16")))
 
 
 if __name__ == "__main__":

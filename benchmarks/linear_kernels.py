@@ -151,15 +151,17 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
         kern = "int4-g128-triton" if L.Int4Linear(q4, s4, 128, None, dt).triton_kernel else "int4"
         L.INT4_TRITON = False
         yield kern, n * k // 2, fn, xf @ deq.t(), c
-        if device == "cuda" and m == 1:  # the Triton layout's CUDA-core GEMV
+        if device == "cuda" and m == 1:  # the Triton layout's CUDA-core GEMV: its products
+            # in half precision (the default) and in fp32
             pk, s4b = L.pack_int4_planar(q4.to(device)), s4.to(device=device, dtype=dt)
+            for name, half in (("int4-g128-gemv", True), ("int4-g128-gemv-f32", False)):
 
-            def gemv():
-                p = pk.clone()
-                return lambda x: L.int4_mm(x, p, s4b, None, 128, "gemv")
+                def gemv(half=half):
+                    p, cnt = pk.clone(), L.gemv_counters(n, 1, device)
+                    return lambda x: L.int4_mm(x, p, s4b, None, 128, "gemv", cnt, half)
 
-            fn, c = rotate(n * k // 2, gemv)
-            yield "int4-g128-gemv", n * k // 2, fn, xf @ deq.t(), c
+                fn, c = rotate(n * k // 2, gemv)
+                yield name, n * k // 2, fn, xf @ deq.t(), c
         if device == "cuda":  # PyTorch's tinygemm, the CUDA default
             u = q4.to(torch.int32) + 8
             u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)

@@ -53,6 +53,7 @@ __all__ = [
     "tile_counters",
     "INT4_TRITON",
     "INT4_ONE_ROW",
+    "INT4_GEMV_HALF",
     "WO8_KERNEL",
     "FUSE_SILU",
     "FUSE_NORM",
@@ -208,6 +209,8 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("scale", scale.to(dtype).contiguous())
             zp = None if zero_point is None else zero.to(dtype).contiguous()
             self.register_buffer("zero", zp)
+            # the one-row GEMV's K-split counters: a buffer, so a CUDA graph sees one address
+            self.register_buffer("counters", gemv_counters(n, 1, q.device), persistent=False)
             return
         sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/g, N, 2)
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
@@ -221,9 +224,8 @@ class Int4Linear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.triton_kernel:
-            y = int4_mm(
-                x.reshape(-1, self.in_features), self.weight, self.scale, self.zero, self.group
-            )
+            x2 = x.reshape(-1, self.in_features)
+            y = int4_mm(x2, self.weight, self.scale, self.zero, self.group, counters=self.counters)
             return self._finish(y, shape)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if x2.device.type == "cpu":
@@ -314,6 +316,10 @@ INT4_TRITON = False
 # The Triton int4 path's kernel at one row: "dot" (`int4_dot`) or "gemv" (`int4_gemv`, slower
 # than both `int4_dot` and tinygemm on the H200, docs/benchmarks.md; benchmarks opt in).
 INT4_ONE_ROW = "dot"
+# `int4_gemv`'s products in half precision (four f16 products summed per scale group, then
+# fp32), as Marlin dequantizes: about half the instructions per weight of the fp32 products
+# (`benchmarks/gemv_ptx.py --formats int4 int4-f32`). Groups of 128 or more; GPU only (PTX).
+INT4_GEMV_HALF = True
 # SiLU x up computed inside the FP8 down projection's one-row GEMV (`silu_down`): off, as timed
 # alone it costs about what it saves (the compiled step's own SiLU x up is one small Inductor
 # kernel; docs/benchmarks.md); `benchmarks/decode.py --fuse-silu off on` measures it end to end.
@@ -413,6 +419,7 @@ SPLIT_K_MAX = 8  # the largest K split among `triton_kernels.wo8_dot`'s configs
 # `benchmarks/linear_kernels.py`'s `-masked` columns).
 GEMV_TILE_N, GEMV_TILE_K = 64, 1024
 GEMV_EVEN = True
+INT4_GEMV_TILE_N = 128  # the largest BLOCK_N of `triton_kernels.int4_gemv`'s configs
 
 
 def tile_counters(n: int, m: int, device) -> torch.Tensor:
@@ -421,6 +428,12 @@ def tile_counters(n: int, m: int, device) -> torch.Tensor:
     compiled step's CUDA graph sees a fixed address (a tensor made per call would not be). Two
     launches sharing counters must not overlap: the engine runs one CUDA stream."""
     return torch.zeros(-(-n // 16) * -(-m // 16), dtype=torch.int32, device=device)
+
+
+def gemv_counters(n: int, m: int, device) -> torch.Tensor:
+    """Zeroed per-row-block counters for `int4_mm`'s GEMV K split (`triton_kernels.int4_gemv`):
+    one per 8 outputs per row, as `tile_counters` for the dot kernels."""
+    return torch.zeros(m * -(-n // 8), dtype=torch.int32, device=device)
 
 
 def wo_mm(
@@ -635,11 +648,15 @@ def int4_mm(
     zero: torch.Tensor | None,
     group: int,
     kernel: str | None = None,
+    counters: torch.Tensor | None = None,
+    half: bool | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T, W[n, k] = q[n, k] * scale[n, k // group] (+ zero[n, ...]),
     q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count. `kernel`:
     "dot" (`triton_kernels.int4_dot`), "gemv" (`int4_gemv`, one program row per activation
-    row) or None for `INT4_ONE_ROW` at one row and the dot kernel otherwise."""
+    row) or None for `INT4_ONE_ROW` at one row and the dot kernel otherwise. `counters`: the
+    GEMV's K-split counters (`gemv_counters`, at least M x cdiv(N, 8)); made here when not
+    given or too few. `half`: the GEMV's products in half precision (None: `INT4_GEMV_HALF`)."""
     import triton
 
     m, k = x.shape
@@ -652,9 +669,16 @@ def int4_mm(
     if kernel == "gemv":
 
         def grid1(meta):
-            return (triton.cdiv(n, meta["BLOCK_N"]), m)
+            return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)
 
-        launch(_kernel("int4_gemv"), grid1, x, packed, scale, z, y, n, **shape)
+        if counters is None or counters.numel() < m * -(-n // 8):
+            counters = gemv_counters(n, m, x.device)
+        ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
+        flags = {"EVEN_N": n % INT4_GEMV_TILE_N == 0, "ASM": not _INTERPRET}
+        flags["HALF"] = INT4_GEMV_HALF if half is None else half
+        launch(
+            _kernel("int4_gemv"), grid1, x, packed, scale, z, y, ws, counters, n, **shape, **flags
+        )
         return y
 
     def grid(meta):

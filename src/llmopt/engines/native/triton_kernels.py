@@ -758,20 +758,234 @@ if triton is not None:
     # in place and xor-ed with 8 << 4i (code c stored as c & 0xF, so u ^ 8 = c + 8) inside the
     # mantissa of 2^23, is the float 2^23 + (c + 8) 16^i exactly; one subtraction leaves c 16^i,
     # and the activation is pre-scaled by 16^-i (exact). Mask and xor are one 3-input logic
-    # instruction, the upper four nibbles take one shift per word, so a weight costs about one
-    # integer instruction, a subtraction and a multiply-add: no conversions, no tensor cores.
+    # instruction (`lop3`, written as PTX: from `&` then `^` ptxas makes two), the upper four
+    # nibbles take one shift per word, so a weight costs a logic instruction, a subtraction and
+    # a multiply-add: no conversions, no tensor cores (`benchmarks/gemv_ptx.py --formats int4`
+    # counts them).
+    #
+    # One program reads BLOCK_N rows, TILES tiles of 256 codes at a time (a row's TILES x 32
+    # words are contiguous), over its SPLIT_K-th part of K: the narrow projections (4,096
+    # outputs) have too few rows to keep enough weight bytes in flight otherwise. The K-split
+    # partials are added as `wo8_dot` adds them (the last program of a row block, in split
+    # order). The autotuner picks the tile and split per shape.
     _INT4_GEMV_CONFIGS = [
-        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bn, w, st in ((16, 4, 3), (32, 4, 3), (32, 8, 4), (64, 8, 3), (64, 4, 4), (128, 8, 3))
+        triton.Config({"BLOCK_N": bn, "TILES": t, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+        for bn, t, sk, w, st in (
+            (128, 1, 1, 4, 3),
+            (128, 1, 2, 4, 3),
+            (128, 1, 4, 4, 3),
+            (128, 1, 8, 4, 3),
+            (64, 1, 1, 2, 3),
+            (64, 1, 2, 2, 3),
+            (64, 1, 4, 2, 3),
+            (64, 1, 8, 2, 4),
+            (64, 1, 1, 4, 3),
+            (64, 1, 4, 4, 3),
+            (32, 1, 4, 2, 3),
+            (32, 2, 8, 2, 3),
+        )
     ]
 
     @triton.jit
-    def _nibble_as_float(q, i: tl.constexpr):
-        # nibble i (0-3) of q as c * 16^i, c its signed code
-        f = ((q & (0xF << (4 * i))) ^ (0x4B000000 | (8 << (4 * i)))).to(tl.float32, bitcast=True)
-        return f - (8388608.0 + 8.0 * (16**i))
+    def _nibbles_as_floats(q, ASM: tl.constexpr):
+        # nibbles 0-3 of int32 words q as the floats 2^23 + (c + 8) 16^i (c the signed code);
+        # ASM: one `lop3` each (mask and xor), else `&` and `^` (the interpreter runs no PTX)
+        if ASM:
+            a, b, c, d = tl.inline_asm_elementwise(
+                """
+                lop3.b32 $0, $4, 0x0000000F, 0x4B000008, 0x6a;
+                lop3.b32 $1, $4, 0x000000F0, 0x4B000080, 0x6a;
+                lop3.b32 $2, $4, 0x00000F00, 0x4B000800, 0x6a;
+                lop3.b32 $3, $4, 0x0000F000, 0x4B008000, 0x6a;
+                """,
+                "=r,=r,=r,=r,r",
+                [q],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            a = (q & 0xF) ^ 0x4B000008
+            b = (q & 0xF0) ^ 0x4B000080
+            c = (q & 0xF00) ^ 0x4B000800
+            d = (q & 0xF000) ^ 0x4B008000
+        return (
+            a.to(tl.float32, bitcast=True),
+            b.to(tl.float32, bitcast=True),
+            c.to(tl.float32, bitcast=True),
+            d.to(tl.float32, bitcast=True),
+        )
 
-    @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G"])
+    @triton.jit
+    def _int4_group(ptr, rn, g, nmask, t, tend, K: tl.constexpr, G: tl.constexpr, MASKED):
+        # scale (or zero) of group g per tile (TILES,) for rows rn: (BLOCK_N, TILES) fp32
+        gp = ptr + rn[:, None] * (K // G) + g[None, :]
+        if MASKED:
+            v = tl.load(gp, mask=nmask[:, None] & (t < tend)[None, :], other=0.0)
+        else:
+            v = tl.load(gp)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _int4_x(x_ptr, m, t, tend, i: tl.constexpr, K: tl.constexpr, WHOLE: tl.constexpr):
+        # the activations of nibble i per tile: x[t * 256 + 32 i + j] (TILES, 32), fp32
+        j = tl.arange(0, 32)
+        k = t[:, None] * 256 + i * 32 + j[None, :]
+        if WHOLE:
+            x = tl.load(x_ptr + m * K + k)
+        else:
+            x = tl.load(x_ptr + m * K + k, mask=(k < K) & (t < tend)[:, None], other=0.0)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _int4_step(
+        acc,
+        zacc,
+        p,
+        x_ptr,
+        s_ptr,
+        z_ptr,
+        m,
+        t,
+        tend,
+        rn,
+        nmask,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        WHOLE: tl.constexpr,
+        MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        ASM: tl.constexpr,
+    ):
+        # acc += the products of words p (BLOCK_N, TILES, 32) with their activations, in fp32:
+        # per nibble a logic instruction, a subtraction and a multiply-add; the partial sums of
+        # a scale group multiplied by their scale once (any group size)
+        FLUSH: tl.constexpr = G // 32 if G < 256 else 8  # slices per scale multiply
+        part = tl.zeros(p.shape, dtype=tl.float32)
+        xs = tl.zeros(t.shape, dtype=tl.float32)
+        for h in tl.static_range(2):  # nibbles 0-3, then 4-7 shifted down
+            f0, f1, f2, f3 = _nibbles_as_floats(p if h == 0 else p >> 16, ASM)
+            for i4 in tl.static_range(4):  # nibble 4 h + i4 (spelled out: a constexpr bound
+                # to a local name becomes a tensor)
+                f = f0 if i4 == 0 else (f1 if i4 == 1 else (f2 if i4 == 2 else f3))
+                x = _int4_x(x_ptr, m, t, tend, 4 * h + i4, K, WHOLE)
+                c = 8388608.0 + 8.0 * (16**i4)
+                part += (f - c) * (x * (1.0 / 16**i4))[None, :, :]
+                if HAS_ZERO:
+                    xs += tl.sum(x, axis=1)
+                if (4 * h + i4 + 1) % FLUSH == 0:
+                    g = (t * 256 + (4 * h + i4) * 32) // G  # the slice's group per tile
+                    sc = _int4_group(s_ptr, rn, g, nmask, t, tend, K, G, MASKED)
+                    acc += part * sc[:, :, None]
+                    part = tl.zeros(p.shape, dtype=tl.float32)
+                    if HAS_ZERO:
+                        z = _int4_group(z_ptr, rn, g, nmask, t, tend, K, G, True)
+                        zacc += xs[None, :] * z
+                        xs = tl.zeros(t.shape, dtype=tl.float32)
+        return acc, zacc
+
+    @triton.jit
+    def _pack_f16x2(lo, hi):
+        # two fp32 tensors as one int32 of two halves (lo in the low 16 bits), rounded
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def _word_dot_f16(q, xa, xb, xc, xd):
+        # The eight codes of words q against their activations in half precision, as Marlin
+        # dequantizes: one `lop3` lays two nibbles (0 and 4, or 1 and 5 of q; 2 and 6, or 3 and
+        # 7 of q >> 8) under the f16 exponent of 1024, sign flipped (1024 + c + 8, or 1024 +
+        # 16 (c + 8)), one f16x2 multiply-add makes both c / 16 exactly, one more multiplies
+        # them by their activations (xa: those of nibbles 0 and 4, xb: 1 and 5, ...; f16x2) and
+        # adds: two instructions per two weights and one per word for the shift. Returns the
+        # sums of nibbles 0-3 and of 4-7 (each four products of at most |x| / 2: no overflow
+        # below |x| = 16,384), as fp32, / 16.
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t, w, p, a, b, c, d;
+            .reg .b16 l, h;
+            shr.u32 t, $2, 8;
+            mov.b32 a, 0x2C002C00;
+            mov.b32 b, 0xD408D408;
+            mov.b32 c, 0x1C001C00;
+            mov.b32 d, 0xC480C480;
+            lop3.b32 w, $2, 0x000F000F, 0x64086408, 0x6a;
+            fma.rn.f16x2 w, w, a, b;
+            mul.rn.f16x2 p, w, $3;
+            lop3.b32 w, $2, 0x00F000F0, 0x64806480, 0x6a;
+            fma.rn.f16x2 w, w, c, d;
+            fma.rn.f16x2 p, w, $4, p;
+            lop3.b32 w, t, 0x000F000F, 0x64086408, 0x6a;
+            fma.rn.f16x2 w, w, a, b;
+            fma.rn.f16x2 p, w, $5, p;
+            lop3.b32 w, t, 0x00F000F0, 0x64806480, 0x6a;
+            fma.rn.f16x2 w, w, c, d;
+            fma.rn.f16x2 p, w, $6, p;
+            mov.b32 {l, h}, p;
+            cvt.f32.f16 $0, l;
+            cvt.f32.f16 $1, h;
+            }
+            """,
+            "=f,=f,r,r,r,r,r",
+            [q, xa, xb, xc, xd],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @triton.jit
+    def _int4_step_half(
+        acc,
+        zacc,
+        p,
+        x_ptr,
+        s_ptr,
+        z_ptr,
+        m,
+        t,
+        tend,
+        rn,
+        nmask,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        WHOLE: tl.constexpr,
+        MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+    ):
+        # `_int4_step` through half precision (`_word_dot_f16`), for groups of 128 codes or
+        # more: nibbles 0-3 of a tile's words are its first 128 codes, 4-7 the other 128, so each
+        # half-sum has one scale. acc holds sums / 16.
+        x0 = _int4_x(x_ptr, m, t, tend, 0, K, WHOLE)
+        x1 = _int4_x(x_ptr, m, t, tend, 1, K, WHOLE)
+        x2 = _int4_x(x_ptr, m, t, tend, 2, K, WHOLE)
+        x3 = _int4_x(x_ptr, m, t, tend, 3, K, WHOLE)
+        x4 = _int4_x(x_ptr, m, t, tend, 4, K, WHOLE)
+        x5 = _int4_x(x_ptr, m, t, tend, 5, K, WHOLE)
+        x6 = _int4_x(x_ptr, m, t, tend, 6, K, WHOLE)
+        x7 = _int4_x(x_ptr, m, t, tend, 7, K, WHOLE)
+        lo, hi = _word_dot_f16(
+            p,
+            _pack_f16x2(x0, x4)[None, :, :],
+            _pack_f16x2(x1, x5)[None, :, :],
+            _pack_f16x2(x2, x6)[None, :, :],
+            _pack_f16x2(x3, x7)[None, :, :],
+        )
+        ga, gb = (t * 256) // G, (t * 256 + 128) // G
+        sa = _int4_group(s_ptr, rn, ga, nmask, t, tend, K, G, MASKED)
+        sb = _int4_group(s_ptr, rn, gb, nmask, t, tend, K, G, MASKED)
+        acc += lo * sa[:, :, None]  # (two multiply-adds; `+` of both products is three)
+        acc += hi * sb[:, :, None]
+        if HAS_ZERO:  # (zacc holds sums / 16 too)
+            za = _int4_group(z_ptr, rn, ga, nmask, t, tend, K, G, True)
+            zb = _int4_group(z_ptr, rn, gb, nmask, t, tend, K, G, True)
+            xsa = tl.sum(x0 + x1 + x2 + x3, axis=1) * (1.0 / 16)
+            xsb = tl.sum(x4 + x5 + x6 + x7, axis=1) * (1.0 / 16)
+            zacc += xsa[None, :] * za + xsb[None, :] * zb
+        return acc, zacc
+
+    @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G", "HALF"])
     @triton.jit
     def int4_gemv(
         x_ptr,
@@ -779,44 +993,75 @@ if triton is not None:
         s_ptr,
         z_ptr,
         y_ptr,
+        ws_ptr,
+        sem_ptr,
         N,
         K: tl.constexpr,
         KP: tl.constexpr,
         G: tl.constexpr,
         HAS_ZERO: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        ASM: tl.constexpr,
+        HALF: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        TILES: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):
-        # y[m] = W x[m], W[n, k] = c * scale[n, k // G] (+ zero[n, k // G]); program (n, m).
-        pid_n, m = tl.program_id(0), tl.program_id(1)
+        # y[m] = W x[m], W[n, k] = c * scale[n, k // G] (+ zero[n, k // G]); program (n, s, m)
+        # over tiles s * TS .. (s + 1) * TS of K's KP / 256. EVEN_N: BLOCK_N divides N (no row
+        # masks); WHOLE: the splits and tiles divide K (no K masks). HALF (with ASM, groups of
+        # 128 or more): the products in half precision (`_int4_step_half`), else in fp32. With
+        # SPLIT_K > 1 the partials go to `ws_ptr` (SPLIT_K, M, N) and a counter per row block
+        # in `sem_ptr` (M x cdiv(N, 8), left at 0) names the program that adds them.
+        pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
+        KT: tl.constexpr = KP // 256
+        TS: tl.constexpr = (KT + SPLIT_K - 1) // SPLIT_K
+        WHOLE: tl.constexpr = KT % SPLIT_K == 0 and TS % TILES == 0 and K == KP
+        MASKED: tl.constexpr = not (WHOLE and EVEN_N)
+        F16: tl.constexpr = HALF and ASM and G % 128 == 0
+        tt = tl.arange(0, TILES)
         j = tl.arange(0, 32)
-        FLUSH: tl.constexpr = G // 32 if G < 256 else 8  # slices per scale multiply
-        acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-        zacc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for t in tl.range(0, KP // 256):
-            p = tl.load(
-                w_ptr + rn[:, None] * (KP // 8) + t * 32 + j[None, :], mask=nmask[:, None], other=0
-            )
-            part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-            xs = 0.0
-            hi = p >> 16  # nibbles 4-7 in the low half
-            for i in tl.static_range(8):
-                k = t * 256 + i * 32 + j
-                x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
-                f = _nibble_as_float(p, i) if i < 4 else _nibble_as_float(hi, i - 4)
-                part += f * (x * (1.0 / 16 ** (i % 4)))[None, :]
-                if HAS_ZERO:
-                    xs += tl.sum(x, axis=0)
-                if (i + 1) % FLUSH == 0:
-                    g = (t * 256 + i * 32) // G
-                    gmask = nmask & (g < K // G)
-                    sc = tl.load(s_ptr + rn * (K // G) + g, mask=gmask, other=0.0)
-                    acc += part * sc.to(tl.float32)[:, None]
-                    part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-                    if HAS_ZERO:
-                        z = tl.load(z_ptr + rn * (K // G) + g, mask=gmask, other=0.0)
-                        zacc += xs * z.to(tl.float32)
-                        xs = 0.0
-        y = tl.sum(acc, axis=1) + zacc
-        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+        tend = tl.minimum(pid_k * TS + TS, KT)
+        wrow = w_ptr + rn[:, None, None] * (KP // 8) + j[None, None, :]
+        acc = tl.zeros((BLOCK_N, TILES, 32), dtype=tl.float32)
+        zacc = tl.zeros((BLOCK_N, TILES), dtype=tl.float32)
+        for t0 in tl.range(0, TS, TILES):
+            t = pid_k * TS + t0 + tt  # this step's tiles
+            if MASKED:
+                wmask = nmask[:, None, None] & (t < tend)[None, :, None]
+                p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
+            else:
+                p = tl.load(wrow + t[None, :, None] * 32)
+            if F16:
+                acc, zacc = _int4_step_half(
+                    acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+                    K, G, WHOLE, MASKED, HAS_ZERO,
+                )  # fmt: skip
+            else:
+                acc, zacc = _int4_step(
+                    acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+                    K, G, WHOLE, MASKED, HAS_ZERO, ASM,
+                )  # fmt: skip
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zacc, axis=1)
+        if F16:
+            y = y * 16.0
+        if SPLIT_K > 1:
+            part_y = ws_ptr + (pid_k * tl.num_programs(2) + m) * N + rn
+            tl.store(part_y, y, mask=nmask)
+            # every thread's partial stored before the counter's release (acq_rel, GPU scope)
+            tl.debug_barrier()
+            row_block = sem_ptr + m * tl.cdiv(N, 8) + pid_n
+            if tl.atomic_add(row_block, 1, sem="acq_rel") == SPLIT_K - 1:
+                y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # from L2: other programs wrote them
+                    y += tl.load(
+                        ws_ptr + (s * tl.num_programs(2) + m) * N + rn,
+                        mask=nmask,
+                        cache_modifier=".cg",
+                    )
+                tl.atomic_xchg(row_block, 0)  # ready for the next launch
+                tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)

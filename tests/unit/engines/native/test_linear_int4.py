@@ -47,8 +47,10 @@ INTERPRET_CHECK = textwrap.dedent(
     worst = 0.0
     cases = ((40, 576, 64, 1, False), (24, 512, 128, 3, True), (72, 256, 32, 20, True),
              (64, 384, 128, 17, False), (16, 512, 256, 2, True))
-    for cfg in (0, 1, 2, 5):  # each config of the dot kernels (1, 2, 4 tiles; prompt tiles)
-        # and of the GEMV (BLOCK_N 16, 32, 32, 128)
+    # each config of the dot kernels (1, 2, 4 tiles; prompt tiles); of the GEMV: 128, 64 and
+    # 32 rows, K split 1, 2, 4 and 8 ways (a split past the last tile reads nothing), 2 tiles
+    # a step
+    for cfg in (0, 1, 2, 5, 7, 11):
         A.INTERPRET_CONFIG = cfg
         for n, k, group, m, asym in cases:
             w = torch.randn(n, k, generator=g)
@@ -103,6 +105,44 @@ def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k, monk
     ref = x @ deq.reshape(n, k).t()
     y = lin(x.to("cuda", torch.bfloat16)).float().cpu()
     assert float((y - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize(  # (each shape autotunes the kernel's configs once)
+    "n,k,group,half",
+    [
+        (4096, 4096, 128, True),
+        (1000, 4096, 128, True),
+        (6144, 14336, 128, True),
+        (512, 1536, 256, True),
+        (1000, 4096, 128, False),
+        (576, 576, 64, False),  # (groups of 64 take the fp32 products either way)
+    ],
+)
+def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, asym, monkeypatch):
+    """The one-row GEMV against the dequantized weights: products in half precision (PTX,
+    groups of 128 or more) and in fp32, with and without zero points, rows that are not whole
+    blocks, SmolLM2's padded width, and K splits (the autotuner tries each)."""
+    monkeypatch.setattr(L, "INT4_GEMV_HALF", half)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.02
+    q, s = L.quantize_int4(w, group)
+    sc = s.to(torch.bfloat16).cuda()  # the kernel's scales and zeros, bf16 as the layer's
+    zero = None
+    w_of_group = q.float().reshape(n, -1, group) * sc.float().cpu()[..., None]
+    if asym:
+        zp = torch.randint(-2, 3, s.shape, generator=g)
+        zero = (-zp.float() * s).to(torch.bfloat16).cuda()
+        w_of_group += zero.float().cpu()[..., None]
+    x = (torch.randn(1, k, generator=g) * 3).to(torch.bfloat16)  # a few units, as after a norm
+    x[0, :8] *= 300  # and outliers, as a down projection sees (half precision: < 16,384)
+    ref = x.float() @ w_of_group.reshape(n, k).t()
+    y = L.int4_mm(x.cuda(), L.pack_int4_planar(q.cuda()), sc, zero, group, "gemv")
+    assert y.shape == (1, n) and not y.isnan().any()
+    err = float((y.float().cpu() - ref).norm() / ref.norm())
+    assert err < 5e-3, err
 
 
 @pytest.mark.gpu
