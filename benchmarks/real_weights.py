@@ -35,7 +35,6 @@ def main() -> None:
     from llmopt.engines.native.scoring import window_logits
     from llmopt.engines.native.weights import (
         dense_gemv_,
-        fold_norms_,
         load_model,
         quantize_linear,
         quantize_model_,
@@ -77,11 +76,12 @@ def main() -> None:
 
     def run(fmt: str) -> list[torch.Tensor]:
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-        model = load_model(folder, args.device, dtype)
-        if fmt in ("int8", "int4", "fp8"):
-            if args.fold_norms:
-                fold_norms_(model)
-            quantize_model_(model, fmt, group=args.group)
+        if fmt in ("int8", "int4", "fp8") and not args.fold_norms:  # as the engine loads
+            model = load_model(folder, args.device, dtype, quant=fmt, group=args.group)
+        else:
+            model = load_model(folder, args.device, dtype)
+        if fmt in ("int8", "int4", "fp8") and args.fold_norms:
+            quantize_model_(model, fmt, group=args.group, fold=True)
         elif fmt == "bf16" and args.fold_norms:  # the bf16 weights rounded once more
             dense_gemv_(model)
         if fmt != "fp32" and args.lm_head != "dense":

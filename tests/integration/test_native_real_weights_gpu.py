@@ -48,7 +48,7 @@ def test_every_gpu_format_within_the_cpu_measured_quality():
     from llmopt.assets.text import evaluation_text, token_windows
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.scoring import window_logits
-    from llmopt.engines.native.weights import load_model, quantize_model_
+    from llmopt.engines.native.weights import load_model
 
     folder = os.environ.get("SMOLLM2_DIR") or prepare_builtin("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(folder)
@@ -56,9 +56,8 @@ def test_every_gpu_format_within_the_cpu_measured_quality():
 
     def run(fmt):
         dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
-        model = load_model(folder, "cuda", dtype)
-        if fmt in ("int8", "int4", "fp8"):
-            quantize_model_(model, fmt, group=64)
+        quant = fmt if fmt in ("int8", "int4", "fp8") else None
+        model = load_model(folder, "cuda", dtype, quant=quant, group=64)  # as the engine loads
         kv = torch.float8_e4m3fn if fmt == "kv-fp8" else dtype
         logits = [window_logits(model, w, 64, DECODE, kv, "cuda") for w in windows]
         nll = sum(

@@ -386,6 +386,7 @@ class Block(nn.Module):
         # `weights.fold_norms_`; the norms' own weights are then ones): the projections
         # normalize their input, in the GEMV at batch 1 (`linear.FUSE_NORM`).
         self.norms_folded = False
+        self.folded_gains = None  # the norm weights `weights.fold_norms_` folded, to undo it
 
     def forward(
         self, x, cos, sin, rows, pos, block_tables, block_size: int, prefill: bool, ring=None

@@ -119,23 +119,53 @@ def fold_norms_(model: Transformer) -> int:
     done = 0
     with torch.no_grad():
         for b in model.model.layers:
-            att, mlp = b.self_attn, b.mlp
-            if b.norms_folded or b.sandwich or b.post_norms or mlp.gemma:
+            if b.norms_folded or b.sandwich or b.post_norms or b.mlp.gemma:
                 continue
-            ins = (
-                [att.qkv_proj] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
-            )
-            outs = (
-                [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-            )
+            ins, outs = _block_projections(b)
             if not all(type(m) is nn.Linear for m in ins + outs):
                 continue
+            gains = []
             for lins, norm in ((ins, b.input_layernorm), (outs, b.post_attention_layernorm)):
-                g = norm.weight.detach().float()
+                g = norm.weight.detach().float().clone()  # (fp32 weights: not a view)
                 for m in lins:  # (in fp32: one rounding to the weights' dtype)
                     m.weight.copy_(m.weight.float() * g[None, :])
                 norm.weight.fill_(1.0)
+                gains.append(g)
             b.norms_folded = True
+            b.folded_gains = tuple(gains)  # for `unfold_norms_`
+            done += 1
+    return done
+
+
+def _block_projections(b) -> tuple[list, list]:
+    att, mlp = b.self_attn, b.mlp
+    ins = [att.qkv_proj] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
+    outs = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+    return ins, outs
+
+
+def unfold_norms_(model: Transformer) -> int:
+    """Undo `fold_norms_` where its projections are still 16-bit: divide each column by the norm
+    weight it was multiplied by (one more rounding, far below any quantization error) and give
+    the norms their weights back. For formats whose kernels do not take the norm (int4): a scale
+    group spans columns of different norm weights once folded, which costs SmolLM2 int4 g64 +89%
+    perplexity against +29% unfolded (docs/benchmarks.md). Returns the number of blocks."""
+    done = 0
+    with torch.no_grad():
+        for b in model.model.layers:
+            gains = getattr(b, "folded_gains", None)
+            if not b.norms_folded or gains is None:
+                continue
+            ins, outs = _block_projections(b)
+            if not all(type(m) in (nn.Linear, L.DenseLinear) for m in ins + outs):
+                continue  # already quantized: the fold is part of their weights now
+            norms = (b.input_layernorm, b.post_attention_layernorm)
+            for lins, norm, g in zip((ins, outs), norms, gains, strict=True):
+                inv = torch.where(g != 0, 1.0 / g, torch.zeros_like(g))  # (a zero gain: 0 out)
+                for m in lins:
+                    m.weight.copy_(m.weight.float() * inv[None, :])
+                norm.weight.copy_(g)
+            b.norms_folded, b.folded_gains = False, None
             done += 1
     return done
 
@@ -181,13 +211,18 @@ def quantize_model_(
     fold: bool | None = None,
 ) -> list[str]:
     """Replace the dense linears by `mode` layers (round-to-nearest), in place; returns names.
-    `fold`: fold the norms into the projections first (`fold_norms_`), int8/FP8 only; by
-    default where their one-row GEMV takes the norm (`linear.FUSE_NORM`, on CUDA)."""
+    `fold`: for int8/FP8, fold the norms into the projections first (`fold_norms_`); by default
+    where their one-row GEMV takes the norm (`linear.FUSE_NORM`, on CUDA). int4's kernels take
+    no norm: norms folded before (`dense_gemv_`, by a 16-bit load on CUDA) are unfolded first
+    (`unfold_norms_`), unless `fold` is True (studies of the folded weights)."""
     assert mode in QUANT_MODES, mode
+    takes_norm = mode in ("int8", "fp8")
     if fold is None:
-        fold = _gemv_takes_norms(model)
-    if fold and mode in ("int8", "fp8"):
+        fold = takes_norm and _gemv_takes_norms(model)
+    if fold and takes_norm:
         fold_norms_(model)
+    elif not fold and not takes_norm:
+        unfold_norms_(model)
     done = []
     # (a 16-bit model loaded on CUDA holds `DenseLinear` projections: `dense_gemv_`)
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, L.DenseLinear))]

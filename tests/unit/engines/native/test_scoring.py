@@ -68,6 +68,49 @@ def test_quantizing_folds_the_norms_where_the_gemv_takes_them(monkeypatch, tiny_
     assert not any(b.norms_folded for b in model.model.layers)
 
 
+def test_int4_unfolds_the_norms_a_16_bit_load_folded(monkeypatch, tiny_native):
+    """A 16-bit model loaded on CUDA has its norms folded (`dense_gemv_`); int4, whose kernels
+    take no norm, must not quantize the folded columns (a scale group would span norm weights
+    of different sizes: SmolLM2 +89% perplexity instead of +29%). `quantize_model_` unfolds
+    them: the same int4 model as from the unfolded weights; `fold=True` keeps the fold."""
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native.weights import dense_gemv_, quantize_model_
+
+    monkeypatch.setattr(L, "FUSE_NORM", True)
+
+    def model_with_norms():
+        model = tiny_native()
+        gen = torch.Generator().manual_seed(3)
+        for b in model.model.layers:
+            for norm in (b.input_layernorm, b.post_attention_layernorm):
+                norm.weight.data = torch.rand(norm.weight.shape, generator=gen) * 4 + 0.1
+        return model
+
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    plain = model_with_norms()
+    quantize_model_(plain, "int4", group=32)
+    want = window_logits(plain, ids, 8, 5, torch.float32, "cpu")
+    folded = model_with_norms()
+    dense_gemv_(folded)
+    assert all(b.norms_folded for b in folded.model.layers)
+    quantize_model_(folded, "int4", group=32)
+    assert not any(b.norms_folded for b in folded.model.layers)
+    norm = folded.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, plain.model.layers[0].input_layernorm.weight)
+    got = window_logits(folded, ids, 8, 5, torch.float32, "cpu")
+    kept = model_with_norms()
+    dense_gemv_(kept)
+    quantize_model_(kept, "int4", group=32, fold=True)  # (what `real_weights.py --fold-norms`
+    assert all(b.norms_folded for b in kept.model.layers)  # measures)
+    other = window_logits(kept, ids, 8, 5, torch.float32, "cpu")
+
+    def rel(a):
+        return float((a - want).norm() / want.norm())
+
+    # unfolded: a rare code flips where w * g / g rounds across a rounding boundary
+    assert rel(got) < 0.03 and rel(other) > 10 * rel(got), (rel(got), rel(other))
+
+
 def test_dense_gemv_folds_and_keeps_the_model(monkeypatch, tiny_native):
     """`weights.dense_gemv_` (16-bit models under FUSE_NORM): the norms folded, every block's
     projections made `DenseLinear` (lm_head left alone), the logits unchanged; on the CPU the
