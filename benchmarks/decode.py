@@ -113,9 +113,9 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
     base, _, kernel = mode.partition("@")
     quant = None if base in ("bf16", "fp32") else base
     # int4's layout is chosen as the layer is built: int4@triton and int4@gemv take the Triton
-    # layout, the second with the CUDA-core GEMV at one row
+    # layout, the first with its tensor-core kernel at one row too, the second with the GEMV
     L.INT4_TRITON = base == "int4" and kernel in ("triton", "gemv")
-    L.INT4_ONE_ROW = "gemv" if base == "int4" and kernel == "gemv" else "dot"
+    L.INT4_ONE_ROW = "dot" if base == "int4" and kernel == "triton" else "gemv"
     if args.model:
         from llmopt.assets.models import resolve_model
 
@@ -421,8 +421,10 @@ def main() -> None:
         nargs="+",
         default=None,
         help="bf16 int8 int4 fp8 (default: all that run here); CUDA kernel variants, each "
-        "forcing one kernel where the engine would choose: int4@triton (the Triton kernel "
-        "instead of tinygemm), int4@gemv (the same with its CUDA-core GEMV at one row), int8@gemv, int8@dot, int8@dot1, fp8@gemv, fp8@dot, fp8@dot1 "
+        "forcing one kernel where the engine would choose: int4@triton (the Triton layout instead "
+        "of tinygemm, its tensor-core kernel at one row too), int4@gemv (the Triton layout with "
+        "its CUDA-core GEMV at one row), int8@gemv, int8@dot, int8@dot1, fp8@gemv, fp8@dot, "
+        "fp8@dot1 "
         "(CUDA-core GEMV, tensor-core kernel, the same without its K split, at decode rows)",
     )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])

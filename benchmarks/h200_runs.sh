@@ -15,14 +15,13 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: MODES="bf16 int8 fp8 int4" bash ... decode  # the engine's defaults (fused norm,
-#           RoPE, dependent launch), every format at batch 1
-#   call 2: MODES=int8 AB="--linear default GEMV_INT8_F16=on GEMV_PDL=off" TAG=int8 ... ab
-#           (bytes made floats through f16 pairs: fewer instructions per weight, untimed)
-#   call 3: MODES=bf16 AB="--attention triton auto --linear default GEMV_PDL=off" TAG=bf16 ... ab
-#   call 4: smol-decode smol-part (carry .devdata/smol/part-aa)  # every format, SmolLM2 shape
-#   call 5: smol-part setup realweights cache-out (carry part-ab and the rest; the real-weight
-#           check with its one-token-at-a-time tail, the norms folded as the engine does)
+#   call 1: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
+#           GEMV at one row, its tensor-core kernels at 8 and 64) against tinygemm's, each batch
+#   call 2: TESTS_K="pdl or half_precision or int4_gemv" bash ... native-tests
+#   call 3: smol-decode smol-part (carry .devdata/smol/part-aa)  # every format, SmolLM2 shape,
+#           the new defaults
+#   call 4: smol-part setup realweights cache-out (carry part-ab and the rest; int4 now loaded
+#           as the engine loads it, never folded)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #

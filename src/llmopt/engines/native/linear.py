@@ -313,9 +313,11 @@ WO8_KERNEL = "auto"
 # The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
 # slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
 INT4_TRITON = False
-# The Triton int4 path's kernel at one row: "dot" (`int4_dot`) or "gemv" (`int4_gemv`, slower
-# than both `int4_dot` and tinygemm on the H200, docs/benchmarks.md; benchmarks opt in).
-INT4_ONE_ROW = "dot"
+# The Triton int4 path's kernel at one row: "gemv" (`int4_gemv`: on the H200 faster than
+# tinygemm on three of the 8B shapes and level on the fourth, 1.12x tinygemm end to end at batch
+# 1, where `int4_dot` reads ~1.75x slower than tinygemm; docs/benchmarks.md) or "dot"
+# (`int4_dot`, the tensor-core kernel the Triton path uses at 2-16 rows).
+INT4_ONE_ROW = "gemv"
 # `int4_gemv`'s products in half precision (four f16 products summed per scale group, then
 # fp32), as Marlin dequantizes: about half the instructions per weight of the fp32 products
 # (`benchmarks/gemv_ptx.py --formats int4 int4-f32`). Groups of 128 or more; GPU only (PTX).
