@@ -345,7 +345,15 @@ def run_hf(args, model, prompt: list[int], cache: str) -> dict:
 
 
 # `llmopt.engines.native.linear`'s module switches that `--linear` may set
-LINEAR_SWITCHES = ("GEMV_EVEN", "FUSE_SILU", "FUSE_NORM", "GEMV_PDL", "GEMV_INT8_F16")
+LINEAR_SWITCHES = (
+    "GEMV_EVEN",
+    "FUSE_SILU",
+    "FUSE_NORM",
+    "GEMV_PDL",
+    "GEMV_INT8_F16",
+    "GEMV_PREFETCH",
+    "INT4_GEMV_PREFETCH",
+)
 
 
 def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:

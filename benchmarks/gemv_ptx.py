@@ -34,11 +34,13 @@ WEIGHT_TYPES = {
 }  # (int4: int32 words of eight codes)
 
 
-def count(fmt: str, even: bool, k: int, config: int, f16: bool = False) -> dict:
+def count(
+    fmt: str, even: bool, k: int, config: int, f16: bool = False, prefetch: bool = False
+) -> dict:
     from llmopt.engines.native import triton_kernels as T
 
     if fmt == "int4":  # `int4_gemv`, groups of 128; f16: its half-precision products
-        cfg = T.int4_gemv.configs[config]
+        cfg = _twin(T.int4_gemv_ahead.configs, config, prefetch)
         kp = -(-k // 256) * 256
         const = {"K": k, "KP": kp, "G": 128 if k % 128 == 0 else 64, "HAS_ZERO": False}
         const |= {"EVEN_N": even, "ASM": True, "HALF": f16} | cfg.kwargs
@@ -51,8 +53,9 @@ def count(fmt: str, even: bool, k: int, config: int, f16: bool = False) -> dict:
             "K": k,
             "config": config,
             "tile": cfg.kwargs,
+            "prefetch": prefetch,
         }
-    cfg = T.wo8_gemv.configs[config]
+    cfg = _twin(T.wo8_gemv_ahead.configs, config, prefetch)
     const = {"K": k, "WORDS": fmt == "int8", "GATED": False, "EVEN": even, "NORM": False}
     const |= {"RESID": False, "PDL": False, "F16": f16} | cfg.kwargs
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHT_TYPES[fmt, even], "s_ptr": "*fp32"}
@@ -64,7 +67,13 @@ def count(fmt: str, even: bool, k: int, config: int, f16: bool = False) -> dict:
         "K": k,
         "config": config,
         "tile": cfg.kwargs,
+        "prefetch": prefetch,
     } | _compile_count(T.wo8_gemv.fn, cfg, const, types, tile)
+
+
+def _twin(configs, i: int, ahead: bool):
+    """Config `i` of the first half (AHEAD off), or its twin with AHEAD on."""
+    return configs[i + len(configs) // 2 if ahead else i]
 
 
 def _compile_count(fn, cfg, const: dict, types: dict, tile: int) -> dict:
@@ -129,11 +138,13 @@ def loop_sass(cubin: bytes, tile: int, warps: int) -> dict:
         return {"loop_sass": None}
     start, end = max(loops, key=lambda se: se[1] - se[0])
     body = [op.split(".")[0] for addr, op, _ in code if start <= addr <= end]
+    spills = sum(op.startswith(("STL", "LDL")) for _addr, op, _ in code)
     per_thread = tile / (32 * warps)
     return {
         "loop_sass": len(body),
         "loop_sass_per_weight": round(len(body) / per_thread, 2),
         "loop_opcodes": dict(collections.Counter(body).most_common(8)),
+        "local_memory_ops": spills,  # register spills (STL/LDL), anywhere in the kernel
     }
 
 
@@ -148,7 +159,19 @@ def main() -> None:
         "int4: `int4_gemv` with its products in half precision (`linear.INT4_GEMV_HALF`), "
         "int4-f32 with them in fp32 (configs index `int4_gemv`'s own list)",
     )
-    ap.add_argument("--configs", nargs="+", type=int, default=[0], help="autotune config indices")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="autotune config indices (of the configs without AHEAD)",
+    )
+    ap.add_argument(
+        "--ahead",
+        action="store_true",
+        help="each config's twin with AHEAD (weights loaded one loop step ahead; "
+        "`linear.GEMV_PREFETCH`)",
+    )
     args = ap.parse_args()
     try:
         import triton  # noqa: F401
@@ -163,7 +186,8 @@ def main() -> None:
             evens, variant = (False, True), "f16" if variant != "f32" else ""
         for even in evens:
             for c in args.configs:
-                print(json.dumps(count(base, even, args.k, c, variant == "f16")))
+                f16, prefetch = variant == "f16", args.ahead
+                print(json.dumps(count(base, even, args.k, c, f16, prefetch)))
 
 
 if __name__ == "__main__":

@@ -11,17 +11,16 @@
 #     bash benchmarks/h200_runs.sh kernels                # SiLU x up inside the down GEMV, alone
 #   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
+#   bash benchmarks/h200_runs.sh ncu              # Nsight Compute counters of the one-row GEMVs
 # Next run (each decode.py point compiles the step afresh, ~40-100 s: about four points a call;
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
+#   call 1: TESTS_K="prefetch or int4_gemv" bash ... native-tests   # the loosened prefetch test
+#   call 2: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
 #           GEMV at one row, its tensor-core kernels at 8 and 64) against tinygemm's, each batch
-#   call 2: TESTS_K="pdl or half_precision or int4_gemv" bash ... native-tests
-#   call 3: smol-decode smol-part (carry .devdata/smol/part-aa)  # every format, SmolLM2 shape,
-#           the new defaults
-#   call 4: smol-part setup realweights cache-out (carry part-ab and the rest; int4 now loaded
-#           as the engine loads it, never folded)
+#   call 3: MODES="bf16 int8 fp8 int4" bash ... decode   # every format with today's defaults
+#   call 4: smol-decode                                  # every format, SmolLM2 shape
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #
@@ -164,6 +163,23 @@ for step in "$@"; do
       python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 64} --rounds ${ROUNDS:-3} \
         ${KERNEL_ARGS:-} --json "$OUT/kernels.json" \
         2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    ncu)  # hardware counters of the one-row kernels (Nsight Compute; the Firecracker runtime
+      # reads them, gVisor does not): one profiled call per kernel, after its autotuning
+      # (benchmarks/ncu_gemv.py); NCU_SHAPES, NCU_KERNELS narrow it
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+      [ -n "$NCU" ] || { echo "no ncu on this machine"; continue; }
+      export TRITON_CACHE_AUTOTUNING=1  # autotuned alone first: ncu slows the tuner's timing
+      python3 benchmarks/ncu_gemv.py --shapes ${NCU_SHAPES:-gate_up o} \
+        ${NCU_KERNELS:+--kernels $NCU_KERNELS} > "$OUT/ncu-tune.log" 2>&1
+      "$NCU" --clock-control none --profile-from-start off --cache-control all \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats \
+        -f -o "$OUT/gemv" python3 benchmarks/ncu_gemv.py --shapes ${NCU_SHAPES:-gate_up o} \
+        ${NCU_KERNELS:+--kernels $NCU_KERNELS} > "$OUT/ncu.log" 2>&1
+      grep -v "^==PROF==" "$OUT/ncu.log" | tail -12; unset TRITON_CACHE_AUTOTUNING
+      "$NCU" --import "$OUT/gemv.ncu-rep" --page raw --csv > "$OUT/gemv-raw.csv" 2>/dev/null
+      "$NCU" --import "$OUT/gemv.ncu-rep" --page details --csv > "$OUT/gemv-details.csv" 2>/dev/null
+      python3 benchmarks/ncu_summary.py "$OUT/gemv-raw.csv" "$OUT/ncu.log" ;;
     cache-out)  # the compile caches to $OUT (keep it as .devdata/compile-cache.tar.gz here;
       # carry it with `cache-in` next time: over 64 MiB it does not come back, see files_left_out)
       tar -czf "$OUT/compile-cache.tar.gz" -C "$W" cache && ls -l "$OUT/compile-cache.tar.gz" ;;

@@ -61,7 +61,9 @@ def bench(fn, device: str, iters: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
+def kernels(
+    n: int, k: int, m: int, device: str, gated: bool = False, rotate_bytes: int = 256 << 20
+):
     """Yield (name, weight bytes, callable, fp32 reference) for each format/kernel that runs here.
     `gated` (CUDA, one row): also the one-row GEMV reading a gate/up output, SiLU x up as a
     kernel of its own before it (`-gemv+silu`, the unfused step) against inside it (`-gemv-gated`,
@@ -69,7 +71,8 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
 
     On CUDA each callable runs the layer over `copies` independent weight sets in turn (at least
     256 MB in all), so that timed replays read weights from device memory, not from the 50 MB L2;
-    the bytes and time reported are per layer call.
+    the bytes and time reported are per layer call. `rotate_bytes=0` gives one weight set (a
+    profiler that flushes the caches between replays, `ncu_gemv.py`, needs no more).
     """
     from llmopt.engines.native import linear as L
 
@@ -80,7 +83,7 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
     xf = x.float()
 
     def rotate(nbytes: int, make):
-        copies = max(1, -(-(256 << 20) // nbytes)) if device == "cuda" else 1
+        copies = max(1, -(-rotate_bytes // nbytes)) if device == "cuda" else 1
         layers = [make() for _ in range(copies)]
         return lambda: [f(x) for f in layers][-1], copies
 
@@ -112,15 +115,11 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
             yield f"fp8-{kern}", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
         if m == 1:  # the GEMV's variants (`linear.GEMV_*` switches) against its default
             sc = s.to(device=device, dtype=dt)
+            reff = xf @ (qf.float() * sf[:, None]).t()
             for name, wq, ws, ref, flags in (
                 ("int8-gemv-masked", q, sc, ref8, {"GEMV_EVEN": False}),
-                (
-                    "fp8-gemv-masked",
-                    qf,
-                    sfc,
-                    xf @ (qf.float() * sf[:, None]).t(),
-                    {"GEMV_EVEN": False},
-                ),
+                ("fp8-gemv-masked", qf, sfc, reff, {"GEMV_EVEN": False}),
+                ("int8-gemv-noprefetch", q, sc, ref8, {"GEMV_PREFETCH": False}),
             ):
                 fn, c = rotate(
                     n * k, lambda wq=wq, ws=ws, flags=flags: _variant(wq.clone(), ws, flags)
@@ -154,11 +153,17 @@ def kernels(n: int, k: int, m: int, device: str, gated: bool = False):
         if device == "cuda" and m == 1:  # the Triton layout's CUDA-core GEMV: its products
             # in half precision (the default) and in fp32
             pk, s4b = L.pack_int4_planar(q4.to(device)), s4.to(device=device, dtype=dt)
-            for name, half in (("int4-g128-gemv", True), ("int4-g128-gemv-f32", False)):
+            for name, half, flags in (
+                ("int4-g128-gemv", True, {}),
+                ("int4-g128-gemv-f32", False, {}),
+                ("int4-g128-gemv-prefetch", True, {"INT4_GEMV_PREFETCH": True}),
+            ):
 
-                def gemv(half=half):
+                def gemv(half=half, flags=flags):
                     p, cnt = pk.clone(), L.gemv_counters(n, 1, device)
-                    return lambda x: L.int4_mm(x, p, s4b, None, 128, "gemv", cnt, half)
+                    return _with_flags(
+                        flags, lambda x: L.int4_mm(x, p, s4b, None, 128, "gemv", cnt, half)
+                    )
 
                 fn, c = rotate(n * k // 2, gemv)
                 yield name, n * k // 2, fn, xf @ deq.t(), c
@@ -190,8 +195,15 @@ def _gated(w, scale, gu, fused: bool):
 
 
 def _variant(w, scale, flags: dict):
-    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch (captured into
-    the benchmark's CUDA graph with them), restored after."""
+    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch."""
+    from llmopt.engines.native import linear as L
+
+    return _with_flags(flags, lambda x: L.wo_mm(x, w, scale, "gemv"))
+
+
+def _with_flags(flags: dict, fn):
+    """`fn` with some of `linear`'s switches set for each call (captured into the benchmark's
+    CUDA graph with them), restored after."""
     from llmopt.engines.native import linear as L
 
     def run(x):
@@ -199,7 +211,7 @@ def _variant(w, scale, flags: dict):
         for name, value in flags.items():
             setattr(L, name, value)
         try:
-            return L.wo_mm(x, w, scale, "gemv")
+            return fn(x)
         finally:
             for name, value in old.items():
                 setattr(L, name, value)

@@ -62,6 +62,8 @@ __all__ = [
     "GEMV_EVEN",
     "GEMV_PDL",
     "GEMV_INT8_F16",
+    "GEMV_PREFETCH",
+    "INT4_GEMV_PREFETCH",
     "pdl_supported",
     "silu_down",
     "pack_int4_planar",
@@ -347,6 +349,16 @@ GEMV_PDL = True
 # main loop for sm_90 (`benchmarks/gemv_ptx.py`). Off until timed on a GPU (`benchmarks/decode.py
 # --modes int8 --linear default GEMV_INT8_F16=on`).
 GEMV_INT8_F16 = False
+# The int8 GEMV's autotuner also times configs that load each weight tile one loop step ahead
+# of its products (`triton_kernels.wo8_gemv_ahead`), so that a warp's loads overlap its own
+# arithmetic: Nsight Compute showed the GEMVs stalled mostly on their loads (`long_scoreboard`).
+# On the H200, side by side at batch 1: int8 +1.3% tokens/s; timed alone FP8 was slower with
+# it on every 8B shape, so FP8 and bf16 never take it (`benchmarks/decode.py --linear default
+# GEMV_PREFETCH=off`; docs/benchmarks.md).
+GEMV_PREFETCH = True
+# The same for the int4 GEMV (`int4_gemv_ahead`): off, as end to end it was 2% slower, though
+# its autotuner chose the configs for being faster alone (`--linear INT4_GEMV_PREFETCH=on`).
+INT4_GEMV_PREFETCH = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -387,7 +399,7 @@ def _triton_available() -> bool:
     """The int8/FP8 decode kernels compile and are right on this GPU."""
 
     def check():
-        for name in ("wo8_gemv", "wo8_dot", "wo8_dot_nosplit"):
+        for name in ("wo8_gemv", "wo8_gemv_ahead", "wo8_dot", "wo8_dot_nosplit"):
             _kernel(name)
         for i in range(torch.cuda.device_count()):
             pdl_supported(i)
@@ -481,14 +493,15 @@ def wo_mm(
         flags = {"WORDS": words, "GATED": gated, "EVEN": even}
         flags |= {"NORM": norm_eps is not None, "RESID": residual is not None}
         flags["F16"] = words and GEMV_INT8_F16 and not _INTERPRET  # (inline PTX: GPU only)
+        ahead = words and GEMV_PREFETCH
         eps = 0.0 if norm_eps is None else float(norm_eps)
         r = None if residual is None else residual.reshape(m, n).contiguous()
         if GEMV_PDL and not _INTERPRET and pdl_supported(x.device.index or 0):
             lower = {name.lower(): value for name, value in flags.items()}
             return torch.ops.llmopt.wo8_gemv_pdl(
-                x, wv, scale, x if r is None else r, eps, n, k, **lower
+                x, wv, scale, x if r is None else r, eps, n, k, **lower, ahead=ahead
             )
-        return _gemv(x, wv, scale, r, eps, n, k, flags, pdl=False)
+        return _gemv(x, wv, scale, r, eps, n, k, flags, pdl=False, ahead=ahead)
 
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
@@ -508,9 +521,11 @@ def wo_mm(
     return y
 
 
-def _gemv(x, w, scale, r, eps: float, n: int, k: int, flags: dict, pdl: bool) -> torch.Tensor:
+def _gemv(
+    x, w, scale, r, eps: float, n: int, k: int, flags: dict, pdl: bool, ahead: bool
+) -> torch.Tensor:
     """Launch `triton_kernels.wo8_gemv` (`wo_mm`'s arguments; `r` the residual or None), as a
-    programmatic dependent with `pdl`."""
+    programmatic dependent with `pdl`, through `wo8_gemv_ahead` with `ahead`."""
     import triton
 
     m = x.shape[0]
@@ -522,7 +537,8 @@ def _gemv(x, w, scale, r, eps: float, n: int, k: int, flags: dict, pdl: bool) ->
     # (PDL always given: Inductor, which traces the plain launch, passes no constexpr defaults)
     opts = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
     r = y if r is None else r  # (unread without RESID)
-    launch(_kernel("wo8_gemv"), grid, x, w, scale, y, r, eps, n, k, **flags, **opts)
+    kernel = _kernel("wo8_gemv_ahead" if ahead else "wo8_gemv")
+    launch(kernel, grid, x, w, scale, y, r, eps, n, k, **flags, **opts)
     return y
 
 
@@ -544,15 +560,16 @@ def _wo8_gemv_pdl(
     norm: bool,
     resid: bool,
     f16: bool,
+    ahead: bool,
 ) -> torch.Tensor:
     """`wo_mm`'s GEMV with `GEMV_PDL`; `r`: the residual under `resid`, else any tensor."""
     flags = {"WORDS": words, "GATED": gated, "EVEN": even, "NORM": norm, "RESID": resid}
     flags["F16"] = f16
-    return _gemv(x, w, scale, r if resid else None, eps, n, k, flags, pdl=True)
+    return _gemv(x, w, scale, r if resid else None, eps, n, k, flags, pdl=True, ahead=ahead)
 
 
 @_wo8_gemv_pdl.register_fake
-def _(x, w, scale, r, eps, n, k, words, gated, even, norm, resid, f16):
+def _(x, w, scale, r, eps, n, k, words, gated, even, norm, resid, f16, ahead):
     return x.new_empty(x.shape[0], n)
 
 
@@ -678,9 +695,8 @@ def int4_mm(
         ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
         flags = {"EVEN_N": n % INT4_GEMV_TILE_N == 0, "ASM": not _INTERPRET}
         flags["HALF"] = INT4_GEMV_HALF if half is None else half
-        launch(
-            _kernel("int4_gemv"), grid1, x, packed, scale, z, y, ws, counters, n, **shape, **flags
-        )
+        kernel = _kernel("int4_gemv_ahead" if INT4_GEMV_PREFETCH else "int4_gemv")
+        launch(kernel, grid1, x, packed, scale, z, y, ws, counters, n, **shape, **flags)
         return y
 
     def grid(meta):
@@ -702,7 +718,8 @@ def _triton_int4_available() -> bool:
     """The int4 kernels compile and are right on this GPU (decode rows and a prompt)."""
 
     def check():
-        _kernel("int4_dot"), _kernel("int4_dot_prompt"), _kernel("int4_gemv")
+        for name in ("int4_dot", "int4_dot_prompt", "int4_gemv", "int4_gemv_ahead"):
+            _kernel(name)
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int4(w, 128)

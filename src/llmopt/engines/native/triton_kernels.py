@@ -464,8 +464,18 @@ if triton is not None:
     # Weight-only GEMV on the CUDA cores (written by hand: neither cuBLAS nor PyTorch's CUDA
     # int8pack kernel reads 1-byte weights near bandwidth). One program computes BLOCK_N outputs
     # of one activation row; the partial products stay in a register tile, reduced at the end.
+    def _with_ahead(configs):
+        # each config, then each again with AHEAD (the weights loaded one loop step ahead)
+        return configs + [
+            triton.Config(
+                c.kwargs | {"AHEAD": True}, num_warps=c.num_warps, num_stages=c.num_stages
+            )
+            for c in configs
+        ]
+
+    # (AHEAD: see `wo8_gemv`; `wo8_gemv_ahead` times these configs with it and without)
     _GEMV_CONFIGS = [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "AHEAD": False}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
             (8, 512, 4, 3),
             (16, 256, 4, 3),
@@ -498,6 +508,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr = False,
         F16: tl.constexpr = False,
+        AHEAD: tl.constexpr = False,
     ):
         # y[m] = (w @ x[m]) * scale; w (N, K) float8_e4m3fn, or with WORDS int8 read as an
         # (N, K / 4) int32 view (byte i of word j is k = 4 j + i, `_bytes_as_float`). GATED: the
@@ -523,24 +534,52 @@ if triton is not None:
             BW: tl.constexpr = BLOCK_K
             KW: tl.constexpr = K
         acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
-        FIRST: tl.constexpr = BW if PDL else 0
-        if PDL:
-            # Launched as a programmatic dependent (`linear.GEMV_PDL`): this program may run while
-            # the kernel before still drains. The weights do not depend on it, so the first tile
-            # is loaded before waiting; the activations (and the residual) only after.
+        STEP: tl.constexpr = BLOCK_K // BW  # activations per weight element
+        if AHEAD:
+            # Each tile's weights are loaded one step ahead, before the products of the tile
+            # before (`wo8_gemv_ahead`'s configs, `linear.GEMV_PREFETCH`): a warp's loads can
+            # then overlap its own arithmetic, where loading and using a tile in one step leaves
+            # it waiting a full memory latency per step (Nsight Compute: the GEMVs stall mostly
+            # on `long_scoreboard`). ptxas may still issue the loads late, and they hold
+            # registers: timed alone it helps some shapes and formats and hurts others, so the
+            # autotuner times both. (Triton's pipeliner stages some configs' loads through
+            # shared memory on its own.)
+            LAST: tl.constexpr = ((KW + BW - 1) // BW - 1) * BW  # the last tile's column
             wt = _gemv_w(w_ptr, rn, 0, N, KW, BW, EVEN)
-            tl.extra.cuda.gdc_wait()
+            if PDL:  # (see below: the first tile is loaded before waiting)
+                tl.extra.cuda.gdc_wait()
+            for c0 in tl.range(0, LAST, BW):
+                wn = _gemv_w(w_ptr, rn, c0 + BW, N, KW, BW, EVEN)
+                acc, xsq = _gemv_acc(
+                    acc, xsq, wt, x_ptr, m, c0 * STEP, rn, N, K, WORDS, GATED, EVEN, NORM,
+                    BLOCK_K, F16,
+                )  # fmt: skip
+                wt = wn
+            if PDL:  # every weight load issued: the next dependent kernel may start its own
+                tl.extra.cuda.gdc_launch_dependents()
             acc, xsq = _gemv_acc(
-                acc, xsq, wt, x_ptr, m, 0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
-            )
-        for c0 in tl.range(FIRST, KW, BW):
-            wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, EVEN)
-            k0 = c0 * (BLOCK_K // BW)
-            acc, xsq = _gemv_acc(
-                acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
-            )
-        if PDL:  # every weight load issued: the next dependent kernel may start its own
-            tl.extra.cuda.gdc_launch_dependents()
+                acc, xsq, wt, x_ptr, m, LAST * STEP, rn, N, K, WORDS, GATED, EVEN, NORM,
+                BLOCK_K, F16,
+            )  # fmt: skip
+        else:
+            FIRST: tl.constexpr = BW if PDL else 0
+            if PDL:
+                # Launched as a programmatic dependent (`linear.GEMV_PDL`): this program may run
+                # while the kernel before still drains. The weights do not depend on it, so the
+                # first tile is loaded before waiting; the activations (and the residual) after.
+                wt = _gemv_w(w_ptr, rn, 0, N, KW, BW, EVEN)
+                tl.extra.cuda.gdc_wait()
+                acc, xsq = _gemv_acc(
+                    acc, xsq, wt, x_ptr, m, 0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
+                )
+            for c0 in tl.range(FIRST, KW, BW):
+                wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, EVEN)
+                acc, xsq = _gemv_acc(
+                    acc, xsq, wt, x_ptr, m, c0 * STEP, rn, N, K, WORDS, GATED, EVEN, NORM,
+                    BLOCK_K, F16,
+                )  # fmt: skip
+            if PDL:  # every weight load issued: the next dependent kernel may start its own
+                tl.extra.cuda.gdc_launch_dependents()
         y = tl.sum(acc, axis=1)
         if NORM:  # (fp32: inside a compiled graph Inductor passes `eps` as fp64)
             y = y * tl.math.rsqrt((tl.sum(xsq, axis=0) / K + eps).to(tl.float32))
@@ -554,6 +593,11 @@ if triton is not None:
             if RESID:
                 y += tl.load(r_ptr + m * N + rn, mask=rn < N, other=0.0).to(tl.float32)
             tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+    # The same GEMV, its autotuner timing every config also with AHEAD (`linear.GEMV_PREFETCH`).
+    wo8_gemv_ahead = triton.autotune(configs=_with_ahead(_GEMV_CONFIGS), key=["N", "K", "WORDS"])(
+        wo8_gemv.fn
+    )
 
     # Weight-only matmuls on the tensor cores, dequantization fused: decode rows are padded to a
     # 16-row `tl.dot` (the idle rows cost tensor-core time, which a memory-bound matmul has to
@@ -768,8 +812,10 @@ if triton is not None:
     # outputs) have too few rows to keep enough weight bytes in flight otherwise. The K-split
     # partials are added as `wo8_dot` adds them (the last program of a row block, in split
     # order). The autotuner picks the tile and split per shape.
-    _INT4_GEMV_CONFIGS = [
-        triton.Config({"BLOCK_N": bn, "TILES": t, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+    _INT4_GEMV_CONFIGS = [  # (AHEAD: `int4_gemv_ahead` times them with it and without)
+        triton.Config(
+            {"BLOCK_N": bn, "TILES": t, "SPLIT_K": sk, "AHEAD": False}, num_warps=w, num_stages=st
+        )
         for bn, t, sk, w, st in (
             (128, 1, 1, 4, 3),
             (128, 1, 2, 4, 3),
@@ -985,6 +1031,35 @@ if triton is not None:
             zacc += xsa[None, :] * za + xsb[None, :] * zb
         return acc, zacc
 
+    @triton.jit
+    def _int4_words(wrow, t, nmask, tend, MASKED: tl.constexpr):
+        # the GEMV's words of tiles t (TILES,) for its rows: (BLOCK_N, TILES, 32) int32
+        if MASKED:
+            wmask = nmask[:, None, None] & (t < tend)[None, :, None]
+            p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
+        else:
+            p = tl.load(wrow + t[None, :, None] * 32)
+        return p
+
+    @triton.jit
+    def _int4_tile(
+        acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+        K: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
+    ):  # fmt: skip
+        # the products of words p (tiles t) in half precision (F16) or fp32
+        if F16:
+            acc, zacc = _int4_step_half(
+                acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+                K, G, WHOLE, MASKED, HAS_ZERO,
+            )  # fmt: skip
+        else:
+            acc, zacc = _int4_step(
+                acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+                K, G, WHOLE, MASKED, HAS_ZERO, ASM,
+            )  # fmt: skip
+        return acc, zacc
+
     @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G", "HALF"])
     @triton.jit
     def int4_gemv(
@@ -1006,6 +1081,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         TILES: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        AHEAD: tl.constexpr = False,
     ):
         # y[m] = W x[m], W[n, k] = c * scale[n, k // G] (+ zero[n, k // G]); program (n, s, m)
         # over tiles s * TS .. (s + 1) * TS of K's KP / 256. EVEN_N: BLOCK_N divides N (no row
@@ -1027,22 +1103,29 @@ if triton is not None:
         wrow = w_ptr + rn[:, None, None] * (KP // 8) + j[None, None, :]
         acc = tl.zeros((BLOCK_N, TILES, 32), dtype=tl.float32)
         zacc = tl.zeros((BLOCK_N, TILES), dtype=tl.float32)
-        for t0 in tl.range(0, TS, TILES):
-            t = pid_k * TS + t0 + tt  # this step's tiles
-            if MASKED:
-                wmask = nmask[:, None, None] & (t < tend)[None, :, None]
-                p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
-            else:
-                p = tl.load(wrow + t[None, :, None] * 32)
-            if F16:
-                acc, zacc = _int4_step_half(
+        if AHEAD:  # each step's words loaded one step ahead, as `wo8_gemv` does
+            LAST: tl.constexpr = ((TS + TILES - 1) // TILES - 1) * TILES
+            t = pid_k * TS + tt
+            p = _int4_words(wrow, t, nmask, tend, MASKED)
+            for _t0 in tl.range(0, LAST, TILES):
+                pn = _int4_words(wrow, t + TILES, nmask, tend, MASKED)
+                acc, zacc = _int4_tile(
                     acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                    K, G, WHOLE, MASKED, HAS_ZERO,
+                    K, G, WHOLE, MASKED, HAS_ZERO, ASM, F16,
                 )  # fmt: skip
-            else:
-                acc, zacc = _int4_step(
+                p = pn
+                t = t + TILES
+            acc, zacc = _int4_tile(
+                acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+                K, G, WHOLE, MASKED, HAS_ZERO, ASM, F16,
+            )  # fmt: skip
+        else:
+            for t0 in tl.range(0, TS, TILES):
+                t = pid_k * TS + t0 + tt  # this step's tiles
+                p = _int4_words(wrow, t, nmask, tend, MASKED)
+                acc, zacc = _int4_tile(
                     acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                    K, G, WHOLE, MASKED, HAS_ZERO, ASM,
+                    K, G, WHOLE, MASKED, HAS_ZERO, ASM, F16,
                 )  # fmt: skip
         y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zacc, axis=1)
         if F16:
@@ -1065,3 +1148,9 @@ if triton is not None:
                 tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
         else:
             tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+    # The int4 GEMV, its autotuner timing every config also with AHEAD
+    # (`linear.INT4_GEMV_PREFETCH`).
+    int4_gemv_ahead = triton.autotune(
+        configs=_with_ahead(_INT4_GEMV_CONFIGS), key=["N", "K", "G", "HALF"]
+    )(int4_gemv.fn)

@@ -570,6 +570,38 @@ def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_prefetch_matches_on_gpu(monkeypatch):
+    """`GEMV_PREFETCH`: the int8 GEMV through the autotuner that also tries each weight tile
+    loaded one step ahead gives the plain GEMV's outputs (to bf16 rounding: the two may pick
+    configs that sum in another order) in every variant, with and without masks, with K one
+    tile or less, through the plain and the dependent launch."""
+    from llmopt.engines.native import linear as L
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n, k in ((1024, 2048), (1000, 2000), (96, 256)):  # unmasked, masked, one tile of K
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+        q, s = L.quantize_int8(w)
+        s = s.float().contiguous()
+        x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        x2 = torch.randn(1, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
+        r = torch.randn(1, n, device="cuda", generator=g, dtype=torch.bfloat16)
+        for pdl in (False, True):
+            monkeypatch.setattr(L, "GEMV_PDL", pdl)
+            for args, kw in (
+                ((x,), {}),
+                ((x2,), {"gated": True}),
+                ((x,), {"norm_eps": 1e-5}),
+                ((x,), {"residual": r}),
+            ):
+                monkeypatch.setattr(L, "GEMV_PREFETCH", False)
+                want = L.wo_mm(*args, q, s, "gemv", **kw)
+                monkeypatch.setattr(L, "GEMV_PREFETCH", True)
+                got = L.wo_mm(*args, q, s, "gemv", **kw)
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_int8_gemv_through_half_precision_matches_on_gpu(monkeypatch):
     """`GEMV_INT8_F16`: the int8 GEMV's bytes made floats through f16 pairs (inline PTX) give
     the same weights, so the same outputs as the plain GEMV, in every variant, with and

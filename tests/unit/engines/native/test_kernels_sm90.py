@@ -66,7 +66,8 @@ def _w(fmt: str, even: bool) -> str:
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16"])
 def test_gemv_every_variant_compiles(fmt):
     """wo8_gemv with each switch (SiLU x up, no masks, RMSNorm folded in, residual add) alone and
-    together, at the first autotune config; bf16 weights as `DenseLinear` gives them."""
+    together, at the first autotune config, with its weights loaded one step ahead (AHEAD,
+    `linear.GEMV_PREFETCH`) and not; bf16 weights as `DenseLinear` gives them."""
     tile, warps, stages = _config(T.wo8_gemv.configs[0])
     for gated, even, norm, resid in [
         (False, False, False, False),
@@ -81,6 +82,7 @@ def test_gemv_every_variant_compiles(fmt):
         const |= {"NORM": norm, "RESID": resid} | tile
         types = _GEMV_TYPES | {"w_ptr": _w(fmt, even)}
         _compile(T.wo8_gemv, types, const, warps, stages)
+        _compile(T.wo8_gemv, types, const | {"AHEAD": True}, warps, stages)
         if fmt == "int8":  # bytes made floats through half precision (inline PTX: ptxas checks)
             _compile(T.wo8_gemv, types, const | {"F16": True}, warps, stages)
 
@@ -90,12 +92,13 @@ def test_gemv_pdl_loads_weights_before_it_waits(fmt):
     """With `PDL` (`linear.GEMV_PDL`) the GEMV waits for the kernel before it
     (griddepcontrol.wait) after its first weight loads, and lets the next start once its own
     loads are issued; without, neither instruction is there. Masked and unmasked, with the
-    norm and the residual (the reads that must come after the wait)."""
+    norm and the residual (the reads that must come after the wait), with the weights loaded one
+    step ahead (AHEAD) and not."""
     tile, warps, stages = _config(T.wo8_gemv.configs[0])
-    for even in (True, False):
+    for even, prefetch in ((True, False), (False, False), (True, True), (False, True)):
         types = _GEMV_TYPES | {"w_ptr": _w(fmt, even)}
         const = {"K": 4096, "WORDS": fmt == "int8", "GATED": False, "EVEN": even}
-        const |= {"NORM": True, "RESID": True} | tile
+        const |= {"NORM": True, "RESID": True} | tile | {"AHEAD": prefetch}
         plain = _compile(T.wo8_gemv, types, const, warps, stages)
         pdl = _compile(T.wo8_gemv, types, const | {"PDL": True}, warps, stages)
         if pdl is None:
@@ -121,10 +124,13 @@ def test_masked_fp8_gemv_has_no_select_per_weight():
 
 def test_gemv_every_config_compiles():
     """Every autotune config of wo8_gemv, on the int8 word path with no masks (the default at
-    one row) and on FP8 with masks, at the down projection's K."""
-    for cfg in T.wo8_gemv.configs:
+    one row; also each with AHEAD, as `wo8_gemv_ahead` tries them for int8) and on FP8 with
+    masks, at the down projection's K."""
+    assert T.wo8_gemv_ahead.configs[: len(T.wo8_gemv.configs)] == T.wo8_gemv.configs
+    for cfg in T.wo8_gemv_ahead.configs:
         tile, warps, stages = _config(cfg)
-        for fmt, even in (("int8", True), ("fp8", False)):
+        formats = (("int8", True),) if tile["AHEAD"] else (("int8", True), ("fp8", False))
+        for fmt, even in formats:
             types = _GEMV_TYPES | {"w_ptr": _w(fmt, even)}
             const = {"K": _8B["down"][1], "WORDS": fmt == "int8", "GATED": False, "EVEN": even}
             _compile(
@@ -146,23 +152,26 @@ def test_dot_every_config_compiles(fmt, k):
 
 @pytest.mark.parametrize("group,has_zero", [(128, False), (32, True), (256, False)])
 def test_int4_kernels_compile(group, has_zero):
-    """int4_dot (decode and prompt tiles) and int4_gemv: every config at the engine's group of
-    128, the first of each kernel at the other groups and with zero points."""
+    """int4_dot (decode and prompt tiles) and int4_gemv: every config (the GEMV's with its
+    words loaded one step ahead and not) at the engine's group of 128, the first of each kernel
+    at the other groups and with zero points."""
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16"}
     types |= {"y_ptr": "*bf16", "M": "i32", "N": "i32", "M_BUCKET": "i32"}
     types |= {"ws_ptr": "*fp32", "sem_ptr": "*i32"}  # the GEMV's K split
     shape = {"K": 4096, "KP": 4096, "G": group, "HAS_ZERO": has_zero}
-    for kernel in (T.int4_dot, T.int4_dot_prompt, T.int4_gemv):
-        flags = {"EVEN_N": True, "ASM": True, "HALF": True} if kernel is T.int4_gemv else {}
+    for kernel in (T.int4_dot, T.int4_dot_prompt, T.int4_gemv_ahead):
+        gemv = {"EVEN_N": True, "ASM": True, "HALF": True}
+        flags = gemv if kernel is T.int4_gemv_ahead else {}
         for cfg in kernel.configs if group == 128 else kernel.configs[:1]:
             tile, warps, stages = _config(cfg)
             _compile(kernel, types, shape | flags | tile, warps, stages)
     # the GEMV with masks (rows, a split that is not whole tiles, SmolLM2's padded K)
     masked = {"K": 576, "KP": 768, "G": 64, "HAS_ZERO": has_zero, "EVEN_N": False}
-    for cfg in T.int4_gemv.configs[-2:]:
+    for cfg in T.int4_gemv.configs[-2:] + T.int4_gemv_ahead.configs[-2:]:
         tile, warps, stages = _config(cfg)
         for half in (False, True):  # (at G = 64 both take the fp32 products)
-            _compile(T.int4_gemv, types, masked | {"ASM": True, "HALF": half} | tile, warps, stages)
+            flags = {"ASM": True, "HALF": half}
+            _compile(T.int4_gemv, types, masked | flags | tile, warps, stages)
     # the fp32 products at the engine's group (the half-precision ones are its default there)
     tile, warps, stages = _config(T.int4_gemv.configs[0])
     flags = {"EVEN_N": True, "ASM": True, "HALF": False}
