@@ -40,7 +40,7 @@ def count(
     from llmopt.engines.native import triton_kernels as T
 
     if fmt == "int4":  # `int4_gemv`, groups of 128; f16: its half-precision products
-        cfg = _twin(T.int4_gemv_ahead.configs, config, prefetch)
+        cfg = T.int4_gemv.configs[config]
         kp = -(-k // 256) * 256
         const = {"K": k, "KP": kp, "G": 128 if k % 128 == 0 else 64, "HAS_ZERO": False}
         const |= {"EVEN_N": even, "ASM": True, "HALF": f16} | cfg.kwargs
@@ -53,7 +53,6 @@ def count(
             "K": k,
             "config": config,
             "tile": cfg.kwargs,
-            "prefetch": prefetch,
         }
     cfg = _twin(T.wo8_gemv_ahead.configs, config, prefetch)
     const = {"K": k, "WORDS": fmt == "int8", "GATED": False, "EVEN": even, "NORM": False}
@@ -169,8 +168,8 @@ def main() -> None:
     ap.add_argument(
         "--ahead",
         action="store_true",
-        help="each config's twin with AHEAD (weights loaded one loop step ahead; "
-        "`linear.GEMV_PREFETCH`)",
+        help="each wo8_gemv config's twin with AHEAD (weights loaded one loop step ahead; "
+        "`linear.GEMV_PREFETCH`); int4 has no such configs",
     )
     args = ap.parse_args()
     try:

@@ -153,17 +153,11 @@ def kernels(
         if device == "cuda" and m == 1:  # the Triton layout's CUDA-core GEMV: its products
             # in half precision (the default) and in fp32
             pk, s4b = L.pack_int4_planar(q4.to(device)), s4.to(device=device, dtype=dt)
-            for name, half, flags in (
-                ("int4-g128-gemv", True, {}),
-                ("int4-g128-gemv-f32", False, {}),
-                ("int4-g128-gemv-prefetch", True, {"INT4_GEMV_PREFETCH": True}),
-            ):
+            for name, half in (("int4-g128-gemv", True), ("int4-g128-gemv-f32", False)):
 
-                def gemv(half=half, flags=flags):
+                def gemv(half=half):
                     p, cnt = pk.clone(), L.gemv_counters(n, 1, device)
-                    return _with_flags(
-                        flags, lambda x: L.int4_mm(x, p, s4b, None, 128, "gemv", cnt, half)
-                    )
+                    return lambda x: L.int4_mm(x, p, s4b, None, 128, "gemv", cnt, half)
 
                 fn, c = rotate(n * k // 2, gemv)
                 yield name, n * k // 2, fn, xf @ deq.t(), c

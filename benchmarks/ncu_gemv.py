@@ -44,7 +44,6 @@ def main() -> None:
             "int8-gemv-noprefetch",
             "fp8-gemv",
             "int4-g128-gemv",
-            "int4-g128-gemv-prefetch",
             "int4-g128-tinygemm",
         ],
         help="kernel names as linear_kernels.py prints them (exact)",
@@ -70,10 +69,10 @@ def main() -> None:
             print(f"profiled {name} {kern} ({n} x {k}, m={args.m})", flush=True)
     from llmopt.engines.native import triton_kernels as T
 
-    for kernel in (T.wo8_gemv, T.wo8_gemv_ahead, T.int4_gemv, T.int4_gemv_ahead):  # choices
+    for kernel in (T.wo8_gemv, T.wo8_gemv_ahead, T.int4_gemv):  # the autotuners' choices
         for key, cfg in kernel.cache.items():
             print(
-                f"{'ahead ' if kernel.configs[-1].kwargs['AHEAD'] else ''}{kernel.fn.__name__} {key}: {cfg}"
+                f"{'ahead ' if kernel.configs[-1].kwargs.get('AHEAD') else ''}{kernel.fn.__name__} {key}: {cfg}"
             )
 
 

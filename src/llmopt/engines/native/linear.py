@@ -63,7 +63,6 @@ __all__ = [
     "GEMV_PDL",
     "GEMV_INT8_F16",
     "GEMV_PREFETCH",
-    "INT4_GEMV_PREFETCH",
     "pdl_supported",
     "silu_down",
     "pack_int4_planar",
@@ -353,12 +352,10 @@ GEMV_INT8_F16 = False
 # of its products (`triton_kernels.wo8_gemv_ahead`), so that a warp's loads overlap its own
 # arithmetic: Nsight Compute showed the GEMVs stalled mostly on their loads (`long_scoreboard`).
 # On the H200, side by side at batch 1: int8 +1.3% tokens/s; timed alone FP8 was slower with
-# it on every 8B shape, so FP8 and bf16 never take it (`benchmarks/decode.py --linear default
-# GEMV_PREFETCH=off`; docs/benchmarks.md).
+# it on every 8B shape, so FP8 and bf16 never take it, and the int4 GEMV, 2% slower with it end
+# to end, does not have it (`benchmarks/decode.py --linear default GEMV_PREFETCH=off`;
+# docs/benchmarks.md).
 GEMV_PREFETCH = True
-# The same for the int4 GEMV (`int4_gemv_ahead`): off, as end to end it was 2% slower, though
-# its autotuner chose the configs for being faster alone (`--linear INT4_GEMV_PREFETCH=on`).
-INT4_GEMV_PREFETCH = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -695,8 +692,9 @@ def int4_mm(
         ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
         flags = {"EVEN_N": n % INT4_GEMV_TILE_N == 0, "ASM": not _INTERPRET}
         flags["HALF"] = INT4_GEMV_HALF if half is None else half
-        kernel = _kernel("int4_gemv_ahead" if INT4_GEMV_PREFETCH else "int4_gemv")
-        launch(kernel, grid1, x, packed, scale, z, y, ws, counters, n, **shape, **flags)
+        launch(
+            _kernel("int4_gemv"), grid1, x, packed, scale, z, y, ws, counters, n, **shape, **flags
+        )
         return y
 
     def grid(meta):
@@ -718,8 +716,7 @@ def _triton_int4_available() -> bool:
     """The int4 kernels compile and are right on this GPU (decode rows and a prompt)."""
 
     def check():
-        for name in ("int4_dot", "int4_dot_prompt", "int4_gemv", "int4_gemv_ahead"):
-            _kernel(name)
+        _kernel("int4_dot"), _kernel("int4_dot_prompt"), _kernel("int4_gemv")
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(96, 512, device="cuda", generator=g)
         q, s = quantize_int4(w, 128)

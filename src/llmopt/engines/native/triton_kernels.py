@@ -464,16 +464,7 @@ if triton is not None:
     # Weight-only GEMV on the CUDA cores (written by hand: neither cuBLAS nor PyTorch's CUDA
     # int8pack kernel reads 1-byte weights near bandwidth). One program computes BLOCK_N outputs
     # of one activation row; the partial products stay in a register tile, reduced at the end.
-    def _with_ahead(configs):
-        # each config, then each again with AHEAD (the weights loaded one loop step ahead)
-        return configs + [
-            triton.Config(
-                c.kwargs | {"AHEAD": True}, num_warps=c.num_warps, num_stages=c.num_stages
-            )
-            for c in configs
-        ]
-
-    # (AHEAD: see `wo8_gemv`; `wo8_gemv_ahead` times these configs with it and without)
+    # (AHEAD: see `wo8_gemv`; `wo8_gemv_ahead` times each config with it and without)
     _GEMV_CONFIGS = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "AHEAD": False}, num_warps=w, num_stages=st)
         for bn, bk, w, st in (
@@ -550,17 +541,17 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
             for c0 in tl.range(0, LAST, BW):
                 wn = _gemv_w(w_ptr, rn, c0 + BW, N, KW, BW, EVEN)
+                k0 = c0 * STEP
                 acc, xsq = _gemv_acc(
-                    acc, xsq, wt, x_ptr, m, c0 * STEP, rn, N, K, WORDS, GATED, EVEN, NORM,
-                    BLOCK_K, F16,
-                )  # fmt: skip
+                    acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
+                )
                 wt = wn
             if PDL:  # every weight load issued: the next dependent kernel may start its own
                 tl.extra.cuda.gdc_launch_dependents()
+            k0 = LAST * STEP
             acc, xsq = _gemv_acc(
-                acc, xsq, wt, x_ptr, m, LAST * STEP, rn, N, K, WORDS, GATED, EVEN, NORM,
-                BLOCK_K, F16,
-            )  # fmt: skip
+                acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
+            )
         else:
             FIRST: tl.constexpr = BW if PDL else 0
             if PDL:
@@ -574,10 +565,10 @@ if triton is not None:
                 )
             for c0 in tl.range(FIRST, KW, BW):
                 wt = _gemv_w(w_ptr, rn, c0, N, KW, BW, EVEN)
+                k0 = c0 * STEP
                 acc, xsq = _gemv_acc(
-                    acc, xsq, wt, x_ptr, m, c0 * STEP, rn, N, K, WORDS, GATED, EVEN, NORM,
-                    BLOCK_K, F16,
-                )  # fmt: skip
+                    acc, xsq, wt, x_ptr, m, k0, rn, N, K, WORDS, GATED, EVEN, NORM, BLOCK_K, F16
+                )
             if PDL:  # every weight load issued: the next dependent kernel may start its own
                 tl.extra.cuda.gdc_launch_dependents()
         y = tl.sum(acc, axis=1)
@@ -595,9 +586,16 @@ if triton is not None:
             tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
     # The same GEMV, its autotuner timing every config also with AHEAD (`linear.GEMV_PREFETCH`).
-    wo8_gemv_ahead = triton.autotune(configs=_with_ahead(_GEMV_CONFIGS), key=["N", "K", "WORDS"])(
-        wo8_gemv.fn
-    )
+    wo8_gemv_ahead = triton.autotune(
+        configs=_GEMV_CONFIGS
+        + [
+            triton.Config(
+                c.kwargs | {"AHEAD": True}, num_warps=c.num_warps, num_stages=c.num_stages
+            )
+            for c in _GEMV_CONFIGS
+        ],
+        key=["N", "K", "WORDS"],
+    )(wo8_gemv.fn)
 
     # Weight-only matmuls on the tensor cores, dequantization fused: decode rows are padded to a
     # 16-row `tl.dot` (the idle rows cost tensor-core time, which a memory-bound matmul has to
@@ -812,10 +810,8 @@ if triton is not None:
     # outputs) have too few rows to keep enough weight bytes in flight otherwise. The K-split
     # partials are added as `wo8_dot` adds them (the last program of a row block, in split
     # order). The autotuner picks the tile and split per shape.
-    _INT4_GEMV_CONFIGS = [  # (AHEAD: `int4_gemv_ahead` times them with it and without)
-        triton.Config(
-            {"BLOCK_N": bn, "TILES": t, "SPLIT_K": sk, "AHEAD": False}, num_warps=w, num_stages=st
-        )
+    _INT4_GEMV_CONFIGS = [
+        triton.Config({"BLOCK_N": bn, "TILES": t, "SPLIT_K": sk}, num_warps=w, num_stages=st)
         for bn, t, sk, w, st in (
             (128, 1, 1, 4, 3),
             (128, 1, 2, 4, 3),
@@ -1031,35 +1027,6 @@ if triton is not None:
             zacc += xsa[None, :] * za + xsb[None, :] * zb
         return acc, zacc
 
-    @triton.jit
-    def _int4_words(wrow, t, nmask, tend, MASKED: tl.constexpr):
-        # the GEMV's words of tiles t (TILES,) for its rows: (BLOCK_N, TILES, 32) int32
-        if MASKED:
-            wmask = nmask[:, None, None] & (t < tend)[None, :, None]
-            p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
-        else:
-            p = tl.load(wrow + t[None, :, None] * 32)
-        return p
-
-    @triton.jit
-    def _int4_tile(
-        acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-        K: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, MASKED: tl.constexpr,
-        HAS_ZERO: tl.constexpr, ASM: tl.constexpr, F16: tl.constexpr,
-    ):  # fmt: skip
-        # the products of words p (tiles t) in half precision (F16) or fp32
-        if F16:
-            acc, zacc = _int4_step_half(
-                acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                K, G, WHOLE, MASKED, HAS_ZERO,
-            )  # fmt: skip
-        else:
-            acc, zacc = _int4_step(
-                acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                K, G, WHOLE, MASKED, HAS_ZERO, ASM,
-            )  # fmt: skip
-        return acc, zacc
-
     @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G", "HALF"])
     @triton.jit
     def int4_gemv(
@@ -1081,7 +1048,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         TILES: tl.constexpr,
         SPLIT_K: tl.constexpr,
-        AHEAD: tl.constexpr = False,
     ):
         # y[m] = W x[m], W[n, k] = c * scale[n, k // G] (+ zero[n, k // G]); program (n, s, m)
         # over tiles s * TS .. (s + 1) * TS of K's KP / 256. EVEN_N: BLOCK_N divides N (no row
@@ -1103,29 +1069,22 @@ if triton is not None:
         wrow = w_ptr + rn[:, None, None] * (KP // 8) + j[None, None, :]
         acc = tl.zeros((BLOCK_N, TILES, 32), dtype=tl.float32)
         zacc = tl.zeros((BLOCK_N, TILES), dtype=tl.float32)
-        if AHEAD:  # each step's words loaded one step ahead, as `wo8_gemv` does
-            LAST: tl.constexpr = ((TS + TILES - 1) // TILES - 1) * TILES
-            t = pid_k * TS + tt
-            p = _int4_words(wrow, t, nmask, tend, MASKED)
-            for _t0 in tl.range(0, LAST, TILES):
-                pn = _int4_words(wrow, t + TILES, nmask, tend, MASKED)
-                acc, zacc = _int4_tile(
+        for t0 in tl.range(0, TS, TILES):
+            t = pid_k * TS + t0 + tt  # this step's tiles
+            if MASKED:
+                wmask = nmask[:, None, None] & (t < tend)[None, :, None]
+                p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
+            else:
+                p = tl.load(wrow + t[None, :, None] * 32)
+            if F16:
+                acc, zacc = _int4_step_half(
                     acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                    K, G, WHOLE, MASKED, HAS_ZERO, ASM, F16,
+                    K, G, WHOLE, MASKED, HAS_ZERO,
                 )  # fmt: skip
-                p = pn
-                t = t + TILES
-            acc, zacc = _int4_tile(
-                acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                K, G, WHOLE, MASKED, HAS_ZERO, ASM, F16,
-            )  # fmt: skip
-        else:
-            for t0 in tl.range(0, TS, TILES):
-                t = pid_k * TS + t0 + tt  # this step's tiles
-                p = _int4_words(wrow, t, nmask, tend, MASKED)
-                acc, zacc = _int4_tile(
+            else:
+                acc, zacc = _int4_step(
                     acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                    K, G, WHOLE, MASKED, HAS_ZERO, ASM, F16,
+                    K, G, WHOLE, MASKED, HAS_ZERO, ASM,
                 )  # fmt: skip
         y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zacc, axis=1)
         if F16:
@@ -1148,9 +1107,3 @@ if triton is not None:
                 tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
         else:
             tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
-
-    # The int4 GEMV, its autotuner timing every config also with AHEAD
-    # (`linear.INT4_GEMV_PREFETCH`).
-    int4_gemv_ahead = triton.autotune(
-        configs=_with_ahead(_INT4_GEMV_CONFIGS), key=["N", "K", "G", "HALF"]
-    )(int4_gemv.fn)

@@ -152,26 +152,23 @@ def test_dot_every_config_compiles(fmt, k):
 
 @pytest.mark.parametrize("group,has_zero", [(128, False), (32, True), (256, False)])
 def test_int4_kernels_compile(group, has_zero):
-    """int4_dot (decode and prompt tiles) and int4_gemv: every config (the GEMV's with its
-    words loaded one step ahead and not) at the engine's group of 128, the first of each kernel
-    at the other groups and with zero points."""
+    """int4_dot (decode and prompt tiles) and int4_gemv: every config at the engine's group of
+    128, the first of each kernel at the other groups and with zero points."""
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16"}
     types |= {"y_ptr": "*bf16", "M": "i32", "N": "i32", "M_BUCKET": "i32"}
     types |= {"ws_ptr": "*fp32", "sem_ptr": "*i32"}  # the GEMV's K split
     shape = {"K": 4096, "KP": 4096, "G": group, "HAS_ZERO": has_zero}
-    for kernel in (T.int4_dot, T.int4_dot_prompt, T.int4_gemv_ahead):
-        gemv = {"EVEN_N": True, "ASM": True, "HALF": True}
-        flags = gemv if kernel is T.int4_gemv_ahead else {}
+    for kernel in (T.int4_dot, T.int4_dot_prompt, T.int4_gemv):
+        flags = {"EVEN_N": True, "ASM": True, "HALF": True} if kernel is T.int4_gemv else {}
         for cfg in kernel.configs if group == 128 else kernel.configs[:1]:
             tile, warps, stages = _config(cfg)
             _compile(kernel, types, shape | flags | tile, warps, stages)
     # the GEMV with masks (rows, a split that is not whole tiles, SmolLM2's padded K)
     masked = {"K": 576, "KP": 768, "G": 64, "HAS_ZERO": has_zero, "EVEN_N": False}
-    for cfg in T.int4_gemv.configs[-2:] + T.int4_gemv_ahead.configs[-2:]:
+    for cfg in T.int4_gemv.configs[-2:]:
         tile, warps, stages = _config(cfg)
         for half in (False, True):  # (at G = 64 both take the fp32 products)
-            flags = {"ASM": True, "HALF": half}
-            _compile(T.int4_gemv, types, masked | flags | tile, warps, stages)
+            _compile(T.int4_gemv, types, masked | {"ASM": True, "HALF": half} | tile, warps, stages)
     # the fp32 products at the engine's group (the half-precision ones are its default there)
     tile, warps, stages = _config(T.int4_gemv.configs[0])
     flags = {"EVEN_N": True, "ASM": True, "HALF": False}

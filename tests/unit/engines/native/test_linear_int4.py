@@ -49,10 +49,8 @@ INTERPRET_CHECK = textwrap.dedent(
              (64, 384, 128, 17, False), (16, 512, 256, 2, True))
     # each config of the dot kernels (1, 2, 4 tiles; prompt tiles); of the GEMV: 128, 64 and
     # 32 rows, K split 1, 2, 4 and 8 ways (a split past the last tile reads nothing), 2 tiles
-    # a step; then two with the words loaded one step ahead (`int4_gemv_ahead`'s second half)
-    n_gemv = len(L._triton_kernels().int4_gemv.configs)
-    for cfg in (0, 1, 2, 5, 7, 11, n_gemv + 4, n_gemv + 11):
-        L.INT4_GEMV_PREFETCH = cfg >= n_gemv
+    # a step
+    for cfg in (0, 1, 2, 5, 7, 11):
         A.INTERPRET_CONFIG = cfg
         for n, k, group, m, asym in cases:
             w = torch.randn(n, k, generator=g)
@@ -63,8 +61,7 @@ INTERPRET_CHECK = textwrap.dedent(
             zero = None if zp is None else -zp.float() * s
             x = torch.randn(m, k, generator=g)
             ref = x @ deq.t()
-            # the GEMV at any row count too (one program row each)
-            for kern in ("dot", "gemv") if cfg < n_gemv else ("gemv",):
+            for kern in ("dot", "gemv"):  # the GEMV at any row count too (one program row each)
                 y = L.int4_mm(x, L.pack_int4_planar(q), s, zero, group, kern)
                 assert y.shape == (m, n) and not y.isnan().any()
                 worst = max(worst, float((y - ref).norm() / ref.norm()))
@@ -114,25 +111,21 @@ def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k, monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize(  # (each shape autotunes the kernel's configs once)
-    "n,k,group,half,prefetch",
+    "n,k,group,half",
     [
-        (4096, 4096, 128, True, False),
-        (1000, 4096, 128, True, False),
-        (6144, 14336, 128, True, False),
-        (512, 1536, 256, True, False),
-        (1000, 4096, 128, False, False),
-        (576, 576, 64, False, False),  # (groups of 64 take the fp32 products either way)
-        (4096, 4096, 128, True, True),
-        (576, 576, 64, False, True),
+        (4096, 4096, 128, True),
+        (1000, 4096, 128, True),
+        (6144, 14336, 128, True),
+        (512, 1536, 256, True),
+        (1000, 4096, 128, False),
+        (576, 576, 64, False),  # (groups of 64 take the fp32 products either way)
     ],
 )
-def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, prefetch, asym, monkeypatch):
+def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, asym, monkeypatch):
     """The one-row GEMV against the dequantized weights: products in half precision (PTX,
     groups of 128 or more) and in fp32, with and without zero points, rows that are not whole
-    blocks, SmolLM2's padded width, K splits (the autotuner tries each), and through the
-    autotuner that also tries the words loaded one step ahead (`INT4_GEMV_PREFETCH`)."""
+    blocks, SmolLM2's padded width, and K splits (the autotuner tries each)."""
     monkeypatch.setattr(L, "INT4_GEMV_HALF", half)
-    monkeypatch.setattr(L, "INT4_GEMV_PREFETCH", prefetch)
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.02
     q, s = L.quantize_int4(w, group)
