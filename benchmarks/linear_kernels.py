@@ -189,15 +189,8 @@ def _gated(w, scale, gu, fused: bool):
 
 
 def _variant(w, scale, flags: dict):
-    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch."""
-    from llmopt.engines.native import linear as L
-
-    return _with_flags(flags, lambda x: L.wo_mm(x, w, scale, "gemv"))
-
-
-def _with_flags(flags: dict, fn):
-    """`fn` with some of `linear`'s switches set for each call (captured into the benchmark's
-    CUDA graph with them), restored after."""
+    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch (captured into
+    the benchmark's CUDA graph with them), restored after."""
     from llmopt.engines.native import linear as L
 
     def run(x):
@@ -205,7 +198,7 @@ def _with_flags(flags: dict, fn):
         for name, value in flags.items():
             setattr(L, name, value)
         try:
-            return fn(x)
+            return L.wo_mm(x, w, scale, "gemv")
         finally:
             for name, value in old.items():
                 setattr(L, name, value)

@@ -60,20 +60,17 @@ def main() -> None:
             for _ in range(3):  # autotune and compile outside the profiled range
                 fn()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(f"{name}/{kern}")
             cudart.cudaProfilerStart()
             fn()
             torch.cuda.synchronize()
             cudart.cudaProfilerStop()
-            torch.cuda.nvtx.range_pop()
             print(f"profiled {name} {kern} ({n} x {k}, m={args.m})", flush=True)
     from llmopt.engines.native import triton_kernels as T
 
     for kernel in (T.wo8_gemv, T.wo8_gemv_ahead, T.int4_gemv):  # the autotuners' choices
         for key, cfg in kernel.cache.items():
-            print(
-                f"{'ahead ' if kernel.configs[-1].kwargs.get('AHEAD') else ''}{kernel.fn.__name__} {key}: {cfg}"
-            )
+            tag = "ahead " if kernel.configs[-1].kwargs.get("AHEAD") else ""
+            print(f"{tag}{kernel.fn.__name__} {key}: {cfg}")
 
 
 if __name__ == "__main__":

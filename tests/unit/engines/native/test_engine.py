@@ -568,6 +568,21 @@ def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt, monkeypatch):
     torch._dynamo.reset()
 
 
+def _gemv_variants(g, n: int, k: int):
+    """A row x (K), a residual r (N) and the one-row GEMV's variants as (args, kwargs) for
+    `wo_mm(*args, q, s, "gemv", **kwargs)`: plain, SiLU x up of a 2K row, norm, residual."""
+    x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    x2 = torch.randn(1, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
+    r = torch.randn(1, n, device="cuda", generator=g, dtype=torch.bfloat16)
+    variants = [
+        ((x,), {}),
+        ((x2,), {"gated": True}),
+        ((x,), {"norm_eps": 1e-5}),
+        ((x,), {"residual": r}),
+    ]
+    return x, r, variants
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemv_prefetch_matches_on_gpu(monkeypatch):
@@ -582,17 +597,10 @@ def test_gemv_prefetch_matches_on_gpu(monkeypatch):
         w = torch.randn(n, k, device="cuda", generator=g) * 0.05
         q, s = L.quantize_int8(w)
         s = s.float().contiguous()
-        x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        x2 = torch.randn(1, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
-        r = torch.randn(1, n, device="cuda", generator=g, dtype=torch.bfloat16)
+        _x, _r, variants = _gemv_variants(g, n, k)
         for pdl in (False, True):
             monkeypatch.setattr(L, "GEMV_PDL", pdl)
-            for args, kw in (
-                ((x,), {}),
-                ((x2,), {"gated": True}),
-                ((x,), {"norm_eps": 1e-5}),
-                ((x,), {"residual": r}),
-            ):
+            for args, kw in variants:
                 monkeypatch.setattr(L, "GEMV_PREFETCH", False)
                 want = L.wo_mm(*args, q, s, "gemv", **kw)
                 monkeypatch.setattr(L, "GEMV_PREFETCH", True)
@@ -614,15 +622,8 @@ def test_int8_gemv_through_half_precision_matches_on_gpu(monkeypatch):
         w[0, :8] = torch.linspace(-1, 1, 8)  # a row whose codes reach -127 and 127
         q, s = L.quantize_int8(w)
         s = s.float().contiguous()
-        x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        x2 = torch.randn(1, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
-        r = torch.randn(1, n, device="cuda", generator=g, dtype=torch.bfloat16)
-        for args, kw in (
-            ((x,), {}),
-            ((x2,), {"gated": True}),
-            ((x,), {"norm_eps": 1e-5}),
-            ((x,), {"residual": r}),
-        ):
+        x, r, variants = _gemv_variants(g, n, k)
+        for args, kw in variants:
             monkeypatch.setattr(L, "GEMV_INT8_F16", False)
             want = L.wo_mm(*args, q, s, "gemv", **kw)
             monkeypatch.setattr(L, "GEMV_INT8_F16", True)
