@@ -15,6 +15,7 @@ same run (bytes read + written), the ceiling a weight read can approach.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -120,7 +121,11 @@ def kernels(
                 ("int8-gemv-masked", q, sc, ref8, {"GEMV_EVEN": False}),
                 ("fp8-gemv-masked", qf, sfc, reff, {"GEMV_EVEN": False}),
                 ("int8-gemv-noprefetch", q, sc, ref8, {"GEMV_PREFETCH": False}),
+                ("int8-gemv-cuda", q, sc, ref8, {"GEMV_CUDA": True}),
+                ("fp8-gemv-cuda", qf, sfc, reff, {"GEMV_CUDA": True}),
             ):
+                if flags.get("GEMV_CUDA") and _cuda_gemv_reason():
+                    continue
                 fn, c = rotate(
                     n * k, lambda wq=wq, ws=ws, flags=flags: _variant(wq.clone(), ws, flags)
                 )
@@ -176,6 +181,17 @@ def kernels(
         qf, sf = L.quantize_fp8(w.float())
         fn, c = rotate(n * k, lambda: L.Fp8Linear(qf.clone(), sf, None, dt))
         yield "fp8", n * k, fn, xf @ (qf.float() * sf[:, None]).t(), c
+
+
+@functools.cache
+def _cuda_gemv_reason() -> str:
+    """Why the CUDA GEMV columns are left out ('' when they run), printed once."""
+    from llmopt.engines.native import linear as L
+
+    reason = L.prepare_cuda_gemv("cuda")
+    if reason:
+        print(f"CUDA GEMV columns left out: {reason}")
+    return reason
 
 
 def _gated(w, scale, gu, fused: bool):

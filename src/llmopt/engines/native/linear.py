@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.engines.native import cuda_gemv
 from llmopt.engines.native.attention import _INTERPRET, launch
 
 __all__ = [
@@ -63,6 +64,8 @@ __all__ = [
     "GEMV_PDL",
     "GEMV_INT8_F16",
     "GEMV_PREFETCH",
+    "GEMV_CUDA",
+    "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
     "pack_int4_planar",
@@ -155,6 +158,8 @@ class Int8Linear(_QuantLinear):
         # (benchmarks/linear_kernels.py): CUDA uses the Triton kernel (`wo_mm`).
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
+        if self.triton_kernel and GEMV_CUDA:  # built and checked now, not inside a compiled step
+            cuda_gemv.available(q.device.index or 0)
         self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,6 +272,8 @@ class Fp8Linear(_QuantLinear):
         # 16-bit): `_scaled_mm` at one row reads FP8 weights at well under half of bandwidth
         # (benchmarks/linear_kernels.py) and needs three extra kernels to quantize activations.
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
+        if self.triton_kernel and GEMV_CUDA:  # built and checked now, not inside a compiled step
+            cuda_gemv.available(q.device.index or 0)
         self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -356,6 +363,13 @@ GEMV_INT8_F16 = False
 # to end, does not have it (`benchmarks/decode.py --linear default GEMV_PREFETCH=off`;
 # docs/benchmarks.md).
 GEMV_PREFETCH = True
+# The one-row int8/FP8 GEMV in CUDA C++ (`cuda_gemv`: more loads in flight per thread, fewer
+# instructions per weight byte) instead of Triton's, on GPUs where it builds (nvcc and ninja
+# present) and passes its check; otherwise, and for the SiLU x up input, Triton's. Layers
+# built while this is on build the kernel eagerly (`cuda_gemv.available`); benchmarks that
+# switch it on later call `prepare_cuda_gemv` first (`benchmarks/decode.py --linear
+# GEMV_CUDA=on`).
+GEMV_CUDA = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -480,6 +494,13 @@ def wo_mm(
         kernel = "gemv" if m == 1 else "dot"
     if (gated or norm_eps is not None or residual is not None) and kernel != "gemv":
         raise ValueError(f"gated, normalized or residual input needs the GEMV, not {kernel!r}")
+    if kernel == "gemv" and not gated and _cuda_gemv_here(x, w):
+        eps = 0.0 if norm_eps is None else float(norm_eps)
+        r = x if residual is None else residual.reshape(m, n)
+        pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
+        return cuda_gemv.wo8_gemv(
+            x, w, scale, r, eps, norm_eps is not None, residual is not None, pdl
+        )
     if kernel == "gemv":
         # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
         words = w.dtype == torch.int8 and k % 4 == 0
@@ -516,6 +537,24 @@ def wo_mm(
     name = "wo8_dot_nosplit" if kernel == "dot1" else "wo8_dot"
     launch(_kernel(name), grid2, x, w, scale, y, ws, counters, m, n, _m_bucket(m), K=k)
     return y
+
+
+def prepare_cuda_gemv(device: torch.device | str | None = None) -> str:
+    """Build and check the CUDA GEMV for `device` now (eagerly, outside any compiled step) so
+    that `GEMV_CUDA` can route to it; '' when it runs there, else why not."""
+    dev = torch.device(device or "cuda")
+    return cuda_gemv.unavailable_reason(dev.index or 0) if dev.type == "cuda" else "not a GPU"
+
+
+def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # a dict lookup inside a compiled step: whether it was built here is decided eagerly
+    return (
+        GEMV_CUDA
+        and x.device.type == "cuda"
+        and not _INTERPRET
+        and cuda_gemv.ready(x.device.index or 0)
+        and cuda_gemv.supports(x, w)
+    )
 
 
 def _gemv(

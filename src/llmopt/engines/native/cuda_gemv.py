@@ -1,0 +1,204 @@
+"""The one-row GEMV for int8 and FP8 weights in CUDA C++ (`csrc/wo8_gemv.cu`), built on first
+use with PyTorch's extension builder (`torch.utils.cpp_extension.load`: nvcc and ninja).
+
+Why CUDA C++ when every other decode kernel is Triton: Nsight Compute showed the Triton GEMVs
+(`triton_kernels.wo8_gemv`) reading 1-byte weights at 58-72% of DRAM peak, stalled on their
+loads with few warps resident and ~5.3 instructions issued per weight byte
+(docs/native-engine.md, "What the GEMVs wait on"). What would fix both is control Triton does
+not give: how many loads each thread has in flight (here 2 x UNROLL x ROWS 16-byte loads,
+issued a loop step ahead of their products, whatever the occupancy) and how a byte becomes a
+float (here a byte permute and an fp32 add per int8 weight, about 3.3 instructions per byte in
+all; FP8 pairs through the hardware's f16x2 conversion). It takes the same fused work as the
+Triton GEMV (the RMSNorm whose weight is folded into the columns, the residual add, the launch
+as a programmatic dependent), so `linear.wo_mm` can route a one-row GEMV to either
+(`linear.GEMV_CUDA`); the SiLU x up input (`gated`) stays Triton's.
+
+Where nvcc, ninja or a GPU is missing, or the build or its check fails, `available` is False
+with the reason in `unavailable_reason()`, and the engine keeps the Triton GEMV. The build is
+cached by PyTorch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) and keyed on the
+source, so it runs once per source and GPU architecture (about a minute).
+
+Each configuration (rows per block, warps, loads per step: `CONFIGS`) is timed once per weight
+shape on first use, outside CUDA graph capture, with the L2 cache flushed between calls
+(Triton's `do_bench`, as Triton's autotuner times the other kernels); under capture an
+untimed shape takes `DEFAULT_CONFIG`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "wo8_gemv.cu"
+# (rows per block, warps per block, 16-byte loads per row per loop step): csrc/wo8_gemv.cu's
+# LLMOPT_WO8_CONFIGS, in its order.
+CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
+DEFAULT_CONFIG = 2
+WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+_REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
+_TUNED: dict[tuple, int] = {}  # (n, k, weight dtype, activation dtype, rows) -> config
+
+
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{major}{minor}"
+
+
+def missing_tools() -> str | None:
+    """What the build needs and this machine lacks (None when nothing): nvcc and ninja."""
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None and shutil.which("nvcc") is None:
+        return "nvcc not found (install the CUDA toolkit matching PyTorch's CUDA, or set CUDA_HOME)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja not found (pip install ninja)"
+    return None
+
+
+@functools.cache
+def _module(arch: str):
+    """Build (or load the cached build of) the extension for compute capability `arch`."""
+    from torch.utils import cpp_extension
+
+    log.info("building the CUDA GEMV for sm_%s (once; about a minute)", arch)
+    return cpp_extension.load(
+        name=f"llmopt_wo8_gemv_sm{arch}",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+        verbose=False,
+    )
+
+
+def available(index: int = 0) -> bool:
+    """The kernel is built for GPU `index` and gives the right answer there. Decided once per
+    device, eagerly (the layers ask at construction), so that inside a compiled step this is a
+    dict lookup; the reason for a False is in `unavailable_reason`."""
+    if index not in _REASON:
+        _REASON[index] = _check(index)
+    return _REASON[index] == ""
+
+
+def ready(index: int = 0) -> bool:
+    """`available(index)` as already decided (False when not yet asked): never builds, so it
+    may run inside a compiled step."""
+    return _REASON.get(index) == ""
+
+
+def unavailable_reason(index: int = 0) -> str:
+    """Why `available(index)` is False ('' when it is True)."""
+    available(index)
+    return _REASON[index]
+
+
+def _check(index: int) -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.cuda.get_device_capability(index) < (8, 0):
+        return "needs compute capability 8.0 or newer (bf16 arithmetic)"
+    tools = missing_tools()
+    if tools:
+        return tools
+    try:
+        mod = _module(_arch(index))
+        if mod.configs != len(CONFIGS):
+            return f"the built extension has {mod.configs} configs, this module {len(CONFIGS)}"
+        dev = torch.device("cuda", index)
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(37, 512, device=dev, generator=g)
+        x = torch.randn(2, 512, device=dev, generator=g, dtype=torch.bfloat16)
+        for wq, s in _quantized(w):
+            ref = x.float() @ (wq.float() * s[:, None]).t()
+            for c in range(len(CONFIGS)):
+                y = mod.wo8_gemv(x, wq, s, x, 0.0, False, False, c, False)
+                err = float((y.float() - ref).norm() / ref.norm())
+                if err > 1e-2:
+                    return f"wrong result (relative error {err:.2e}, {wq.dtype}, config {c})"
+    except Exception as e:  # a toolkit/driver mismatch must not take the engine down
+        log.warning("CUDA GEMV unavailable, the Triton GEMV runs instead (%s)", e)
+        return f"build or launch failed: {e}"
+    return ""
+
+
+def _quantized(w: torch.Tensor):
+    """int8 and (where the GPU converts it) FP8 versions of `w` with per-row scales."""
+    amax = w.abs().amax(dim=1).clamp(min=1e-8)
+    s8 = amax / 127
+    yield (w / s8[:, None]).round().clamp(-127, 127).to(torch.int8), s8
+    if torch.cuda.get_device_capability(w.device) >= (8, 9):
+        sf = amax / 448
+        yield (w / sf[:, None]).to(torch.float8_e4m3fn), sf
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # the kernel reads x and w in 16-byte vectors: a view at an odd offset is copied
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _config(x, w, scale, r, eps: float, norm: bool, resid: bool) -> int:
+    key = (w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0])
+    if key in _TUNED:
+        return _TUNED[key]
+    if torch.cuda.is_current_stream_capturing():
+        return DEFAULT_CONFIG  # (not stored: the next eager call times it)
+    from triton.testing import do_bench
+
+    mod = _module(_arch(x.device.index or 0))
+    times = []
+    for c in range(len(CONFIGS)):
+
+        def run(c=c):
+            mod.wo8_gemv(x, w, scale, r, eps, norm, resid, c, False)
+
+        times.append(do_bench(run, warmup=5, rep=25))
+    _TUNED[key] = min(range(len(CONFIGS)), key=times.__getitem__)
+    log.debug("CUDA GEMV %s: config %s (%s)", key, CONFIGS[_TUNED[key]], times)
+    return _TUNED[key]
+
+
+# An opaque operator for torch.compile (a C++ launch it cannot trace); CUDA graphs capture it,
+# with its programmatic-dependent edge when `pdl`.
+@torch.library.custom_op("llmopt::wo8_gemv_cuda", mutates_args=())
+def wo8_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    r: torch.Tensor,
+    eps: float,
+    norm: bool,
+    resid: bool,
+    pdl: bool,
+) -> torch.Tensor:
+    """y (M, N) = (x (M, K) @ w (N, K)^T) * scale (N,), times rsqrt(mean(x^2) + eps) with
+    `norm` (the RMSNorm folded into w's columns), plus `r` (M, N) with `resid` (else `r` is any
+    tensor, unread). w int8 or float8_e4m3fn, K a multiple of 16; x bf16 or fp16; scale fp32 or
+    x's dtype. `available()` must be True for x's device."""
+    x, w = _aligned(x.contiguous()), _aligned(w.contiguous())
+    scale = scale.reshape(-1).contiguous()
+    r = r.contiguous()
+    cfg = _config(x, w, scale, r, eps, norm, resid)
+    return _module(_arch(x.device.index or 0)).wo8_gemv(x, w, scale, r, eps, norm, resid, cfg, pdl)
+
+
+@wo8_gemv.register_fake
+def _(x, w, scale, r, eps, norm, resid, pdl):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The kernel takes these shapes and dtypes (not whether it is built: `available`)."""
+    return (
+        w.dtype in WEIGHT_DTYPES
+        and x.dtype in ACT_DTYPES
+        and x.dim() == 2
+        and w.shape[1] % 16 == 0
+        and x.shape[1] == w.shape[1]
+    )

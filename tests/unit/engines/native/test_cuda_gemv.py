@@ -1,0 +1,180 @@
+"""The one-row int8/FP8 GEMV in CUDA C++ (`cuda_gemv`, `csrc/wo8_gemv.cu`): it compiles for
+sm_90 wherever nvcc is (kernels alone: a CPU-only PyTorch has no CUDA headers), it says why
+it does not run where it cannot, and on a GPU every configuration, format and fused variant
+matches the dequantized reference and the Triton GEMV, through `linear.wo_mm` and a decode."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from llmopt.engines.native import cuda_gemv as C
+from llmopt.engines.native import linear as L
+
+needs_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and C.available()),
+    reason="needs a CUDA GPU with nvcc and ninja (the CUDA GEMV builds on first use)",
+)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """Every configuration of `CONFIGS` compiles for sm_90 (int8 and FP8, bf16 activations),
+    without spilling registers to local memory (a spill in the main loop would put a memory
+    round trip beside each weight load)."""
+    out = subprocess.run(
+        [
+            "nvcc",
+            "-std=c++17",
+            "-O3",
+            "-gencode=arch=compute_90,code=sm_90",
+            "-DLLMOPT_WO8_KERNELS_ONLY",
+            "-Xptxas",
+            "-v",
+            "-c",
+            str(C.SOURCE),
+            "-o",
+            str(tmp_path / "wo8.o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    used = re.findall(r"Used (\d+) registers", out.stderr)
+    assert len(used) == 2 * len(C.CONFIGS), out.stderr[-3000:]  # int8 and FP8 per config
+    assert all(int(u) <= 255 for u in used)
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+    assert spills and all(s == "0" for s in spills), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
+def test_unavailable_without_gpu_says_why():
+    assert not C.available(0)
+    assert not C.ready(0)
+    assert C.unavailable_reason(0) == "no CUDA GPU"
+    assert L.prepare_cuda_gemv("cpu") == "not a GPU"
+
+
+def test_supports_only_what_the_kernel_reads():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert C.supports(x, torch.zeros(8, 64, dtype=torch.int8))
+    assert C.supports(x.half(), torch.zeros(8, 64, dtype=torch.float8_e4m3fn))
+    assert not C.supports(x, torch.zeros(8, 64, dtype=torch.bfloat16))  # 16-bit: Triton's
+    assert not C.supports(x.float(), torch.zeros(8, 64, dtype=torch.int8))
+    x48 = torch.zeros(1, 48 + 8, dtype=torch.bfloat16)
+    assert not C.supports(x48, torch.zeros(8, 56, dtype=torch.int8))  # K % 16
+
+
+def _reference(x, q, s, eps=None, r=None):
+    y = x.float() @ (q.float() * s.float().reshape(-1)[:, None]).t()
+    if eps is not None:
+        y = y * torch.rsqrt(x.float().pow(2).mean(dim=1, keepdim=True) + eps)
+    if r is not None:
+        y = y + r.float()
+    return y
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("wdtype", ["int8", "fp8"])
+@pytest.mark.parametrize("adtype", [torch.bfloat16, torch.float16])
+def test_every_config_matches_reference_on_gpu(wdtype, adtype):
+    """Each configuration, N not a multiple of any block's rows, K a few loop steps or one
+    partial step, one and three activation rows, plain / normalized / residual: within bf16
+    rounding of the fp32 product of the dequantized weights."""
+    if wdtype == "fp8" and not L.fp8_supported():
+        pytest.skip("FP8 conversion needs compute capability 8.9")
+    mod = C._module(C._arch(0))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((1000, 2048), (37, 144), (4096, 14336)):
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+        w[0, :8] = torch.linspace(-1, 1, 8, device="cuda")  # int8 codes reach -127 and 127
+        q, s = L.quantize_int8(w) if wdtype == "int8" else L.quantize_fp8(w)
+        s = s.float().contiguous()
+        for m in (1, 3):
+            x = torch.randn(m, k, device="cuda", generator=g).to(adtype)
+            r = torch.randn(m, n, device="cuda", generator=g).to(adtype)
+            for eps, res in ((None, None), (1e-5, None), (None, r)):
+                want = _reference(x, q, s, eps, res)
+                for c in range(len(C.CONFIGS)):
+                    for scale in (s, s.to(adtype)):
+                        got = mod.wo8_gemv(
+                            x, q, scale, r, eps or 0.0, eps is not None, res is not None, c, False
+                        )
+                        err = float((got.float() - want).norm() / want.norm())
+                        assert err < 1e-2, (n, k, m, eps, res is not None, c, err)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_wo_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
+    """`GEMV_CUDA`: `wo_mm`'s one-row GEMV goes to the CUDA kernel (a `llmopt::wo8_gemv_cuda`
+    call) and gives the Triton GEMV's outputs in every variant it takes, through the plain and
+    the dependent launch; the SiLU x up input stays Triton's."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    calls = []
+    real = C._module(C._arch(0)).wo8_gemv
+
+    class Spy:
+        configs = len(C.CONFIGS)
+
+        def wo8_gemv(self, *args):
+            calls.append(args[-1])
+            return real(*args)
+
+    monkeypatch.setattr(C, "_module", lambda arch: Spy())
+    for quant in (L.quantize_int8, L.quantize_fp8):
+        n, k = 1024, 2048
+        q, s = quant(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+        s = s.float().contiguous()
+        x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        r = torch.randn(1, n, device="cuda", generator=g, dtype=torch.bfloat16)
+        for kw in ({}, {"norm_eps": 1e-5}, {"residual": r}):
+            monkeypatch.setattr(L, "GEMV_CUDA", False)
+            want = L.wo_mm(x, q, s, "gemv", **kw)
+            for pdl in (False, True):
+                monkeypatch.setattr(L, "GEMV_CUDA", True)
+                monkeypatch.setattr(L, "GEMV_PDL", pdl)
+                before = len(calls)
+                got = L.wo_mm(x, q, s, "gemv", **kw)
+                assert len(calls) == before + 1 and calls[-1] is pdl
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        x2 = torch.randn(1, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
+        before = len(calls)
+        L.wo_mm(x2, q, s, "gemv", gated=True)
+        assert len(calls) == before
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_decode_with_cuda_gemv_matches_triton_on_gpu(tiny_llama_dir, monkeypatch):
+    """A compiled int8 and FP8 decode (CUDA graphs, the norm and residual fused into the GEMVs)
+    gives the Triton GEMV's greedy tokens with the CUDA GEMV (the first ones: the two sum in
+    another order, and a random tiny model has near ties), and runs the CUDA kernel."""
+    from llmopt.engines.generation import SamplingParams
+    from llmopt.engines.native import load_generator
+
+    tuned = len(C._TUNED)
+    for rec in ("w8a16", "fp8-dynamic")[: 1 + L.fp8_supported()]:
+        got = {}
+        for on in (False, True):
+            monkeypatch.setattr(L, "GEMV_CUDA", on)
+            gen = load_generator(tiny_llama_dir, rec, device="cuda", compile=True)
+            got[on], _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
+            del gen
+            torch._dynamo.reset()
+        assert len(got[True]) == 8 and got[True][:4] == got[False][:4], rec
+    assert len(C._TUNED) > tuned  # the CUDA kernel ran (timed its configs for the new shapes)
+
+
+def test_configs_match_the_kernel_table():
+    """`CONFIGS` indexes the .cu file's LLMOPT_WO8_CONFIGS by position: the two must agree."""
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+)\)", C.SOURCE.read_text())
+    assert [int(i) for i, *_ in rows] == list(range(len(rows)))
+    assert tuple(tuple(int(v) for v in cfg) for _, *cfg in rows) == C.CONFIGS
+    assert 0 <= C.DEFAULT_CONFIG < len(C.CONFIGS)
