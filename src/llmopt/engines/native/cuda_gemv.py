@@ -84,6 +84,13 @@ def available(index: int = 0) -> bool:
     dict lookup; the reason for a False is in `unavailable_reason`."""
     if index not in _REASON:
         _REASON[index] = _check(index)
+        if _REASON[index] and _REASON[index] != "no CUDA GPU":
+            log.warning(
+                "the CUDA GEMV does not run on GPU %d (%s): int8/FP8 decode uses the slower "
+                "Triton GEMV",
+                index,
+                _REASON[index],
+            )
     return _REASON[index] == ""
 
 
@@ -123,8 +130,7 @@ def _check(index: int) -> str:
                 if err > 1e-2:
                     return f"wrong result (relative error {err:.2e}, {wq.dtype}, config {c})"
     except Exception as e:  # a toolkit/driver mismatch must not take the engine down
-        log.warning("CUDA GEMV unavailable, the Triton GEMV runs instead (%s)", e)
-        return f"build or launch failed: {e}"
+        return f"build or launch failed: {str(e)[:2000]}"
     return ""
 
 

@@ -512,14 +512,19 @@ def test_silu_down_matches_the_two_ops_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16", "int8-cuda", "fp8-cuda"])
 def test_gemv_pdl_matches_the_plain_launch_on_gpu(fmt, monkeypatch):
     """The one-row GEMV launched as a programmatic dependent (`GEMV_PDL`: its first weight tile
     loaded before it waits for its input) gives the plain launch's output in every variant,
     with and without masks, eagerly and inside a compiled step's CUDA graph, where its input
-    is written by the kernel just before it (an Inductor kernel, then the other GEMV)."""
+    is written by the kernel just before it (an Inductor kernel, then the other GEMV). `-cuda`:
+    the CUDA C++ GEMV (`GEMV_CUDA`), else Triton's."""
     from llmopt.engines.native import linear as L
 
+    fmt, _, cuda = fmt.partition("-")
+    monkeypatch.setattr(L, "GEMV_CUDA", bool(cuda))
+    if cuda and L.prepare_cuda_gemv("cuda"):
+        pytest.skip(f"the CUDA GEMV does not run here ({L.prepare_cuda_gemv('cuda')})")
     if fmt == "fp8" and not L.fp8_supported():
         pytest.skip("FP8 needs compute capability 8.9+")
     if torch.cuda.get_device_capability() < (9, 0):
@@ -592,6 +597,8 @@ def test_gemv_prefetch_matches_on_gpu(monkeypatch):
     tile or less, through the plain and the dependent launch."""
     from llmopt.engines.native import linear as L
 
+    monkeypatch.setattr(L, "GEMV_CUDA", False)  # (a switch of the Triton GEMV)
+
     g = torch.Generator(device="cuda").manual_seed(1)
     for n, k in ((1024, 2048), (1000, 2000), (96, 256)):  # unmasked, masked, one tile of K
         w = torch.randn(n, k, device="cuda", generator=g) * 0.05
@@ -615,6 +622,8 @@ def test_int8_gemv_through_half_precision_matches_on_gpu(monkeypatch):
     the same weights, so the same outputs as the plain GEMV, in every variant, with and
     without masks, and the dequantized reference."""
     from llmopt.engines.native import linear as L
+
+    monkeypatch.setattr(L, "GEMV_CUDA", False)  # (a switch of the Triton GEMV)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((1024, 2048), (1000, 2000)):
