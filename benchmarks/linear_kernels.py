@@ -77,6 +77,9 @@ def kernels(
     """
     from llmopt.engines.native import linear as L
 
+    # the `int8-gemv`/`fp8-gemv` columns (and the layers') are Triton's GEMV; the `-cuda`
+    # columns switch the CUDA GEMV on for their own launches
+    L.GEMV_CUDA = False
     dt = torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.randn(n, k, generator=g) * 0.02).to(device=device, dtype=dt)
