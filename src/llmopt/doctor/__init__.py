@@ -75,6 +75,7 @@ def collect_facts(*, use_torch: bool = True, nvml: Any = None) -> dict[str, Any]
         "nvml_answers": nvml_answers,
         "nvidia_smi": smi,
         "torch": gpu.probe_torch() if use_torch else None,
+        "build_tools": probe.probe_build_tools(),
     }
 
 

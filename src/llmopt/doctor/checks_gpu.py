@@ -341,6 +341,44 @@ def _runtime(
     return out
 
 
+def _build_tools(facts: dict[str, Any]) -> Finding | None:
+    """Can the native engine build its CUDA C++ GEMV here (nvcc matching torch's CUDA, ninja)?
+    Without it int8/FP8 decode runs Triton's GEMV, slower (docs/native-engine.md)."""
+    tools, t = facts.get("build_tools"), facts.get("torch") or {}
+    if tools is None or not t.get("cuda"):  # (recorded before this check, or no CUDA torch)
+        return None
+    fix = (
+        f"install the CUDA toolkit {t['cuda']} (its nvcc on PATH or CUDA_HOME set) and ninja "
+        "(pip install ninja); the kernel builds once, on first use"
+    )
+    missing = [name for name in ("nvcc", "ninja") if not tools.get(name)]
+    if missing:
+        return Finding(
+            "native.cuda_build",
+            "native CUDA kernels",
+            "warn",
+            f"{' and '.join(missing)} not found: the native engine's int8/FP8 one-row GEMV "
+            "falls back to Triton's (slower decode)",
+            fix,
+        )
+    nv = tools.get("nvcc_version")
+    if nv and nv.split(".")[0] != str(t["cuda"]).split(".")[0]:
+        return Finding(
+            "native.cuda_build",
+            "native CUDA kernels",
+            "warn",
+            f"nvcc {nv} and torch's CUDA {t['cuda']} differ in major version: PyTorch refuses "
+            "to build extensions then, and int8/FP8 decode falls back to Triton's GEMV",
+            fix,
+        )
+    return Finding(
+        "native.cuda_build",
+        "native CUDA kernels",
+        "ok",
+        f"nvcc {nv or '?'} ({tools['nvcc']}) and ninja: the native engine's CUDA GEMV can be built",
+    )
+
+
 def _device(
     facts: dict[str, Any], gpus: list[dict[str, Any]], target: str
 ) -> tuple[Finding, dict[str, Any] | None]:
@@ -455,6 +493,8 @@ def gpu_findings(
     dt = _dtypes(gpus)
     findings += [dt] if dt else []
     findings += _runtime(facts, gpus, driver.details)
+    build = _build_tools(facts)
+    findings += [build] if build else []
     dev_finding, device = _device(facts, gpus, target)
     compat_findings, table = _compat(facts, gpus)
     return findings + [dev_finding] + compat_findings, gpus, device, table

@@ -178,6 +178,29 @@ def probe_packages() -> dict[str, str | None]:
     return out
 
 
+def probe_build_tools() -> dict[str, Any]:
+    """What building CUDA C++ extensions needs (the native engine's CUDA GEMV): nvcc (on PATH
+    or under $CUDA_HOME/bin) and its version, and ninja."""
+    import re
+    import subprocess
+
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc") or (
+        str(Path(home) / "bin" / "nvcc")
+        if home and (Path(home) / "bin" / "nvcc").exists()
+        else None
+    )
+    version = None
+    if nvcc:
+        try:
+            out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=10)
+            m = re.search(r"release (\d+\.\d+)", out.stdout)
+            version = m.group(1) if m else None
+        except (OSError, subprocess.SubprocessError):
+            version = None
+    return {"nvcc": nvcc, "nvcc_version": version, "ninja": shutil.which("ninja")}
+
+
 def probe_container() -> dict[str, Any]:
     """Are we inside a container, and which container tools and NVIDIA toolkit pieces exist."""
     evidence = []

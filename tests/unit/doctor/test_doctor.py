@@ -265,6 +265,26 @@ def test_gpu_stack_failures_synthetic():
     assert noarch.get("cuda.arch").status == "fail"
 
 
+def test_cuda_build_tools_synthetic():
+    """The native engine's CUDA GEMV needs nvcc (the major version of torch's CUDA) and ninja:
+    each missing piece is a warning that says what falls back and how to fix it; a recording
+    made before the check has no finding."""
+    assert diagnose(_h200(), "cuda").get("native.cuda_build") is None  # (recorded before)
+    cuda = H200_FACTS["torch"]["cuda"]
+    nvcc = {"nvcc": "/usr/local/cuda/bin/nvcc", "nvcc_version": cuda, "ninja": "/usr/bin/ninja"}
+    ok = diagnose({**_h200(), "build_tools": nvcc}, "cuda").get("native.cuda_build")
+    assert ok.status == "ok" and cuda in ok.evidence
+    for edit, words in (
+        ({"nvcc": None, "nvcc_version": None}, "nvcc not found"),
+        ({"ninja": None}, "ninja not found"),
+        ({"nvcc_version": "11.8"}, "major version"),
+    ):
+        f = diagnose({**_h200(), "build_tools": {**nvcc, **edit}}, "cuda").get("native.cuda_build")
+        assert f.status == "warn" and words in f.evidence and "ninja" in f.fix, edit
+    cpu_torch = _h200(torch__cuda=None, torch__cuda_available=False, torch__devices=[])
+    assert diagnose({**cpu_torch, "build_tools": nvcc}, "cuda").get("native.cuda_build") is None
+
+
 def test_device_selection_synthetic():
     f = _h200()
     l4 = dict(
@@ -333,5 +353,7 @@ def test_collect_facts_is_json_and_has_every_section():
         "nvml",
         "nvidia_smi",
         "torch",
+        "build_tools",
     }
+    assert set(facts["build_tools"]) == {"nvcc", "nvcc_version", "ninja"}
     json.dumps(facts)

@@ -553,8 +553,8 @@ def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
         GEMV_CUDA
         and x.device.type == "cuda"
         and not _INTERPRET
+        and cuda_gemv.supports(x, w)  # (first: a bf16 layer's step never reads the build state)
         and cuda_gemv.ready(x.device.index or 0)
-        and cuda_gemv.supports(x, w)
     )
 
 
