@@ -16,11 +16,13 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: TESTS_K="prefetch or int4_gemv" bash ... native-tests   # the loosened prefetch test
-#   call 2: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
+#   call 1: TESTS_K="cuda or gemv or quantized_decode" bash ... native-tests  # the CUDA GEMV's
+#           compiled-decode and dependent-launch tests (not yet run on a GPU; builds it, ~1 min)
+#   call 2: smol-decode                     # every format, SmolLM2 shape, with the CUDA GEMV
+#   call 3: MODES="bf16 int8 fp8 int4" PROFILE=--profile bash ... decode  # every format, the
+#           step's kernel table with the CUDA GEMV (why int8 gained 19% end to end, 6% alone)
+#   call 4: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
 #           GEMV at one row, its tensor-core kernels at 8 and 64) against tinygemm's, each batch
-#   call 3: MODES="bf16 int8 fp8 int4" bash ... decode   # every format with today's defaults
-#   call 4: smol-decode                                  # every format, SmolLM2 shape
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #
@@ -31,7 +33,8 @@
 # `smol-part`, .devdata/smol/part-aa, part-ab. `bash benchmarks/h200_prepare.sh` builds all of them on a
 # machine with PyPI (after `bash scripts/setup.sh --dev`; its header lists what to carry). The
 # issue-24 steps (native-tests, decode-ab, rope-ab, ab, overlap, attention, kernels, sweep, decode,
-# smol-decode) need none of these: the image's torch, triton and pytest suffice. Results go to
+# smol-decode) need none of these: the image's torch, triton and pytest suffice (and its nvcc and
+# ninja, which build the CUDA GEMV on first use). Results go to
 # $OUT (default /tmp/h200-out); TAG=name makes `ab` write ab-name.json/.log, so that several
 # comparisons fit one call.
 set -uo pipefail
@@ -126,7 +129,7 @@ for step in "$@"; do
       # take ~7 min on a fresh machine; TESTS_K narrows them (e.g. TESTS_K=pdl)
       python3 -m pytest -q -p no:cacheprovider tests/unit/engines/native/test_attention.py \
         tests/unit/engines/native/test_linear_int4.py tests/unit/engines/native/test_engine.py \
-        tests/unit/engines/native/test_scoring.py \
+        tests/unit/engines/native/test_scoring.py tests/unit/engines/native/test_cuda_gemv.py \
         -k "${TESTS_K:-(attention or int4 or triton or gpu) and not calibrated}" 2>&1 | tee "$OUT/native-tests.log" | tail -15 ;;
     decode-ab)  # issue 24: bf16 decode, flash-decoding kernel vs the gather path, interleaved
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
