@@ -353,6 +353,7 @@ LINEAR_SWITCHES = (
     "GEMV_INT8_F16",
     "GEMV_PREFETCH",
     "GEMV_CUDA",
+    "INT4_GEMV_CUDA",
 )
 
 
@@ -519,10 +520,11 @@ def main() -> None:
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     )
     linears = linear_settings(args.linear)
-    if cuda and any(lin.get("GEMV_CUDA") for lin in linears):  # built now, not while compiling
-        reason = L.prepare_cuda_gemv(args.device)
-        if reason:
-            sys.exit(f"--linear GEMV_CUDA=on: the CUDA GEMV does not run here ({reason})")
+    for name, int4 in (("GEMV_CUDA", False), ("INT4_GEMV_CUDA", True)):
+        if cuda and any(lin.get(name) for lin in linears):  # built now, not while compiling
+            reason = L.prepare_cuda_gemv(args.device, int4=int4)
+            if reason:
+                sys.exit(f"--linear {name}=on: the CUDA GEMV does not run here ({reason})")
     switch_defaults = {name: getattr(L, name) for name in LINEAR_SWITCHES}
     rope_default, rope_rows = A.FUSE_ROPE, A.FUSE_ROPE_MAX_ROWS
     modes = args.modes or (["bf16", "int8", "int4"] + (["fp8"] if L.fp8_supported() else []))

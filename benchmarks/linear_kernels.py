@@ -169,6 +169,16 @@ def kernels(
 
                 fn, c = rotate(n * k // 2, gemv)
                 yield name, n * k // 2, fn, xf @ deq.t(), c
+            if k % 256 == 0 and not _cuda_gemv_reason(int4=True):  # and the CUDA C++ one
+
+                def gemv_cuda():
+                    p = pk.clone()
+                    return lambda x: _with(
+                        {"INT4_GEMV_CUDA": True}, lambda: L.int4_mm(x, p, s4b, None, 128, "gemv")
+                    )
+
+                fn, c = rotate(n * k // 2, gemv_cuda)
+                yield "int4-g128-gemv-cuda", n * k // 2, fn, xf @ deq.t(), c
         if device == "cuda":  # PyTorch's tinygemm, the CUDA default
             u = q4.to(torch.int32) + 8
             u8 = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
@@ -187,13 +197,14 @@ def kernels(
 
 
 @functools.cache
-def _cuda_gemv_reason() -> str:
-    """Why the CUDA GEMV columns are left out ('' when they run), printed once."""
+def _cuda_gemv_reason(int4: bool = False) -> str:
+    """Why the CUDA GEMV columns (`int4`: the int4 one) are left out ('' when they run),
+    printed once."""
     from llmopt.engines.native import linear as L
 
-    reason = L.prepare_cuda_gemv("cuda")
+    reason = L.prepare_cuda_gemv("cuda", int4=int4)
     if reason:
-        print(f"CUDA GEMV columns left out: {reason}")
+        print(f"CUDA {'int4 ' if int4 else ''}GEMV columns left out: {reason}")
     return reason
 
 
@@ -207,22 +218,26 @@ def _gated(w, scale, gu, fused: bool):
     return lambda x: L.wo_mm(F.silu(g) * u, w, scale, "gemv")
 
 
-def _variant(w, scale, flags: dict):
-    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch (captured into
-    the benchmark's CUDA graph with them), restored after."""
+def _with(flags: dict, call):
+    """`call()` with some of `linear`'s module switches set (captured into the benchmark's CUDA
+    graph with them), restored after."""
     from llmopt.engines.native import linear as L
 
-    def run(x):
-        old = {name: getattr(L, name) for name in flags}
-        for name, value in flags.items():
+    old = {name: getattr(L, name) for name in flags}
+    for name, value in flags.items():
+        setattr(L, name, value)
+    try:
+        return call()
+    finally:
+        for name, value in old.items():
             setattr(L, name, value)
-        try:
-            return L.wo_mm(x, w, scale, "gemv")
-        finally:
-            for name, value in old.items():
-                setattr(L, name, value)
 
-    return run
+
+def _variant(w, scale, flags: dict):
+    """The one-row GEMV with some of `linear`'s GEMV switches set for its launch (`_with`)."""
+    from llmopt.engines.native import linear as L
+
+    return lambda x: _with(flags, lambda: L.wo_mm(x, w, scale, "gemv"))
 
 
 def _raw(mm, w, scale, kern):

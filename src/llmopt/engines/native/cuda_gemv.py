@@ -18,6 +18,11 @@ with the reason in `unavailable_reason()`, and the engine keeps the Triton GEMV.
 cached by PyTorch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) and keyed on the
 source, so it runs once per source and GPU architecture (about a minute).
 
+`int4_gemv` is the same design for int4 weights in `linear.pack_int4_planar`'s layout
+(`csrc/int4_gemv.cu`: Marlin's dequantization, two codes per f16x2 instruction, products in
+f16 per scale group): opt-in (`linear.INT4_GEMV_CUDA`), compiled for sm_90 in the tests but not
+yet run on a GPU. It is a second extension, so that a failure of one leaves the other.
+
 Each configuration (rows per block, warps, loads per step: `CONFIGS`) is timed once per weight
 shape on first use, outside CUDA graph capture, with the L2 cache flushed between calls
 (Triton's `do_bench`, as Triton's autotuner times the other kernels); under capture an
@@ -29,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -36,15 +42,19 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "wo8_gemv.cu"
+INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cu"
 # (rows per block, warps per block, 16-byte loads per row per loop step): csrc/wo8_gemv.cu's
 # LLMOPT_WO8_CONFIGS, in its order.
 CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
 DEFAULT_CONFIG = 2
+# csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS, in its order
+INT4_CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (2, 8, 2))
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 _REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
-_TUNED: dict[tuple, int] = {}  # (n, k, weight dtype, activation dtype, rows) -> config
+_INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
+_TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
 
 
 def _arch(index: int) -> str:
@@ -63,19 +73,29 @@ def missing_tools() -> str | None:
     return None
 
 
-@functools.cache
-def _module(arch: str):
-    """Build (or load the cached build of) the extension for compute capability `arch`."""
+def _build(name: str, source: Path, arch: str):
     from torch.utils import cpp_extension
 
-    log.info("building the CUDA GEMV for sm_%s (once; about a minute)", arch)
+    log.info("building %s for sm_%s (once; about a minute)", name, arch)
     return cpp_extension.load(
-        name=f"llmopt_wo8_gemv_sm{arch}",
-        sources=[str(SOURCE)],
+        name=f"llmopt_{name}_sm{arch}",
+        sources=[str(source)],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
         verbose=False,
     )
+
+
+@functools.cache
+def _module(arch: str):
+    """Build (or load the cached build of) the 1-byte GEMV for compute capability `arch`."""
+    return _build("wo8_gemv", SOURCE, arch)
+
+
+@functools.cache
+def _int4_module(arch: str):
+    """Build (or load the cached build of) the int4 GEMV for compute capability `arch`."""
+    return _build("int4_gemv", INT4_SOURCE, arch)
 
 
 def available(index: int = 0) -> bool:
@@ -106,14 +126,18 @@ def unavailable_reason(index: int = 0) -> str:
     return _REASON[index]
 
 
-def _check(index: int) -> str:
+def _precondition(index: int) -> str:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if torch.cuda.get_device_capability(index) < (8, 0):
         return "needs compute capability 8.0 or newer (bf16 arithmetic)"
-    tools = missing_tools()
-    if tools:
-        return tools
+    return missing_tools() or ""
+
+
+def _check(index: int) -> str:
+    reason = _precondition(index)
+    if reason:
+        return reason
     try:
         mod = _module(_arch(index))
         if mod.configs != len(CONFIGS):
@@ -149,25 +173,27 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _config(x, w, scale, r, eps: float, norm: bool, resid: bool) -> int:
-    key = (w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0])
+def _tuned(key: tuple, configs: int, run) -> int:
+    """The fastest of `configs` configurations for `key`, timed once by `run(config)` with the
+    L2 flushed between calls; under CUDA graph capture an untimed key gets DEFAULT_CONFIG."""
     if key in _TUNED:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing():
         return DEFAULT_CONFIG  # (not stored: the next eager call times it)
     from triton.testing import do_bench
 
-    mod = _module(_arch(x.device.index or 0))
-    times = []
-    for c in range(len(CONFIGS)):
-
-        def run(c=c):
-            mod.wo8_gemv(x, w, scale, r, eps, norm, resid, c, False)
-
-        times.append(do_bench(run, warmup=5, rep=25))
-    _TUNED[key] = min(range(len(CONFIGS)), key=times.__getitem__)
-    log.debug("CUDA GEMV %s: config %s (%s)", key, CONFIGS[_TUNED[key]], times)
+    times = [do_bench(lambda c=c: run(c), warmup=5, rep=25) for c in range(configs)]
+    _TUNED[key] = min(range(configs), key=times.__getitem__)
+    log.debug("CUDA GEMV %s: config %d (%s)", key, _TUNED[key], times)
     return _TUNED[key]
+
+
+def _config(x, w, scale, r, eps: float, norm: bool, resid: bool) -> int:
+    mod = _module(_arch(x.device.index or 0))
+    key = ("wo8", w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0])
+    return _tuned(
+        key, len(CONFIGS), lambda c: mod.wo8_gemv(x, w, scale, r, eps, norm, resid, c, False)
+    )
 
 
 # An opaque operator for torch.compile (a C++ launch it cannot trace); CUDA graphs capture it,
@@ -208,3 +234,85 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.shape[1] % 16 == 0
         and x.shape[1] == w.shape[1]
     )
+
+
+# (x, packed, scale, group, fp32 reference) cases for the int4 check, made by the caller that
+# owns the layout (`linear`, which imports this module)
+Int4Cases = Callable[[torch.device], Iterable[tuple]]
+
+
+def int4_available(index: int, cases: Int4Cases) -> bool:
+    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`), checked on `cases`."""
+    if index not in _INT4_REASON:
+        _INT4_REASON[index] = _int4_check(index, cases)
+        if _INT4_REASON[index] and _INT4_REASON[index] != "no CUDA GPU":
+            log.warning(
+                "the CUDA int4 GEMV does not run on GPU %d (%s): the Triton GEMV runs instead",
+                index,
+                _INT4_REASON[index],
+            )
+    return _INT4_REASON[index] == ""
+
+
+def int4_ready(index: int = 0) -> bool:
+    """`int4_available(index)` as already decided; never builds (see `ready`)."""
+    return _INT4_REASON.get(index) == ""
+
+
+def int4_unavailable_reason(index: int, cases: Int4Cases) -> str:
+    int4_available(index, cases)
+    return _INT4_REASON[index]
+
+
+def _int4_check(index: int, cases: Int4Cases) -> str:
+    reason = _precondition(index)
+    if reason:
+        return reason
+    try:
+        mod = _int4_module(_arch(index))
+        if mod.configs != len(INT4_CONFIGS):
+            return f"the built extension has {mod.configs} configs, this module {len(INT4_CONFIGS)}"
+        for x, packed, scale, group, ref in cases(torch.device("cuda", index)):
+            for c in range(len(INT4_CONFIGS)):
+                y = mod.int4_gemv(x, packed, scale, group, c, False)
+                err = float((y.float() - ref).norm() / ref.norm())
+                if err > 1e-2:
+                    return f"wrong result (relative error {err:.2e}, group {group}, config {c})"
+    except Exception as e:  # a toolkit/driver mismatch must not take the engine down
+        return f"build or launch failed: {str(e)[:2000]}"
+    return ""
+
+
+def int4_supports(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> bool:
+    """The int4 kernel takes these: symmetric codes (no zero point), K a multiple of 256 (whole
+    tiles, no padding), a power-of-two group of 32 or more, 16-bit activations."""
+    k = x.shape[-1]
+    return (
+        zero is None
+        and x.dtype in ACT_DTYPES
+        and x.dim() == 2
+        and k % 256 == 0
+        and packed.shape[1] * 8 == k
+        and group >= 32
+        and group & (group - 1) == 0
+        and k % group == 0
+    )
+
+
+@torch.library.custom_op("llmopt::int4_gemv_cuda", mutates_args=())
+def int4_gemv(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int, pdl: bool
+) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
+    with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold."""
+    x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
+    scale = scale.contiguous()
+    mod = _int4_module(_arch(x.device.index or 0))
+    key = ("int4", packed.shape[0], x.shape[1], group, x.dtype, x.shape[0])
+    cfg = _tuned(key, len(INT4_CONFIGS), lambda c: mod.int4_gemv(x, packed, scale, group, c, False))
+    return mod.int4_gemv(x, packed, scale, group, cfg, pdl)
+
+
+@int4_gemv.register_fake
+def _(x, packed, scale, group, pdl):
+    return x.new_empty(x.shape[0], packed.shape[0])

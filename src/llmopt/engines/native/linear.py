@@ -65,6 +65,7 @@ __all__ = [
     "GEMV_INT8_F16",
     "GEMV_PREFETCH",
     "GEMV_CUDA",
+    "INT4_GEMV_CUDA",
     "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
@@ -217,6 +218,8 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("zero", zp)
             # the one-row GEMV's K-split counters: a buffer, so a CUDA graph sees one address
             self.register_buffer("counters", gemv_counters(n, 1, q.device), persistent=False)
+            if INT4_GEMV_CUDA:  # built and checked now, not inside a compiled step
+                cuda_gemv.int4_available(q.device.index or 0, _int4_cuda_cases)
             return
         sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/g, N, 2)
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
@@ -371,6 +374,12 @@ GEMV_PREFETCH = True
 # while this is on build the kernel eagerly (`cuda_gemv.available`); code that switches it
 # on later calls `prepare_cuda_gemv` first.
 GEMV_CUDA = True
+# The int4 one-row GEMV in CUDA C++ (`cuda_gemv.int4_gemv`, csrc/int4_gemv.cu: Marlin's
+# dequantization of the Triton layout, two codes per f16x2 instruction) instead of the Triton
+# int4 GEMV, for layers on the Triton int4 layout (`INT4_TRITON`) with symmetric codes, K a
+# multiple of 256 and a power-of-two group. Off: compiled for sm_90 in the tests, not yet run
+# on a GPU (`benchmarks/decode.py --modes int4@gemv --linear default INT4_GEMV_CUDA=on`).
+INT4_GEMV_CUDA = False
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -540,11 +549,27 @@ def wo_mm(
     return y
 
 
-def prepare_cuda_gemv(device: torch.device | str | None = None) -> str:
-    """Build and check the CUDA GEMV for `device` now (eagerly, outside any compiled step) so
-    that `GEMV_CUDA` can route to it; '' when it runs there, else why not."""
+def prepare_cuda_gemv(device: torch.device | str | None = None, int4: bool = False) -> str:
+    """Build and check the CUDA GEMV (with `int4`: the int4 one) for `device` now (eagerly,
+    outside any compiled step) so that `GEMV_CUDA` (`INT4_GEMV_CUDA`) can route to it; '' when
+    it runs there, else why not."""
     dev = torch.device(device or "cuda")
-    return cuda_gemv.unavailable_reason(dev.index or 0) if dev.type == "cuda" else "not a GPU"
+    if dev.type != "cuda":
+        return "not a GPU"
+    if int4:
+        return cuda_gemv.int4_unavailable_reason(dev.index or 0, _int4_cuda_cases)
+    return cuda_gemv.unavailable_reason(dev.index or 0)
+
+
+def _int4_cuda_cases(dev: torch.device):
+    """The int4 CUDA GEMV's check: every group size it takes, against fp32 references."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(37, 512, device=dev, generator=g)
+    x = torch.randn(2, 512, device=dev, generator=g, dtype=torch.bfloat16)
+    for group in (32, 64, 128, 256):
+        q, s = quantize_int4(w, group)
+        deq = (q.float().reshape(37, -1, group) * s[..., None]).reshape(37, 512)
+        yield x, pack_int4_planar(q), s.to(x.dtype).contiguous(), group, x.float() @ deq.t()
 
 
 def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -722,6 +747,9 @@ def int4_mm(
     z = scale if zero is None else zero  # an unread stand-in when there is no zero
     kernel = kernel or (INT4_ONE_ROW if m == 1 else "dot")
     shape = {"K": k, "KP": packed.shape[1] * 8, "G": group, "HAS_ZERO": zero is not None}
+    if kernel == "gemv" and _int4_cuda_here(x, packed, group, zero):
+        pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
+        return cuda_gemv.int4_gemv(x, packed, scale, group, pdl)
     if kernel == "gemv":
 
         def grid1(meta):
@@ -743,6 +771,17 @@ def int4_mm(
     name = "int4_dot" if m <= TRITON_M else "int4_dot_prompt"
     launch(_kernel(name), grid, x, packed, scale, z, y, m, n, _m_bucket(m), **shape)
     return y
+
+
+def _int4_cuda_here(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> bool:
+    # as `_cuda_gemv_here`: a dict lookup inside a compiled step
+    return (
+        INT4_GEMV_CUDA
+        and x.device.type == "cuda"
+        and not _INTERPRET
+        and cuda_gemv.int4_supports(x, packed, group, zero)
+        and cuda_gemv.int4_ready(x.device.index or 0)
+    )
 
 
 def int4_triton_supported(k: int, group: int) -> bool:

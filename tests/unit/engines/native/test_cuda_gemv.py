@@ -22,34 +22,46 @@ needs_gpu = pytest.mark.skipif(
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
-    """Every configuration of `CONFIGS` compiles for sm_90 (int8 and FP8, bf16 activations),
-    without spilling registers to local memory (a spill in the main loop would put a memory
-    round trip beside each weight load)."""
+@pytest.mark.parametrize(
+    "source, define, per_config, max_spill",
+    [
+        # int8 and FP8 per config, no spills
+        (C.SOURCE, "LLMOPT_WO8_KERNELS_ONLY", 2, 0),
+        # groups of 128+, 64, 32 per config; a few bytes of spill allowed (ptxas spills 8 in
+        # one of the group-32 kernels, outside the weight loads)
+        (C.INT4_SOURCE, "LLMOPT_INT4_KERNELS_ONLY", 3, 16),
+    ],
+    ids=["wo8", "int4"],
+)
+def test_kernels_compile_for_sm90(tmp_path, source, define, per_config, max_spill):
+    """Every configuration compiles for sm_90 (bf16 activations; the kernels alone, as a
+    CPU-only PyTorch has no CUDA headers), with at most `max_spill` bytes spilled to local
+    memory per kernel (a spill in the main loop would put a memory round trip beside each
+    weight load)."""
     out = subprocess.run(
         [
             "nvcc",
             "-std=c++17",
             "-O3",
             "-gencode=arch=compute_90,code=sm_90",
-            "-DLLMOPT_WO8_KERNELS_ONLY",
+            f"-D{define}",
             "-Xptxas",
             "-v",
             "-c",
-            str(C.SOURCE),
+            str(source),
             "-o",
-            str(tmp_path / "wo8.o"),
+            str(tmp_path / "k.o"),
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    configs = C.CONFIGS if source == C.SOURCE else C.INT4_CONFIGS
     used = re.findall(r"Used (\d+) registers", out.stderr)
-    assert len(used) == 2 * len(C.CONFIGS), out.stderr[-3000:]  # int8 and FP8 per config
-    assert all(int(u) <= 255 for u in used)
-    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
-    assert spills and all(s == "0" for s in spills), out.stderr[-3000:]
+    assert len(used) == per_config * len(configs), out.stderr[-3000:]
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", out.stderr)]
+    assert len(spills) == len(used) and max(spills) <= max_spill, out.stderr[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
@@ -173,9 +185,80 @@ def test_decode_with_cuda_gemv_matches_triton_on_gpu(tiny_llama_dir, monkeypatch
     assert len(C._TUNED) > tuned  # the CUDA kernel ran (timed its configs for the new shapes)
 
 
-def test_configs_match_the_kernel_table():
-    """`CONFIGS` indexes the .cu file's LLMOPT_WO8_CONFIGS by position: the two must agree."""
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+)\)", C.SOURCE.read_text())
+@pytest.mark.parametrize("which", ["wo8", "int4"])
+def test_configs_match_the_kernel_table(which):
+    """`CONFIGS` (`INT4_CONFIGS`) index the .cu file's config list by position: they must
+    agree."""
+    source, configs = (C.SOURCE, C.CONFIGS) if which == "wo8" else (C.INT4_SOURCE, C.INT4_CONFIGS)
+    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+)\)", source.read_text())
     assert [int(i) for i, *_ in rows] == list(range(len(rows)))
-    assert tuple(tuple(int(v) for v in cfg) for _, *cfg in rows) == C.CONFIGS
-    assert 0 <= C.DEFAULT_CONFIG < len(C.CONFIGS)
+    assert tuple(tuple(int(v) for v in cfg) for _, *cfg in rows) == configs
+    assert 0 <= C.DEFAULT_CONFIG < len(configs)
+
+
+def test_int4_supports_only_what_the_kernel_reads():
+    x = torch.zeros(1, 512, dtype=torch.bfloat16)
+    packed = torch.zeros(8, 64, dtype=torch.int32)
+    assert all(C.int4_supports(x, packed, g, None) for g in (32, 64, 128, 256, 512))
+    assert not C.int4_supports(x, packed, 128, torch.zeros(8, 4))  # zero points: Triton's
+    assert not C.int4_supports(x, packed, 96, None)  # not a power of two
+    assert not C.int4_supports(x, packed, 16, None)
+    assert not C.int4_supports(x.float(), packed, 128, None)
+    x576 = torch.zeros(1, 576, dtype=torch.bfloat16)  # K padded to 768 in the layout
+    assert not C.int4_supports(x576, torch.zeros(8, 96, dtype=torch.int32), 64, None)
+
+
+needs_int4_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and L.prepare_cuda_gemv("cuda", int4=True) == ""),
+    reason="needs a CUDA GPU with nvcc and ninja (the CUDA int4 GEMV builds on first use)",
+)
+
+
+@pytest.mark.gpu
+@needs_int4_gpu
+@pytest.mark.parametrize("adtype", [torch.bfloat16, torch.float16])
+def test_int4_every_config_matches_reference_on_gpu(adtype):
+    """Each configuration and group size, N not a multiple of any block's rows, K one tile and
+    many, one and three rows: within f16/bf16 rounding of the fp32 product of the dequantized
+    weights, and codes reaching -8 and 7."""
+    mod = C._int4_module(C._arch(0))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((1000, 2048), (37, 256), (4096, 14336)):
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+        w[0, :16] = torch.linspace(-1, 1, 16, device="cuda")
+        for group in (32, 64, 128, 256):
+            q, s = L.quantize_int4(w, group)
+            deq = (q.float().reshape(n, -1, group) * s[..., None]).reshape(n, k)
+            packed, sc = L.pack_int4_planar(q), s.to(adtype).contiguous()
+            for m in (1, 3):
+                x = torch.randn(m, k, device="cuda", generator=g).to(adtype)
+                want = x.float() @ deq.t()
+                for c in range(len(C.INT4_CONFIGS)):
+                    got = mod.int4_gemv(x, packed, sc, group, c, False)
+                    err = float((got.float() - want).norm() / want.norm())
+                    assert err < 1e-2, (n, k, group, m, c, err)
+
+
+@pytest.mark.gpu
+@needs_int4_gpu
+def test_int4_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
+    """`INT4_GEMV_CUDA`: `int4_mm`'s one-row GEMV gives the Triton GEMV's outputs through the
+    CUDA kernel, plain and as a dependent launch; zero points stay Triton's."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    n, k = 1024, 4096
+    q, s = L.quantize_int4(torch.randn(n, k, device="cuda", generator=g) * 0.05, 128)
+    packed, sc = L.pack_int4_planar(q), s.to(torch.bfloat16).contiguous()
+    x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    monkeypatch.setattr(L, "INT4_GEMV_CUDA", False)
+    want = L.int4_mm(x, packed, sc, None, 128, "gemv")
+    tuned = len(C._TUNED)
+    monkeypatch.setattr(L, "INT4_GEMV_CUDA", True)
+    for pdl in (False, True):
+        monkeypatch.setattr(L, "GEMV_PDL", pdl)
+        got = L.int4_mm(x, packed, sc, None, 128, "gemv")
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert len(C._TUNED) == tuned + 1  # the CUDA kernel ran (it timed its configs once)
+    zero = torch.zeros_like(sc)
+    before = len(C._TUNED)
+    L.int4_mm(x, packed, sc, zero, 128, "gemv")
+    assert len(C._TUNED) == before

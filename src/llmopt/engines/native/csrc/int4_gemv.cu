@@ -1,0 +1,330 @@
+// One-row GEMV for int4 weights in `linear.pack_int4_planar`'s layout (symmetric codes, one
+// scale per group of G along K) and 16-bit activations: y[m, n] = sum_k q[n, k] scale[n, k / G]
+// x[m, k]. Built and called by `llmopt.engines.native.cuda_gemv` (the int4 half of it).
+//
+// The layout: in each tile of 256 codes, nibble i of word j holds the code of k = 32 i + j. One
+// 32-bit word thus holds the codes of k = j, 32 + j, ..., 224 + j, and Marlin's dequantization
+// applies to it unchanged: masking nibbles 0 and 4 (bits 0-3 and 16-19) into the mantissas of
+// an f16 pair 1024 + u gives the codes of k = j and 128 + j in one instruction, nibbles 1 and 5
+// (scaled by 16) those of 32 + j and 160 + j, and after one shift by 8 the other four. The
+// activations are staged once per block in shared memory as the matching f16 pairs
+// (x[k], x[k + 128]), so each pair of codes costs one f16x2 multiply-add; a thread's products
+// within a tile are summed in f16 per scale group (at most 16 products), then scaled in fp32.
+//
+// The work layout is csrc/wo8_gemv.cu's: a block owns ROWS output rows over the whole of K, a
+// thread reads 16-byte pieces (a quarter of a tile row) t, t + THREADS, ..., each loop step
+// issues UNROLL x ROWS 128-bit weight loads and the next step's before the current products.
+#ifndef LLMOPT_INT4_KERNELS_ONLY
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace {
+
+__device__ __forceinline__ uint4 load_weights(const uint32_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) {
+  return __half2float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+__device__ __forceinline__ half2 as_half2(uint32_t v) {
+  return *reinterpret_cast<half2*>(&v);
+}
+
+// (a & b) ^ c in one instruction (LUT 0x6A): written out, the compiler builds the offset, the
+// mask and the exponent of each pair with two.
+__device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+// The eight codes of one word as four f16 pairs: pair s holds the codes of nibbles s and s + 4
+// (k = 32 s + j and 32 s + 128 + j). A masked nibble u (two's complement) is flipped in its top
+// bit (u ^ 8 = q + 8, in 0..15) and given the exponent of 1024 in the same instruction (the
+// mask's bits and the exponent's do not overlap), so every pair is exact: 1024 + q + 8 minus
+// 1032, or (1024 + 16 (q + 8)) / 16 minus 72.
+__device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
+  const uint32_t w8 = word >> 8;
+  const half2 sub = __float2half2_rn(1032.0f);
+  const half2 sixteenth = __float2half2_rn(1.0f / 16.0f);
+  const half2 minus72 = __float2half2_rn(-72.0f);
+  q[0] = __hsub2(as_half2(and_xor(word, 0x000f000fu, 0x64086408u)), sub);
+  q[1] = __hfma2(as_half2(and_xor(word, 0x00f000f0u, 0x64806480u)), sixteenth, minus72);
+  q[2] = __hsub2(as_half2(and_xor(w8, 0x000f000fu, 0x64086408u)), sub);
+  q[3] = __hfma2(as_half2(and_xor(w8, 0x00f000f0u, 0x64806480u)), sixteenth, minus72);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
+// scale group: G = 32 -> 4, 64 -> 2, 128 or more -> 1). G is a power of two (group_shift =
+// log2 G), so that the scale index is a shift.
+template <typename T, int ROWS, int WARPS, int UNROLL, int GS>
+__global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
+    const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
+    T* __restrict__ y, int n, int k, int group_shift) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int STEP = THREADS * UNROLL;
+  extern __shared__ __align__(16) unsigned char smem[];
+  half2* xs = reinterpret_cast<half2*>(smem);                  // (k / 256, 4, 32) pairs
+  float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (ROWS, k / G)
+  const int m = blockIdx.y;
+  const int n0 = blockIdx.x * ROWS;
+  const int words = k / 8;  // per row
+  const int pieces = words / 4;
+  const int groups = k >> group_shift;  // (G a power of two: no integer division in the loop)
+  const uint32_t* rows[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) rows[i] = w + static_cast<size_t>(min(n0 + i, n - 1)) * words;
+
+  uint4 cur[UNROLL][ROWS];
+  auto load_step = [&](uint4 (&dst)[UNROLL][ROWS], int p0) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int p = p0 + u * THREADS;
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        dst[u][i] = p < pieces ? load_weights(rows[i] + static_cast<size_t>(p) * 4)
+                               : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  // Weights and scales do not depend on the kernel before (a programmatic dependent launch
+  // may start this block while it drains): the first step's weights and every scale of the
+  // block's rows are requested before waiting, the activations after.
+  load_step(cur, threadIdx.x);
+  for (int idx = threadIdx.x; idx < ROWS * groups; idx += THREADS) {
+    const int i = idx / groups, g = idx % groups;
+    sc[idx] = to_float<T>(scale[static_cast<size_t>(min(n0 + i, n - 1)) * groups + g]);
+  }
+  grid_dependency_wait();
+  const T* xr = x + static_cast<size_t>(m) * k;
+  for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
+    const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
+    const int k0 = 256 * t + 32 * s + j;
+    xs[idx] = __floats2half2_rn(to_float<T>(xr[k0]), to_float<T>(xr[k0 + 128]));
+  }
+  __syncthreads();
+
+  float acc[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
+  for (int p0 = threadIdx.x; p0 < pieces; p0 += STEP) {
+    uint4 nxt[UNROLL][ROWS];
+    load_step(nxt, p0 + STEP);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int p = p0 + u * THREADS;
+      if (p >= pieces) break;
+      const int t = p >> 3, j0 = (p & 7) * 4;  // the tile and the piece's first word in it
+      half2 xp[4][4];                             // [s][word]: x pairs of this piece
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint4 v = *reinterpret_cast<const uint4*>(xs + t * 128 + s * 32 + j0);
+        xp[s][0] = as_half2(v.x);
+        xp[s][1] = as_half2(v.y);
+        xp[s][2] = as_half2(v.z);
+        xp[s][3] = as_half2(v.w);
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        const uint32_t ww[4] = {cur[u][i].x, cur[u][i].y, cur[u][i].z, cur[u][i].w};
+        half2 part[GS];
+#pragma unroll
+        for (int a = 0; a < GS; ++a) part[a] = __float2half2_rn(0.0f);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          half2 q[4];
+          word_as_pairs(ww[b], q);
+#pragma unroll
+          for (int s = 0; s < 4; ++s) part[s * GS / 4] = __hfma2(q[s], xp[s][b], part[s * GS / 4]);
+        }
+#pragma unroll
+        for (int a = 0; a < GS; ++a) {
+          const float2 f = __half22float2(part[a]);
+          const int kx = 256 * t + 32 * (a * 4 / GS);  // the first code of the pair's low half
+          acc[i] = fmaf(f.x, sc[i * groups + (kx >> group_shift)], acc[i]);
+          acc[i] = fmaf(f.y, sc[i * groups + ((kx + 128) >> group_shift)], acc[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) cur[u][i] = nxt[u][i];
+    }
+  }
+  launch_dependents();
+
+  __shared__ float partial[WARPS][ROWS];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) partial[warp][i] = acc[i];
+  }
+  __syncthreads();
+  if (threadIdx.x < ROWS && n0 + static_cast<int>(threadIdx.x) < n) {
+    float v = 0.0f;
+#pragma unroll
+    for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
+    y[static_cast<size_t>(m) * n + n0 + threadIdx.x] = from_float<T>(v);
+  }
+}
+
+// (ROWS, WARPS, UNROLL): `cuda_gemv.INT4_CONFIGS`, same order.
+#define LLMOPT_INT4_CONFIGS(X) \
+  X(0, 2, 4, 2)                \
+  X(1, 4, 4, 1)                \
+  X(2, 4, 4, 2)                \
+  X(3, 8, 4, 1)                \
+  X(4, 2, 8, 1)                \
+  X(5, 2, 8, 2)
+
+constexpr int kConfigs = 6;
+
+#ifdef LLMOPT_INT4_KERNELS_ONLY
+#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, GS)                                      \
+  template __global__ void int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, GS>(       \
+      const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, __nv_bfloat16*, int, int, \
+      int);
+#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL) \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 1)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 2)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 4)
+LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
+#undef LLMOPT_INSTANTIATE
+#undef LLMOPT_INSTANTIATE_GS
+}  // namespace
+#else
+
+template <typename T, int ROWS, int WARPS, int UNROLL, int GS>
+void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y,
+            int64_t group, bool pdl) {
+  const int m = x.size(0), k = x.size(1), n = w.size(0);
+  const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * ROWS * (k / group);
+  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, GS>;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((n + ROWS - 1) / ROWS, m);
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
+      reinterpret_cast<const uint32_t*>(w.data_ptr()),
+      reinterpret_cast<const T*>(scale.data_ptr()), reinterpret_cast<T*>(y.data_ptr()), n, k,
+      __builtin_ctzll(group)));
+}
+
+template <typename T, int ROWS, int WARPS, int UNROLL>
+void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y,
+              int64_t group, bool pdl) {
+  if (group == 32) launch<T, ROWS, WARPS, UNROLL, 4>(x, w, scale, y, group, pdl);
+  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, 2>(x, w, scale, y, group, pdl);
+  else launch<T, ROWS, WARPS, UNROLL, 1>(x, w, scale, y, group, pdl);
+}
+
+template <typename T>
+void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+              at::Tensor& y, int64_t group, bool pdl) {
+  switch (config) {
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL)                      \
+  case I:                                                        \
+    by_group<T, ROWS, WARPS, UNROLL>(x, w, scale, y, group, pdl); \
+    break;
+    LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
+#undef LLMOPT_CASE
+    default:
+      TORCH_CHECK(false, "int4_gemv: config ", config, " out of range 0..", kConfigs - 1);
+  }
+}
+
+}  // namespace
+
+// x (M, K) bf16/fp16, K a multiple of 256; w (N, K / 8) int32 (`pack_int4_planar`); scale
+// (N, K / G) in x's dtype; G a power of two, 32 or more.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     int64_t group, int64_t config, bool pdl) {
+  TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "int4_gemv: CUDA tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kInt,
+              "int4_gemv: x (M, K) and packed int32 w (N, K / 8) expected");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % 256 == 0 && w.size(1) * 8 == k, "int4_gemv: K a multiple of 256, w (N, K / 8)");
+  TORCH_CHECK(group >= 32 && (group & (group - 1)) == 0, "int4_gemv: G a power of two >= 32");
+  TORCH_CHECK(k % group == 0 && scale.numel() == w.size(0) * (k / group) &&
+                  scale.scalar_type() == x.scalar_type(),
+              "int4_gemv: scale (N, K / G) in the activations' dtype expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(),
+              "int4_gemv: contiguous tensors expected");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    dispatch<__nv_bfloat16>(config, x, w, scale, y, group, pdl);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kHalf, "int4_gemv: bf16 or fp16 activations");
+    dispatch<__half>(config, x, w, scale, y, group, pdl);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("int4_gemv", &int4_gemv, "One-row GEMV, int4 planar weights (see int4_gemv.cu)");
+  mod.attr("configs") = kConfigs;
+}
+#endif  // LLMOPT_INT4_KERNELS_ONLY
