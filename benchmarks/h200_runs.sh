@@ -16,8 +16,12 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: TESTS_K="cuda or gemv or quantized_decode" bash ... native-tests  # the CUDA GEMV's
-#           compiled-decode and dependent-launch tests (not yet run on a GPU; builds it, ~1 min)
+#   call 1: TESTS_K="cuda or gemv or quantized_decode" bash ... native-tests  # the CUDA GEMVs'
+#           tests not yet run on a GPU: the int4 kernel's, the 1-byte one's compiled decode and
+#           dependent launch (each builds its extension first, ~1 min)
+#   call 1b: KERNEL_M=1 KERNEL_ARGS="--kernels int4" bash ... kernels   # the int4 CUDA GEMV
+#           alone against the Triton one and tinygemm; then end to end:
+#           MODES="int4@gemv" AB="--linear default INT4_GEMV_CUDA=on" TAG=int4cuda bash ... ab
 #   call 2: smol-decode                     # every format, SmolLM2 shape, with the CUDA GEMV
 #   call 3: MODES="bf16 int8 fp8 int4" PROFILE=--profile bash ... decode  # every format, the
 #           step's kernel table with the CUDA GEMV (why int8 gained 19% end to end, 6% alone)
