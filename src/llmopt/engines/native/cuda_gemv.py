@@ -32,6 +32,7 @@ untimed shape takes `DEFAULT_CONFIG`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import shutil
 from collections.abc import Callable, Iterable
@@ -76,9 +77,13 @@ def missing_tools() -> str | None:
 def _build(name: str, source: Path, arch: str):
     from torch.utils import cpp_extension
 
+    # PyTorch rebuilds when a source changes, not when a header it includes does: the name
+    # carries a digest of the whole folder (gemv_common.cuh included)
+    files = sorted(SOURCE.parent.iterdir())
+    digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
     log.info("building %s for sm_%s (once; about a minute)", name, arch)
     return cpp_extension.load(
-        name=f"llmopt_{name}_sm{arch}",
+        name=f"llmopt_{name}_sm{arch}_{digest[:12]}",
         sources=[str(source)],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],

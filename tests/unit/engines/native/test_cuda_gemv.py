@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -62,6 +63,30 @@ def test_kernels_compile_for_sm90(tmp_path, source, define, per_config, max_spil
     assert len(used) == per_config * len(configs), out.stderr[-3000:]
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", out.stderr)]
     assert len(spills) == len(used) and max(spills) <= max_spill, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("source", [C.SOURCE, C.INT4_SOURCE], ids=["wo8", "int4"])
+def test_extensions_compile_with_torch_headers(tmp_path, source):
+    """The whole extension (its PyTorch-facing half too) compiles with this PyTorch's headers.
+    A CPU-only PyTorch lacks one generated header of its CUDA build (CMake's macros for
+    c10/cuda), stubbed here; the CUDA runtime's own headers come with nvcc."""
+    from torch.utils import cpp_extension
+
+    stub = tmp_path / "inc" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    includes = [f"-I{p}" for p in [tmp_path / "inc", *cpp_extension.include_paths()]]
+    includes.append(f"-I{sysconfig.get_paths()['include']}")
+    out = subprocess.run(
+        ["nvcc", "-std=c++17", "-O1", "-gencode=arch=compute_90,code=sm_90", *includes]
+        + ["-DTORCH_EXTENSION_NAME=check", "-c", str(source), "-o", str(tmp_path / "x.o")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")

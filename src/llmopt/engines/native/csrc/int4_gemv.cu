@@ -24,49 +24,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "gemv_common.cuh"
+
 namespace {
 
-__device__ __forceinline__ uint4 load_weights(const uint32_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) {
-  return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
+using namespace llmopt_gemv;
 
 __device__ __forceinline__ half2 as_half2(uint32_t v) {
   return *reinterpret_cast<half2*>(&v);
@@ -94,12 +56,6 @@ __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
   q[1] = __hfma2(as_half2(and_xor(word, 0x00f000f0u, 0x64806480u)), sixteenth, minus72);
   q[2] = __hsub2(as_half2(and_xor(w8, 0x000f000fu, 0x64086408u)), sub);
   q[3] = __hfma2(as_half2(and_xor(w8, 0x00f000f0u, 0x64806480u)), sixteenth, minus72);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
@@ -255,18 +211,9 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, a
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n + ROWS - 1) / ROWS, m);
-  cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = c10::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  Launch l(dim3((n + ROWS - 1) / ROWS, m), dim3(WARPS * 32), smem, pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
+      &l.cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
       reinterpret_cast<const uint32_t*>(w.data_ptr()),
       reinterpret_cast<const T*>(scale.data_ptr()), reinterpret_cast<T*>(y.data_ptr()), n, k,
       __builtin_ctzll(group)));

@@ -23,28 +23,11 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "gemv_common.cuh"
+
 namespace {
 
-// Weights are read once per token: no L1 allocation, nothing to keep.
-__device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using namespace llmopt_gemv;
 
 // Two 16-bit activations of one 32-bit word as floats (element 2i in the low half).
 template <typename T>
@@ -60,28 +43,6 @@ template <>
 __device__ __forceinline__ float2 pair_as_floats<__half>(uint32_t word) {
   __half2 h = *reinterpret_cast<__half2*>(&word);
   return __half22float2(h);
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) {
-  return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
 }
 
 // Four weights of one 32-bit word (byte i is k = 4j + i) as floats.
@@ -110,12 +71,6 @@ __device__ __forceinline__ void word_as_floats(uint32_t word, float (&f)[4]) {
       f[i] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540u | i)) - 8388736.0f;
     }
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 template <typename T, bool FP8, int ROWS, int WARPS, int UNROLL>
@@ -260,18 +215,9 @@ template <typename T, bool FP8, int ROWS, int WARPS, int UNROLL>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y,
             const at::Tensor& r, double eps, bool norm, bool resid, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n + ROWS - 1) / ROWS, m);
-  cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = c10::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  Launch l(dim3((n + ROWS - 1) / ROWS, m), dim3(WARPS * 32), 0, pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &cfg, wo8_gemv_kernel<T, FP8, ROWS, WARPS, UNROLL>,
+      &l.cfg, wo8_gemv_kernel<T, FP8, ROWS, WARPS, UNROLL>,
       reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const uint8_t*>(w.data_ptr()),
       static_cast<const void*>(scale.data_ptr()), scale.scalar_type() == at::kFloat,
       reinterpret_cast<T*>(y.data_ptr()), reinterpret_cast<const T*>(r.data_ptr()),
