@@ -15,8 +15,9 @@ as a programmatic dependent), so `linear.wo_mm` can route a one-row GEMV to eith
 
 Where nvcc, ninja or a GPU is missing, or the build or its check fails, `available` is False
 with the reason in `unavailable_reason()`, and the engine keeps the Triton GEMV. The build is
-cached by PyTorch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) and keyed on the
-source, so it runs once per source and GPU architecture (about a minute).
+cached by PyTorch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a name that
+carries the GPU architecture and a digest of `csrc/`, so it runs once per version of the kernels
+and architecture (about a minute).
 
 `int4_gemv` is the same design for int4 weights in `linear.pack_int4_planar`'s layout
 (`csrc/int4_gemv.cu`: Marlin's dequantization, two codes per f16x2 instruction, products in
@@ -58,6 +59,7 @@ _INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
 _TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
 
 
+@functools.cache
 def _arch(index: int) -> str:
     major, minor = torch.cuda.get_device_capability(index)
     return f"{major}{minor}"
