@@ -16,10 +16,24 @@ import torch
 from llmopt.engines.native import cuda_gemv as C
 from llmopt.engines.native import linear as L
 
+# Skipped only where a GPU or the build tools are missing: where both are there, a failed build
+# or check is a test failure (`built` below), not a skip.
 needs_gpu = pytest.mark.skipif(
-    not (torch.cuda.is_available() and C.available()),
-    reason="needs a CUDA GPU with nvcc and ninja (the CUDA GEMV builds on first use)",
+    not torch.cuda.is_available() or C.missing_tools() is not None,
+    reason="needs a CUDA GPU with nvcc and ninja (the CUDA GEMVs build on first use)",
 )
+
+
+@pytest.fixture
+def built():
+    """The 1-byte CUDA GEMV built and checked on this GPU (else the test fails, with why)."""
+    assert L.prepare_cuda_gemv("cuda") == ""
+
+
+@pytest.fixture
+def built_int4():
+    """The int4 CUDA GEMV built and checked on this GPU (else the test fails, with why)."""
+    assert L.prepare_cuda_gemv("cuda", int4=True) == ""
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -120,6 +134,7 @@ def _reference(x, q, s, eps=None, r=None):
 @needs_gpu
 @pytest.mark.parametrize("wdtype", ["int8", "fp8"])
 @pytest.mark.parametrize("adtype", [torch.bfloat16, torch.float16])
+@pytest.mark.usefixtures("built")
 def test_every_config_matches_reference_on_gpu(wdtype, adtype):
     """Each configuration, N not a multiple of any block's rows, K a few loop steps or one
     partial step, one and three activation rows, plain / normalized / residual: within bf16
@@ -149,6 +164,7 @@ def test_every_config_matches_reference_on_gpu(wdtype, adtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.usefixtures("built")
 def test_wo_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
     """`GEMV_CUDA`: `wo_mm`'s one-row GEMV goes to the CUDA kernel (a `llmopt::wo8_gemv_cuda`
     call) and gives the Triton GEMV's outputs in every variant it takes, through the plain and
@@ -190,6 +206,7 @@ def test_wo_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.usefixtures("built")
 def test_decode_with_cuda_gemv_matches_triton_on_gpu(tiny_llama_dir, monkeypatch):
     """A compiled int8 and FP8 decode (CUDA graphs, the norm and residual fused into the GEMVs)
     gives the Triton GEMV's greedy tokens with the CUDA GEMV (the first ones: the two sum in
@@ -233,15 +250,10 @@ def test_int4_supports_only_what_the_kernel_reads():
     assert not C.int4_supports(x576, torch.zeros(8, 96, dtype=torch.int32), 64, None)
 
 
-needs_int4_gpu = pytest.mark.skipif(
-    not (torch.cuda.is_available() and L.prepare_cuda_gemv("cuda", int4=True) == ""),
-    reason="needs a CUDA GPU with nvcc and ninja (the CUDA int4 GEMV builds on first use)",
-)
-
-
 @pytest.mark.gpu
-@needs_int4_gpu
+@needs_gpu
 @pytest.mark.parametrize("adtype", [torch.bfloat16, torch.float16])
+@pytest.mark.usefixtures("built_int4")
 def test_int4_every_config_matches_reference_on_gpu(adtype):
     """Each configuration and group size, N not a multiple of any block's rows, K one tile and
     many, one and three rows: within f16/bf16 rounding of the fp32 product of the dequantized
@@ -265,7 +277,8 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
 
 
 @pytest.mark.gpu
-@needs_int4_gpu
+@needs_gpu
+@pytest.mark.usefixtures("built_int4")
 def test_int4_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
     """`INT4_GEMV_CUDA`: `int4_mm`'s one-row GEMV gives the Triton GEMV's outputs through the
     CUDA kernel, plain and as a dependent launch; zero points stay Triton's."""
