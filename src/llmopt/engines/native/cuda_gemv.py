@@ -105,20 +105,18 @@ def _int4_module(arch: str):
     return _build("int4_gemv", INT4_SOURCE, arch)
 
 
-def available(index: int = 0) -> bool:
-    """The kernel is built for GPU `index` and gives the right answer there. Decided once per
-    device, eagerly (the layers ask at construction), so that inside a compiled step this is a
-    dict lookup; the reason for a False is in `unavailable_reason`."""
-    if index not in _REASON:
-        _REASON[index] = _check(index)
-        if _REASON[index] and _REASON[index] != "no CUDA GPU":
-            log.warning(
-                "the CUDA GEMV does not run on GPU %d (%s): int8/FP8 decode uses the slower "
-                "Triton GEMV",
-                index,
-                _REASON[index],
-            )
-    return _REASON[index] == ""
+# A kernel's check on one GPU: (launch arguments before the config, fp32 reference, label)
+# cases, made by the caller that owns the weight layouts (`linear`, which imports this module)
+Cases = Callable[[torch.device], Iterable[tuple[tuple, torch.Tensor, str]]]
+
+
+def available(index: int, cases: Cases) -> bool:
+    """The 1-byte kernel is built for GPU `index` and gives the right answer there on `cases`.
+    Decided once per device, eagerly (the layers ask at construction), so that inside a
+    compiled step this is a dict lookup (`ready`); the reason for a False is in
+    `unavailable_reason`."""
+    check = functools.partial(_check, index, _module, "wo8_gemv", len(CONFIGS), cases)
+    return _decide(_REASON, index, "the CUDA GEMV (int8/FP8)", check)
 
 
 def ready(index: int = 0) -> bool:
@@ -127,52 +125,64 @@ def ready(index: int = 0) -> bool:
     return _REASON.get(index) == ""
 
 
-def unavailable_reason(index: int = 0) -> str:
+def unavailable_reason(index: int, cases: Cases) -> str:
     """Why `available(index)` is False ('' when it is True)."""
-    available(index)
+    available(index, cases)
     return _REASON[index]
 
 
-def _precondition(index: int) -> str:
+def int4_available(index: int, cases: Cases) -> bool:
+    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`)."""
+    check = functools.partial(_check, index, _int4_module, "int4_gemv", len(INT4_CONFIGS), cases)
+    return _decide(_INT4_REASON, index, "the CUDA int4 GEMV", check)
+
+
+def int4_ready(index: int = 0) -> bool:
+    """`int4_available(index)` as already decided; never builds (see `ready`)."""
+    return _INT4_REASON.get(index) == ""
+
+
+def int4_unavailable_reason(index: int, cases: Cases) -> str:
+    int4_available(index, cases)
+    return _INT4_REASON[index]
+
+
+def _decide(reasons: dict[int, str], index: int, what: str, check: Callable[[], str]) -> bool:
+    if index not in reasons:
+        reasons[index] = check()
+        if reasons[index] and reasons[index] != "no CUDA GPU":
+            log.warning(
+                "%s does not run on GPU %d (%s): the Triton GEMV, slower, runs instead",
+                what,
+                index,
+                reasons[index],
+            )
+    return reasons[index] == ""
+
+
+def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
+    """'' when the extension builds for GPU `index` and its kernel `fn` matches every case's
+    reference in every config there, else why not."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if torch.cuda.get_device_capability(index) < (8, 0):
         return "needs compute capability 8.0 or newer (bf16 arithmetic)"
-    return missing_tools() or ""
-
-
-def _check(index: int) -> str:
-    reason = _precondition(index)
-    if reason:
-        return reason
+    tools = missing_tools()
+    if tools:
+        return tools
     try:
-        mod = _module(_arch(index))
-        if mod.configs != len(CONFIGS):
-            return f"the built extension has {mod.configs} configs, this module {len(CONFIGS)}"
-        dev = torch.device("cuda", index)
-        g = torch.Generator(device=dev).manual_seed(0)
-        w = torch.randn(37, 512, device=dev, generator=g)
-        x = torch.randn(2, 512, device=dev, generator=g, dtype=torch.bfloat16)
-        for wq, s in _quantized(w):
-            ref = x.float() @ (wq.float() * s[:, None]).t()
-            for c in range(len(CONFIGS)):
-                y = mod.wo8_gemv(x, wq, s, x, 0.0, False, False, c, False)
+        mod = module(_arch(index))
+        if mod.configs != configs:
+            return f"the built extension has {mod.configs} configs, this module {configs}"
+        for args, ref, label in cases(torch.device("cuda", index)):
+            for c in range(configs):
+                y = getattr(mod, fn)(*args, c, False)
                 err = float((y.float() - ref).norm() / ref.norm())
                 if err > 1e-2:
-                    return f"wrong result (relative error {err:.2e}, {wq.dtype}, config {c})"
+                    return f"wrong result (relative error {err:.2e}, {label}, config {c})"
     except Exception as e:  # a toolkit/driver mismatch must not take the engine down
         return f"build or launch failed: {str(e)[:2000]}"
     return ""
-
-
-def _quantized(w: torch.Tensor):
-    """int8 and (where the GPU converts it) FP8 versions of `w` with per-row scales."""
-    amax = w.abs().amax(dim=1).clamp(min=1e-8)
-    s8 = amax / 127
-    yield (w / s8[:, None]).round().clamp(-127, 127).to(torch.int8), s8
-    if torch.cuda.get_device_capability(w.device) >= (8, 9):
-        sf = amax / 448
-        yield (w / sf[:, None]).to(torch.float8_e4m3fn), sf
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -241,53 +251,6 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.shape[1] % 16 == 0
         and x.shape[1] == w.shape[1]
     )
-
-
-# (x, packed, scale, group, fp32 reference) cases for the int4 check, made by the caller that
-# owns the layout (`linear`, which imports this module)
-Int4Cases = Callable[[torch.device], Iterable[tuple]]
-
-
-def int4_available(index: int, cases: Int4Cases) -> bool:
-    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`), checked on `cases`."""
-    if index not in _INT4_REASON:
-        _INT4_REASON[index] = _int4_check(index, cases)
-        if _INT4_REASON[index] and _INT4_REASON[index] != "no CUDA GPU":
-            log.warning(
-                "the CUDA int4 GEMV does not run on GPU %d (%s): the Triton GEMV runs instead",
-                index,
-                _INT4_REASON[index],
-            )
-    return _INT4_REASON[index] == ""
-
-
-def int4_ready(index: int = 0) -> bool:
-    """`int4_available(index)` as already decided; never builds (see `ready`)."""
-    return _INT4_REASON.get(index) == ""
-
-
-def int4_unavailable_reason(index: int, cases: Int4Cases) -> str:
-    int4_available(index, cases)
-    return _INT4_REASON[index]
-
-
-def _int4_check(index: int, cases: Int4Cases) -> str:
-    reason = _precondition(index)
-    if reason:
-        return reason
-    try:
-        mod = _int4_module(_arch(index))
-        if mod.configs != len(INT4_CONFIGS):
-            return f"the built extension has {mod.configs} configs, this module {len(INT4_CONFIGS)}"
-        for x, packed, scale, group, ref in cases(torch.device("cuda", index)):
-            for c in range(len(INT4_CONFIGS)):
-                y = mod.int4_gemv(x, packed, scale, group, c, False)
-                err = float((y.float() - ref).norm() / ref.norm())
-                if err > 1e-2:
-                    return f"wrong result (relative error {err:.2e}, group {group}, config {c})"
-    except Exception as e:  # a toolkit/driver mismatch must not take the engine down
-        return f"build or launch failed: {str(e)[:2000]}"
-    return ""
 
 
 def int4_supports(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> bool:

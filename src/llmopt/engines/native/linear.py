@@ -160,7 +160,7 @@ class Int8Linear(_QuantLinear):
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
         if self.triton_kernel and GEMV_CUDA:  # built and checked now, not inside a compiled step
-            cuda_gemv.available(q.device.index or 0)
+            cuda_gemv.available(q.device.index or 0, _wo8_cuda_cases)
         self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +276,7 @@ class Fp8Linear(_QuantLinear):
         # (benchmarks/linear_kernels.py) and needs three extra kernels to quantize activations.
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
         if self.triton_kernel and GEMV_CUDA:  # built and checked now, not inside a compiled step
-            cuda_gemv.available(q.device.index or 0)
+            cuda_gemv.available(q.device.index or 0, _wo8_cuda_cases)
         self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -558,18 +558,33 @@ def prepare_cuda_gemv(device: torch.device | str | None = None, int4: bool = Fal
         return "not a GPU"
     if int4:
         return cuda_gemv.int4_unavailable_reason(dev.index or 0, _int4_cuda_cases)
-    return cuda_gemv.unavailable_reason(dev.index or 0)
+    return cuda_gemv.unavailable_reason(dev.index or 0, _wo8_cuda_cases)
+
+
+def _cuda_check_data(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(37, 512, device=dev, generator=g)  # (37 rows: no block's multiple)
+    return w, torch.randn(2, 512, device=dev, generator=g, dtype=torch.bfloat16)
+
+
+def _wo8_cuda_cases(dev: torch.device):
+    """The 1-byte CUDA GEMV's check (`cuda_gemv.Cases`): int8 and, where the GPU converts it,
+    FP8 weights, against fp32 references."""
+    w, x = _cuda_check_data(dev)
+    for quant in (quantize_int8, quantize_fp8)[: 1 + fp8_supported(dev)]:
+        q, s = quant(w)
+        ref = x.float() @ (q.float() * s[:, None]).t()
+        yield (x, q, s, x, 0.0, False, False), ref, str(q.dtype)
 
 
 def _int4_cuda_cases(dev: torch.device):
     """The int4 CUDA GEMV's check: every group size it takes, against fp32 references."""
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = torch.randn(37, 512, device=dev, generator=g)
-    x = torch.randn(2, 512, device=dev, generator=g, dtype=torch.bfloat16)
+    w, x = _cuda_check_data(dev)
     for group in (32, 64, 128, 256):
         q, s = quantize_int4(w, group)
         deq = (q.float().reshape(37, -1, group) * s[..., None]).reshape(37, 512)
-        yield x, pack_int4_planar(q), s.to(x.dtype).contiguous(), group, x.float() @ deq.t()
+        args = (x, pack_int4_planar(q), s.to(x.dtype).contiguous(), group)
+        yield args, x.float() @ deq.t(), f"group {group}"
 
 
 def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
