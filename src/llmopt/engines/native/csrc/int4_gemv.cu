@@ -10,6 +10,8 @@
 // activations are staged once per block in shared memory as the matching f16 pairs
 // (x[k], x[k + 128]), so each pair of codes costs one f16x2 multiply-add; a thread's products
 // within a tile are summed in f16 per scale group (at most 16 products), then scaled in fp32.
+// Activations beyond f16's range (65,504) do not fit this kernel: it is opt-in
+// (`linear.INT4_GEMV_CUDA`) and checked on real weights (docs/native-engine.md).
 //
 // The work layout is csrc/wo8_gemv.cu's: a block owns ROWS output rows over the whole of K, a
 // thread reads 16-byte pieces (a quarter of a tile row) t, t + THREADS, ..., each loop step
@@ -42,20 +44,22 @@ __device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) 
   return r;
 }
 
-// The eight codes of one word as four f16 pairs: pair s holds the codes of nibbles s and s + 4
-// (k = 32 s + j and 32 s + 128 + j). A masked nibble u (two's complement) is flipped in its top
-// bit (u ^ 8 = q + 8, in 0..15) and given the exponent of 1024 in the same instruction (the
-// mask's bits and the exponent's do not overlap), so every pair is exact: 1024 + q + 8 minus
-// 1032, or (1024 + 16 (q + 8)) / 16 minus 72.
+// The eight codes of one word as four f16 pairs, each code q as q / 16: pair s holds the codes
+// of nibbles s and s + 4 (k = 32 s + j and 32 s + 128 + j). A masked nibble u (two's
+// complement) is flipped in its top bit (u ^ 8 = q + 8, in 0..15) and given the exponent of
+// 1024 in the same instruction (the mask's bits and the exponent's do not overlap); one f16x2
+// multiply-add then makes it exactly q / 16: (1024 + q + 8) / 16 - 64.5, or (1024 + 16 (q + 8))
+// / 256 - 4.5. As q / 16 (at most 1/2 in size) a product is at most |x| / 2, so the f16 sums of
+// up to 16 products cannot overflow below |x| = 8,192 (the Triton kernel's own bound is 16,384);
+// the 16 is restored in fp32 at the end.
 __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
   const uint32_t w8 = word >> 8;
-  const half2 sub = __float2half2_rn(1032.0f);
-  const half2 sixteenth = __float2half2_rn(1.0f / 16.0f);
-  const half2 minus72 = __float2half2_rn(-72.0f);
-  q[0] = __hsub2(as_half2(and_xor(word, 0x000f000fu, 0x64086408u)), sub);
-  q[1] = __hfma2(as_half2(and_xor(word, 0x00f000f0u, 0x64806480u)), sixteenth, minus72);
-  q[2] = __hsub2(as_half2(and_xor(w8, 0x000f000fu, 0x64086408u)), sub);
-  q[3] = __hfma2(as_half2(and_xor(w8, 0x00f000f0u, 0x64806480u)), sixteenth, minus72);
+  const half2 lo_mul = __float2half2_rn(1.0f / 16.0f), lo_add = __float2half2_rn(-64.5f);
+  const half2 hi_mul = __float2half2_rn(1.0f / 256.0f), hi_add = __float2half2_rn(-4.5f);
+  q[0] = __hfma2(as_half2(and_xor(word, 0x000f000fu, 0x64086408u)), lo_mul, lo_add);
+  q[1] = __hfma2(as_half2(and_xor(word, 0x00f000f0u, 0x64806480u)), hi_mul, hi_add);
+  q[2] = __hfma2(as_half2(and_xor(w8, 0x000f000fu, 0x64086408u)), lo_mul, lo_add);
+  q[3] = __hfma2(as_half2(and_xor(w8, 0x00f000f0u, 0x64806480u)), hi_mul, hi_add);
 }
 
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
@@ -171,7 +175,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     float v = 0.0f;
 #pragma unroll
     for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
-    y[static_cast<size_t>(m) * n + n0 + threadIdx.x] = from_float<T>(v);
+    y[static_cast<size_t>(m) * n + n0 + threadIdx.x] = from_float<T>(16.0f * v);  // (q / 16)
   }
 }
 
