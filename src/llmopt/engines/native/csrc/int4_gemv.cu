@@ -11,7 +11,7 @@
 // (x[k], x[k + 128]), so each pair of codes costs one f16x2 multiply-add; a thread's products
 // within a tile are summed in f16 per scale group (at most 16 products), then scaled in fp32.
 // Activations beyond f16's range (65,504) do not fit this kernel: it is opt-in
-// (`linear.INT4_GEMV_CUDA`) and checked on real weights (docs/native-engine.md).
+// (`linear.INT4_GEMV_CUDA`).
 //
 // The work layout is csrc/wo8_gemv.cu's: a block owns ROWS output rows over the whole of K, a
 // thread reads 16-byte pieces (a quarter of a tile row) t, t + THREADS, ..., each loop step
