@@ -159,8 +159,9 @@ class Int8Linear(_QuantLinear):
         # (benchmarks/linear_kernels.py): CUDA uses the Triton kernel (`wo_mm`).
         self.packed_kernel = q.device.type == "cpu"
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
-        if self.triton_kernel and GEMV_CUDA:  # built and checked now, not inside a compiled step
+        if self.triton_kernel and GEMV_CUDA:  # built, checked and timed now, not inside a step
             cuda_gemv.available(q.device.index or 0, _wo8_cuda_cases)
+            _pick_wo8(self.weight, self.scale_f, dtype)
         self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,8 +219,9 @@ class Int4Linear(_QuantLinear):
             self.register_buffer("zero", zp)
             # the one-row GEMV's K-split counters: a buffer, so a CUDA graph sees one address
             self.register_buffer("counters", gemv_counters(n, 1, q.device), persistent=False)
-            if INT4_GEMV_CUDA:  # built and checked now, not inside a compiled step
+            if INT4_GEMV_CUDA:  # built, checked and timed now, not inside a compiled step
                 cuda_gemv.int4_available(q.device.index or 0, _int4_cuda_cases)
+                _pick_int4(self.weight, self.scale, self.zero, group, dtype)
             return
         sz = torch.stack([scale.t(), zero.t()], dim=-1)  # (K/g, N, 2)
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous())
@@ -275,8 +277,9 @@ class Fp8Linear(_QuantLinear):
         # 16-bit): `_scaled_mm` at one row reads FP8 weights at well under half of bandwidth
         # (benchmarks/linear_kernels.py) and needs three extra kernels to quantize activations.
         self.triton_kernel = q.device.type == "cuda" and _triton_available()
-        if self.triton_kernel and GEMV_CUDA:  # built and checked now, not inside a compiled step
+        if self.triton_kernel and GEMV_CUDA:  # built, checked and timed now, not inside a step
             cuda_gemv.available(q.device.index or 0, _wo8_cuda_cases)
+            _pick_wo8(self.weight, self.scale, dtype)
         self._counters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -380,6 +383,17 @@ GEMV_CUDA = True
 # multiple of 256 and a power-of-two group. Off: compiled for sm_90 in the tests, not yet run
 # on a GPU (`benchmarks/decode.py --modes int4@gemv --linear default INT4_GEMV_CUDA=on`).
 INT4_GEMV_CUDA = False
+# Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
+# this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
+# interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by more
+# than `GEMV_PICK_MARGIN`). Neither kernel wins every shape (timed alone on the H200: the CUDA
+# FP8 GEMV is faster on the 8B model's gate/up and down, slower on qkv; docs/benchmarks.md).
+# Off: every shape takes the CUDA kernel where `GEMV_CUDA` / `INT4_GEMV_CUDA` route to it.
+GEMV_PICK = True
+GEMV_PICK_MARGIN = 0.02
+# ("wo8" or "int4", N, K, weight dtype or group, activation dtype, device index) -> whether the
+# CUDA kernel keeps that shape; a shape not timed (no layer built it) takes the CUDA kernel
+_CUDA_PICKED: dict[tuple, bool] = {}
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -480,6 +494,7 @@ def wo_mm(
     gated: bool = False,
     norm_eps: float | None = None,
     residual: torch.Tensor | None = None,
+    cuda: bool = True,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (w (N, K) * scale (N,))^T for decode rows, on CUDA via Triton.
 
@@ -491,6 +506,7 @@ def wo_mm(
     the GEMV as it reads x (`silu_down`; GEMV only). `norm_eps`: x is an RMSNorm's input whose
     weight is folded into `w` (`weights.fold_norms_`), normalized by the GEMV (`norm_linear`);
     `residual` (M, N): added to the output in the GEMV's epilogue (`linear_add`). GEMV only.
+    `cuda`: the one-row GEMV may be the CUDA C++ one (`GEMV_CUDA`); False keeps Triton's.
     """
     import triton
 
@@ -504,7 +520,7 @@ def wo_mm(
         kernel = "gemv" if m == 1 else "dot"
     if (gated or norm_eps is not None or residual is not None) and kernel != "gemv":
         raise ValueError(f"gated, normalized or residual input needs the GEMV, not {kernel!r}")
-    if kernel == "gemv" and not gated and _cuda_gemv_here(x, w):
+    if kernel == "gemv" and not gated and cuda and _cuda_gemv_here(x, w):
         eps = 0.0 if norm_eps is None else float(norm_eps)
         r = x if residual is None else residual.reshape(m, n)
         pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
@@ -595,7 +611,69 @@ def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
         and not _INTERPRET
         and cuda_gemv.supports(x, w)  # (first: a bf16 layer's step never reads the build state)
         and cuda_gemv.ready(x.device.index or 0)
+        and _CUDA_PICKED.get(_pick_key("wo8", w, w.dtype, x), True)
     )
+
+
+def _pick_key(kind: str, w: torch.Tensor, what, x: torch.Tensor) -> tuple:
+    # (int4's K is its packed width: one key per layout, which is what the kernels read)
+    return (kind, w.shape[0], w.shape[1], what, x.dtype, x.device.index or 0)
+
+
+def _pick_one_row(kind: str, w: torch.Tensor, what, dtype: torch.dtype, cuda, triton) -> None:
+    """Decide, once per shape and eagerly (layer construction, outside any compiled step),
+    whether the CUDA kernel `cuda(x)` or the Triton one `triton(x)` runs this shape's one-row
+    GEMV (`GEMV_PICK`): each timed three times, interleaved, with Triton's `do_bench` (L2
+    flushed between calls; medians), on a random activation row of `dtype`."""
+    k = w.shape[1] * (8 if kind == "int4" else 1)
+    g = torch.Generator(device=w.device).manual_seed(0)  # (the global generator is the user's)
+    x = torch.randn(1, k, device=w.device, dtype=dtype, generator=g)
+    key = _pick_key(kind, w, what, x)
+    if not GEMV_PICK or key in _CUDA_PICKED:
+        return
+    from triton.testing import do_bench
+
+    times: dict[str, list[float]] = {"cuda": [], "triton": []}
+    for _ in range(3):
+        for name, fn in (("cuda", cuda), ("triton", triton)):
+            times[name].append(do_bench(lambda f=fn: f(x), warmup=5, rep=20, return_mode="median"))
+    t_cuda, t_triton = (sorted(t)[1] for t in times.values())
+    _CUDA_PICKED[key] = t_cuda <= t_triton * (1 + GEMV_PICK_MARGIN)
+    log.info(
+        "one-row GEMV %s: CUDA %.1f us, Triton %.1f us: %s",
+        key[:5],
+        1e3 * t_cuda,
+        1e3 * t_triton,
+        "CUDA" if _CUDA_PICKED[key] else "Triton",
+    )
+
+
+def _pick_wo8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """`_pick_one_row` for a 1-byte layer's weights, where the CUDA GEMV runs."""
+    x0 = torch.empty(1, w.shape[1], device=w.device, dtype=dtype)
+    if not (GEMV_CUDA and GEMV_PICK and _cuda_gemv_here(x0, w)):
+        return
+    s = scale.reshape(-1)
+
+    def cuda(x):
+        return cuda_gemv.wo8_gemv(x, w, s, x, 0.0, False, False, False)
+
+    _pick_one_row("wo8", w, w.dtype, dtype, cuda, lambda x: wo_mm(x, w, s, "gemv", cuda=False))
+
+
+def _pick_int4(packed, scale, zero, group: int, dtype: torch.dtype) -> None:
+    """`_pick_one_row` for an int4 layer in the Triton layout, where the CUDA int4 GEMV runs."""
+    x0 = torch.empty(1, packed.shape[1] * 8, device=packed.device, dtype=dtype)
+    if not (INT4_GEMV_CUDA and GEMV_PICK and _int4_cuda_here(x0, packed, group, zero)):
+        return
+
+    def cuda(x):
+        return cuda_gemv.int4_gemv(x, packed, scale, group, False)
+
+    def triton(x):
+        return int4_mm(x, packed, scale, zero, group, "gemv", cuda=False)
+
+    _pick_one_row("int4", packed, group, dtype, cuda, triton)
 
 
 def _gemv(
@@ -746,13 +824,15 @@ def int4_mm(
     kernel: str | None = None,
     counters: torch.Tensor | None = None,
     half: bool | None = None,
+    cuda: bool = True,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T, W[n, k] = q[n, k] * scale[n, k // group] (+ zero[n, ...]),
     q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count. `kernel`:
     "dot" (`triton_kernels.int4_dot`), "gemv" (`int4_gemv`, one program row per activation
     row) or None for `INT4_ONE_ROW` at one row and the dot kernel otherwise. `counters`: the
     GEMV's K-split counters (`gemv_counters`, at least M x cdiv(N, 8)); made here when not
-    given or too few. `half`: the GEMV's products in half precision (None: `INT4_GEMV_HALF`)."""
+    given or too few. `half`: the GEMV's products in half precision (None: `INT4_GEMV_HALF`).
+    `cuda`: the GEMV may be the CUDA C++ one (`INT4_GEMV_CUDA`); False keeps Triton's."""
     import triton
 
     m, k = x.shape
@@ -762,7 +842,7 @@ def int4_mm(
     z = scale if zero is None else zero  # an unread stand-in when there is no zero
     kernel = kernel or (INT4_ONE_ROW if m == 1 else "dot")
     shape = {"K": k, "KP": packed.shape[1] * 8, "G": group, "HAS_ZERO": zero is not None}
-    if kernel == "gemv" and _int4_cuda_here(x, packed, group, zero):
+    if kernel == "gemv" and cuda and _int4_cuda_here(x, packed, group, zero):
         pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
         return cuda_gemv.int4_gemv(x, packed, scale, group, pdl)
     if kernel == "gemv":
@@ -796,6 +876,7 @@ def _int4_cuda_here(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> 
         and not _INTERPRET
         and cuda_gemv.int4_supports(x, packed, group, zero)
         and cuda_gemv.int4_ready(x.device.index or 0)
+        and _CUDA_PICKED.get(_pick_key("int4", packed, group, x), True)
     )
 
 

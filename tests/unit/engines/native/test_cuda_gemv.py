@@ -214,6 +214,7 @@ def test_decode_with_cuda_gemv_matches_triton_on_gpu(tiny_llama_dir, monkeypatch
     from llmopt.engines.generation import SamplingParams
     from llmopt.engines.native import load_generator
 
+    monkeypatch.setattr(L, "GEMV_PICK", False)  # (every shape to the CUDA kernel: it is tested)
     tuned = len(C._TUNED)
     for rec in ("w8a16", "fp8-dynamic")[: 1 + L.fp8_supported()]:
         got = {}
@@ -225,6 +226,55 @@ def test_decode_with_cuda_gemv_matches_triton_on_gpu(tiny_llama_dir, monkeypatch
             torch._dynamo.reset()
         assert len(got[True]) == 8 and got[True][:4] == got[False][:4], rec
     assert len(C._TUNED) > tuned  # the CUDA kernel ran (timed its configs for the new shapes)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.usefixtures("built")
+def test_pick_times_each_shape_once_and_routes_by_it(monkeypatch):
+    """`GEMV_PICK`: the first layer of a shape times the CUDA and the Triton GEMV (three
+    interleaved rounds each), a second layer of that shape does not; the layer's one-row
+    forward then goes where the table says (forced both ways here), with the same outputs; a
+    shape no layer timed takes the CUDA kernel."""
+    import triton.testing
+
+    monkeypatch.setattr(L, "_CUDA_PICKED", {})
+    monkeypatch.setattr(L, "GEMV_CUDA", True)
+    monkeypatch.setattr(L, "GEMV_PICK", True)
+    benched, real_bench = [], triton.testing.do_bench
+    monkeypatch.setattr(
+        triton.testing, "do_bench", lambda *a, **k: benched.append(1) or real_bench(*a, **k)
+    )
+    calls, real = [], C._module(C._arch(0)).wo8_gemv
+
+    class Spy:
+        configs = len(C.CONFIGS)
+
+        def wo8_gemv(self, *args):
+            calls.append(1)
+            return real(*args)
+
+    monkeypatch.setattr(C, "_module", lambda arch: Spy())
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, s = L.quantize_int8(torch.randn(1024, 2048, device="cuda", generator=g) * 0.05)
+    lin = L.Int8Linear(q, s, None, torch.bfloat16)
+    key = ("wo8", 1024, 2048, torch.int8, torch.bfloat16, 0)
+    assert key in L._CUDA_PICKED and len(benched) >= 6
+    timed = len(benched)
+    L.Int8Linear(q, s, None, torch.bfloat16)
+    assert len(benched) == timed
+    x = torch.randn(1, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = {}
+    for cuda in (False, True):
+        L._CUDA_PICKED[key] = cuda
+        before = len(calls)
+        out[cuda] = lin(x)
+        assert len(calls) == before + cuda
+    torch.testing.assert_close(out[True], out[False], rtol=1e-2, atol=1e-2)
+    q2, s2 = L.quantize_int8(torch.randn(512, 2048, device="cuda", generator=g) * 0.05)
+    before = len(calls)
+    L.wo_mm(x, q2, s2.float(), "gemv")  # (no layer of this shape: not in the table)
+    assert len(calls) > before
 
 
 @pytest.mark.parametrize("which", ["wo8", "int4"])
