@@ -354,6 +354,7 @@ LINEAR_SWITCHES = (
     "GEMV_PREFETCH",
     "GEMV_CUDA",
     "INT4_GEMV_CUDA",
+    "GEMV_PICK",
 )
 
 
@@ -526,6 +527,11 @@ def main() -> None:
             if reason:
                 sys.exit(f"--linear {name}=on: the CUDA GEMV does not run here ({reason})")
     switch_defaults = {name: getattr(L, name) for name in LINEAR_SWITCHES}
+    # layers are built with a CUDA GEMV's switch on where any point turns it on, so that they
+    # time it against Triton's per shape (`GEMV_PICK`); each point then routes by its own
+    build_switches = {
+        name: True for name in ("GEMV_CUDA", "INT4_GEMV_CUDA") if any(s.get(name) for s in linears)
+    }
     rope_default, rope_rows = A.FUSE_ROPE, A.FUSE_ROPE_MAX_ROWS
     modes = args.modes or (["bf16", "int8", "int4"] + (["fp8"] if L.fp8_supported() else []))
     compile_ = cuda if args.compile == "auto" else args.compile == "on"
@@ -558,6 +564,8 @@ def main() -> None:
     for mode in modes:
         # the norms folded where the engine folds them: on CUDA, for FUSE_NORM (the default)
         fold = cuda and (any(lin.get("FUSE_NORM") for lin in linears) or L.FUSE_NORM)
+        for name, value in {**switch_defaults, **build_switches}.items():
+            setattr(L, name, value)
         model, heads = build(args, mode, dtype, cfg_dict, prompt, fold)
         overlaps = [None] if args.overlap is None else [o == "on" for o in args.overlap]
         silus = [None] if args.fuse_silu is None else [o == "on" for o in args.fuse_silu]

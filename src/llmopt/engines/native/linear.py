@@ -388,7 +388,8 @@ INT4_GEMV_CUDA = False
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by more
 # than `GEMV_PICK_MARGIN`). Neither kernel wins every shape (timed alone on the H200: the CUDA
 # FP8 GEMV is faster on the 8B model's gate/up and down, slower on qkv; docs/benchmarks.md).
-# Off: every shape takes the CUDA kernel where `GEMV_CUDA` / `INT4_GEMV_CUDA` route to it.
+# Off: every shape takes the CUDA kernel where `GEMV_CUDA` / `INT4_GEMV_CUDA` route to it (read
+# per call, so a model built with it on can run either way: `benchmarks/decode.py --linear`).
 GEMV_PICK = True
 GEMV_PICK_MARGIN = 0.02
 # ("wo8" or "int4", N, K, weight dtype or group, activation dtype, device index) -> whether the
@@ -611,7 +612,7 @@ def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
         and not _INTERPRET
         and cuda_gemv.supports(x, w)  # (first: a bf16 layer's step never reads the build state)
         and cuda_gemv.ready(x.device.index or 0)
-        and _CUDA_PICKED.get(_pick_key("wo8", w, w.dtype, x), True)
+        and (not GEMV_PICK or _CUDA_PICKED.get(_pick_key("wo8", w, w.dtype, x), True))
     )
 
 
@@ -876,7 +877,7 @@ def _int4_cuda_here(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> 
         and not _INTERPRET
         and cuda_gemv.int4_supports(x, packed, group, zero)
         and cuda_gemv.int4_ready(x.device.index or 0)
-        and _CUDA_PICKED.get(_pick_key("int4", packed, group, x), True)
+        and (not GEMV_PICK or _CUDA_PICKED.get(_pick_key("int4", packed, group, x), True))
     )
 
 
