@@ -16,13 +16,16 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: TESTS_K="cuda or gemv or quantized_decode" bash ... native-tests  # the CUDA GEMVs'
-#           tests not yet run on a GPU: the int4 kernel's, the 1-byte one's compiled decode and
-#           dependent launch (each builds its extension first, ~1 min)
+#   call 1: TESTS_K="cuda or gemv or quantized_decode or pick" bash ... native-tests  # the
+#           CUDA GEMVs' tests not yet run on a GPU: the int4 kernel's, the per-shape pick, the
+#           1-byte one's compiled decode and dependent launch (each builds its extension, ~1 min)
 #   call 1b: KERNEL_M=1 KERNEL_ARGS="--kernels int4" bash ... kernels   # the int4 CUDA GEMV
-#           alone against the Triton one and tinygemm; then end to end:
-#           MODES="int4@gemv" AB="--linear default INT4_GEMV_CUDA=on" TAG=int4cuda bash ... ab
-#   call 2: smol-decode                     # every format, SmolLM2 shape, with the CUDA GEMV
+#           alone against the Triton one and tinygemm; then end to end, with the per-shape pick:
+#           MODES="int4@gemv" AB="--linear default INT4_GEMV_CUDA=on INT4_GEMV_CUDA=on,GEMV_PICK=off" \
+#             TAG=int4cuda bash ... ab
+#   call 2: MODES="fp8 int8" AB="--linear default GEMV_PICK=off" TAG=pick bash ... ab  # the
+#           per-shape CUDA/Triton pick against the CUDA GEMV everywhere; then
+#           TORCH_LOGS=perf_hints smol-decode  # every format, SmolLM2 shape
 #   call 3: MODES="bf16 int8 fp8 int4" PROFILE=--profile bash ... decode  # every format, the
 #           step's kernel table with the CUDA GEMV (why int8 gained 19% end to end, 6% alone)
 #   call 4: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
