@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -509,6 +510,9 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    # the engine's INFO lines (which one-row GEMV each weight shape picked, CUDA builds) in the log
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("llmopt.engines.native").setLevel(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
     import torch._inductor.config as inductor_config
@@ -676,6 +680,12 @@ def main() -> None:
                 f"{x['tok_s_max']:.1f}]  x{x['ratio_median']:.3f} [{x['ratio_min']:.3f}-"
                 f"{x['ratio_max']:.3f}]"
             )
+    results["gemv_picks"] = L.gemv_picks()
+    for pick in results["gemv_picks"]:
+        print(
+            f"one-row GEMV pick {pick['kind']} {pick['shape']} {pick['what']}: CUDA "
+            f"{pick['cuda_us']:.1f} us, Triton {pick['triton_us']:.1f} us -> {pick['picked']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

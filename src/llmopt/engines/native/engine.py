@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmopt.assets.models import resolve_model
+from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import get_recipe
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine, register_engine
@@ -95,12 +96,27 @@ class NativeEngine(Engine):
         compiled shape is a C++ build of about a minute there, which in a short search takes the
         time full verification needs (docs/benchmarks.md), so compiled candidates are searched
         only when named (`--candidates torch-fp32-compile`). On CUDA the default already
-        compiles (CUDA graphs).
+        compiles (CUDA graphs). Quantized recipes that leave the output projection dense also
+        get a candidate with an int8 one (`lm_head: int8`, `_head_variation`).
         """
         if device == "cpu" and (recipe.name in DENSE or recipe.name in QUANTIZED):
             why = "compiled decode on the CPU costs ~1 min per shape (opt-in)"
-            return [{}, {"compile": True, "opt_in": why}]
-        return [{}]
+            out: list[dict[str, Any]] = [{}, {"compile": True, "opt_in": why}]
+        else:
+            out = [{}]
+        if _kernel_for(recipe) in ("int8", "int4", "fp8") and "lm_head" in recipe.ignore:
+            out.append(self._head_variation(device))
+        return out
+
+    @staticmethod
+    def _head_variation(device: str) -> dict[str, Any]:
+        """A quantized model with an int8 output projection (`weights.quantize_head_`): fewer
+        bytes read per decode step, for a small change in the numbers, so a verified candidate
+        of its own. Searched by default on CUDA, where the head is a large share of a quantized
+        step's reads; on the CPU each candidate is minutes of verification: opt-in."""
+        if device == "cpu":
+            return {"lm_head": "int8", "opt_in": "an int8 output projection (opt-in on the CPU)"}
+        return {"lm_head": "int8"}
 
     def tune_space(self, info: ModelInfo, recipe: str, device: str) -> list[dict[str, Any]]:
         """Runtime settings worth measuring on the chosen candidate (`llmopt.optimize.tune`):
@@ -141,6 +157,7 @@ class NativeEngine(Engine):
             max_batch=int(settings.max_batch or 8),
             max_seq_len=settings.max_seq_len,
             compile=settings.compile,
+            lm_head=settings.options.get("lm_head"),
         )
         return NativeCausalLMRunner(gen)
 
@@ -157,6 +174,7 @@ class NativeEngine(Engine):
             batch_sizes=spec.batch_sizes,
             compile_prefill=spec.compile_prefill,
             prefix_caching=spec.prefix_caching,
+            lm_head=(spec.settings or {}).get("lm_head"),
         )
 
 
@@ -175,6 +193,7 @@ def load_generator(
     compile_prefill: bool = False,
     overlap: bool | None = None,
     prefix_caching: bool = False,
+    lm_head: str | None = None,
 ) -> Generator:
     """A ready `Generator` for a folder, built-in name or built artifact, with its tokenizer.
 
@@ -188,12 +207,14 @@ def load_generator(
         overlap: launch the next greedy decode step before reading this one's tokens back
             (default: on for CUDA; see `Generator`).
         prefix_caching: reuse the KV blocks of prompt prefixes computed before (see `Generator`).
+        lm_head: "int8" for an int8 (per-channel, weight-only) output projection where the
+            recipe leaves it dense (`weights.quantize_head_`); None or "dense" keeps it dense.
     """
     import torch
     from transformers import AutoTokenizer
 
     from llmopt.engines.native.generator import Generator  # heavy: torch
-    from llmopt.engines.native.weights import load_model  # heavy: torch
+    from llmopt.engines.native.weights import HEAD_MODES, load_model  # heavy: torch
 
     folder, _ = resolve_model(model)
     rec = get_recipe(recipe)
@@ -202,7 +223,15 @@ def load_generator(
         dtype = torch.float32
     kernel = _kernel_for(rec)
     group = int(getattr(rec, "group_size", None) or 128)
-    net = load_model(folder, device, dtype, quant=kernel, ignore=tuple(rec.ignore), group=group)
+    head = None if lm_head in (None, "dense") else lm_head
+    if head is not None and head not in HEAD_MODES:
+        raise LlmoptError(
+            f"torch engine option lm_head={lm_head!r} is not a format it runs",
+            hint=f"use one of {', '.join(('dense', *HEAD_MODES))}",
+        )
+    net = load_model(
+        folder, device, dtype, quant=kernel, ignore=tuple(rec.ignore), group=group, head=head
+    )
     tok = AutoTokenizer.from_pretrained(folder)
     return Generator(
         net,

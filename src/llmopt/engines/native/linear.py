@@ -395,6 +395,7 @@ GEMV_PICK_MARGIN = 0.02
 # ("wo8" or "int4", N, K, weight dtype or group, activation dtype, device index) -> whether the
 # CUDA kernel keeps that shape; a shape not timed (no layer built it) takes the CUDA kernel
 _CUDA_PICKED: dict[tuple, bool] = {}
+_PICK_TIMES: dict[tuple, tuple[float, float]] = {}  # the same keys -> (CUDA ms, Triton ms)
 _KERNELS: dict = {}  # Triton kernels, created eagerly (outside torch.compile, which sees launches)
 
 
@@ -640,6 +641,7 @@ def _pick_one_row(kind: str, w: torch.Tensor, what, dtype: torch.dtype, cuda, tr
             times[name].append(do_bench(lambda f=fn: f(x), warmup=5, rep=20, return_mode="median"))
     t_cuda, t_triton = (sorted(t)[1] for t in times.values())
     _CUDA_PICKED[key] = t_cuda <= t_triton * (1 + GEMV_PICK_MARGIN)
+    _PICK_TIMES[key] = (t_cuda, t_triton)
     log.info(
         "one-row GEMV %s: CUDA %.1f us, Triton %.1f us: %s",
         key[:5],
@@ -647,6 +649,24 @@ def _pick_one_row(kind: str, w: torch.Tensor, what, dtype: torch.dtype, cuda, tr
         1e3 * t_triton,
         "CUDA" if _CUDA_PICKED[key] else "Triton",
     )
+
+
+def gemv_picks() -> list[dict]:
+    """Every per-shape pick made in this process (`GEMV_PICK`), for benchmark records: the
+    kernel family, weight shape (int4: packed width), the CUDA and Triton times (us) and which
+    kernel the shape keeps."""
+    return [
+        {
+            "kind": key[0],
+            "shape": [key[1], key[2]],
+            "what": str(key[3]),
+            "cuda_us": 1e3 * _PICK_TIMES[key][0],
+            "triton_us": 1e3 * _PICK_TIMES[key][1],
+            "picked": "cuda" if picked else "triton",
+        }
+        for key, picked in _CUDA_PICKED.items()
+        if key in _PICK_TIMES
+    ]
 
 
 def _pick_wo8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:

@@ -38,6 +38,8 @@ __all__ = [
     "fold_norms_",
     "dense_gemv_",
     "QUANT_MODES",
+    "HEAD_MODES",
+    "quantize_head_",
 ]
 
 QUANT_MODES = ("int8", "int4", "fp8")
@@ -282,8 +284,11 @@ def load_model(
     quant: str | None = None,
     ignore: tuple[str, ...] = ("lm_head",),
     group: int = 128,
+    head: str | None = None,
 ) -> Transformer:
-    """Load an HF folder's safetensors into a native Transformer on `device`."""
+    """Load an HF folder's safetensors into a native Transformer on `device`. `quant` the body's
+    linears (round-to-nearest, but those in `ignore`), `head` the output projection's format
+    where it is still dense (`quantize_head_`; None keeps it dense)."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -327,7 +332,30 @@ def load_model(
         quantize_model_(model, quant, ignore, group)
     elif _gemv_takes_norms(model) and dtype != torch.float32:
         dense_gemv_(model)  # the norms and residual adds inside the one-row GEMV
+    if head:
+        quantize_head_(model, head)
     return model
+
+
+HEAD_MODES = ("int8",)
+
+
+def quantize_head_(model: Transformer, mode: str) -> bool:
+    """Make the output projection a `mode` (int8: per-channel weight-only) layer, in place,
+    where it is dense; False where it is not (a checkpoint's quantized head stays as stored).
+
+    Why int8 only: the head is the layer most sensitive to rounding (on SmolLM2-135M an int8 head
+    adds 0.08 points to the int8 model's perplexity change, an int4 head takes the int4 model's
+    from +29% to +72%; docs/benchmarks.md), and
+    at batch 1 it is a large share of a quantized model's reads (the 8B shape's bf16 head is
+    1.05 GB of an int4 step's 4.65). A tied head gets its own int8 copy; the embedding table,
+    read one row per token, stays as it is."""
+    if mode not in HEAD_MODES:
+        raise ValueError(f"lm_head format {mode!r}: one of {HEAD_MODES} (or leave it dense)")
+    if type(model.lm_head) is not nn.Linear:
+        return False
+    model.lm_head = quantize_linear(model.lm_head, mode)
+    return True
 
 
 class _Rows:

@@ -239,6 +239,7 @@ def test_pick_times_each_shape_once_and_routes_by_it(monkeypatch):
     import triton.testing
 
     monkeypatch.setattr(L, "_CUDA_PICKED", {})
+    monkeypatch.setattr(L, "_PICK_TIMES", {})
     monkeypatch.setattr(L, "GEMV_CUDA", True)
     monkeypatch.setattr(L, "GEMV_PICK", True)
     benched, real_bench = [], triton.testing.do_bench
@@ -260,6 +261,9 @@ def test_pick_times_each_shape_once_and_routes_by_it(monkeypatch):
     lin = L.Int8Linear(q, s, None, torch.bfloat16)
     key = ("wo8", 1024, 2048, torch.int8, torch.bfloat16, 0)
     assert key in L._CUDA_PICKED and len(benched) >= 6
+    (pick,) = L.gemv_picks()  # what benchmarks record
+    assert pick["shape"] == [1024, 2048] and pick["cuda_us"] > 0 and pick["triton_us"] > 0
+    assert pick["picked"] == ("cuda" if L._CUDA_PICKED[key] else "triton")
     timed = len(benched)
     L.Int8Linear(q, s, None, torch.bfloat16)
     assert len(benched) == timed

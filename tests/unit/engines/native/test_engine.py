@@ -266,6 +266,40 @@ def test_loads_the_int8_checkpoint_the_hf_engine_writes(tiny_llama_dir, tmp_path
     torch.testing.assert_close(step, full[:, 5], atol=1e-4, rtol=1e-4)
 
 
+def test_int8_head_is_a_candidate_of_its_own_and_runs_close_to_dense(tiny_llama_dir):
+    """`lm_head: int8` (an engine option): the quantized recipes' candidates on CUDA include an
+    int8 output projection (opt-in on the CPU; none for dense recipes or where the recipe
+    quantizes the head already); loaded, the head is int8 and the tied embedding is not, the
+    logits move a little and stay close; an unknown format is refused with the way out."""
+    from dataclasses import replace
+
+    from llmopt.core.errors import LlmoptError
+    from llmopt.core.recipes import get_recipe
+    from llmopt.model.info import inspect_model
+
+    info, torch_engine = inspect_model(tiny_llama_dir), get_engine("torch")
+    w8 = get_recipe("w8a16")
+    assert torch_engine.settings_space(info, w8, "cuda") == [{}, {"lm_head": "int8"}]
+    cpu = torch_engine.settings_space(info, w8, "cpu")
+    assert {"lm_head", "opt_in"} <= set(cpu[-1]) and cpu[-1]["lm_head"] == "int8"
+    assert torch_engine.settings_space(info, get_recipe("bf16"), "cuda") == [{}]
+    assert torch_engine.settings_space(info, replace(w8, name="w8-all", ignore=()), "cuda") == [{}]
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    out = {}
+    for head in ("dense", "int8"):
+        runner = torch_engine.load(
+            tiny_llama_dir, info, w8, EngineSettings.from_dict({"lm_head": head})
+        )
+        net = runner.gen.model
+        assert type(net.lm_head).__name__ == ("Int8Linear" if head == "int8" else "Linear")
+        assert net.model.embed_tokens.weight.dtype == torch.float32  # the table stays float
+        out[head] = runner.logits(ids)
+    sqnr = 10 * torch.log10(out["dense"].pow(2).sum() / (out["dense"] - out["int8"]).pow(2).sum())
+    assert 25.0 < float(sqnr) < 200.0, float(sqnr)  # changed (really int8), and close
+    with pytest.raises(LlmoptError, match="int4"):
+        load_generator(tiny_llama_dir, "w8a16", lm_head="int4")
+
+
 def test_unsupported_models_are_refused_with_the_way_out(tiny_bert_dir):
     with pytest.raises(UnsupportedModel) as err:
         NativeConfig.from_hf({"model_type": "gpt2", "hidden_size": 8})
