@@ -16,20 +16,20 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: TESTS_K="cuda or gemv or quantized_decode or pick" bash ... native-tests  # the
-#           CUDA GEMVs' tests not yet run on a GPU: the int4 kernel's, the per-shape pick, the
-#           1-byte one's compiled decode and dependent launch (each builds its extension, ~1 min)
-#   call 1b: KERNEL_M=1 KERNEL_ARGS="--kernels int4" bash ... kernels   # the int4 CUDA GEMV
-#           alone against the Triton one and tinygemm; then end to end, with the per-shape pick:
-#           MODES="int4@gemv" AB="--linear default INT4_GEMV_CUDA=on INT4_GEMV_CUDA=on,GEMV_PICK=off" \
-#             TAG=int4cuda bash ... ab
-#   call 2: MODES="fp8 int8" AB="--linear default GEMV_PICK=off" TAG=pick bash ... ab  # the
+#   call 1: MODES="fp8 int8" AB="--lm-head dense int8" TAG=head bash ... ab  # the int8 output
+#           projection (the torch engine's `lm_head: int8` candidates) against the dense one;
+#           the log's "one-row GEMV pick" lines say which kernel each 8B shape kept
+#   call 2: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
+#           GEMV at one row, its tensor-core kernels at 8 and 64) against tinygemm's, each
+#           batch: the layout is opt-in until this says it is not slower at 8-64 rows
+#   call 3: MODES="fp8 int8" AB="--linear default GEMV_PICK=off" TAG=pick bash ... ab  # the
 #           per-shape CUDA/Triton pick against the CUDA GEMV everywhere; then
 #           TORCH_LOGS=perf_hints smol-decode  # every format, SmolLM2 shape
-#   call 3: MODES="bf16 int8 fp8 int4" PROFILE=--profile bash ... decode  # every format, the
+#   call 4: MODES="bf16 int8 fp8 int4" PROFILE=--profile bash ... decode  # every format, the
 #           step's kernel table with the CUDA GEMV (why int8 gained 19% end to end, 6% alone)
-#   call 4: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
-#           GEMV at one row, its tensor-core kernels at 8 and 64) against tinygemm's, each batch
+#   call 5: TESTS_K="int4 and cuda" bash ... native-tests  # the int4 CUDA GEMV's tests left
+#           when the first run's time ran out (each CUDA extension's first build is ~1 min;
+#           pytest outside this script needs PYTHONPATH=$PWD/src)
 #   bash benchmarks/h200_runs.sh overlap                                      # issue 24 host overlap
 #   bash benchmarks/h200_runs.sh setup encoder                                # issue 23 item 7
 #

@@ -685,10 +685,10 @@ def test_int8_gemv_through_half_precision_matches_on_gpu(monkeypatch):
 def test_quantized_decode_on_gpu_matches_dense(tiny_llama_dir):
     dense = load_generator(tiny_llama_dir, "bf16", device="cuda", compile=False)
     want, _ = dense.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
-    for rec in ("w8a16", "fp8-dynamic"):
-        gen = load_generator(tiny_llama_dir, rec, device="cuda", compile=True)
+    for rec, head in (("w8a16", None), ("fp8-dynamic", None), ("fp8-dynamic", "int8")):
+        gen = load_generator(tiny_llama_dir, rec, device="cuda", compile=True, lm_head=head)
         got, _ = gen.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
-        assert len(got) == 8 and got[:2] == want[:2]
+        assert len(got) == 8 and got[:2] == want[:2], (rec, head)
 
 
 def test_calibrated_candidates_are_calibrated_on_the_gpu_when_there_is_one(
