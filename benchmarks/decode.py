@@ -114,8 +114,12 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
     base, _, kernel = mode.partition("@")
     quant = None if base in ("bf16", "fp32") else base
     # int4's layout is chosen as the layer is built: int4@triton and int4@gemv take the Triton
-    # layout, the first with its tensor-core kernel at one row too, the second with the GEMV
-    L.INT4_TRITON = base == "int4" and kernel in ("triton", "gemv")
+    # layout, the first with its tensor-core kernel at one row too, the second with the GEMV;
+    # int4@tinygemm tinygemm's; plain int4 the engine's default (`linear.INT4_TRITON` as main()
+    # found it)
+    if base == "int4":
+        layouts = {"triton": True, "gemv": True, "tinygemm": False}
+        L.INT4_TRITON = layouts.get(kernel, args.int4_triton_default)
     L.INT4_ONE_ROW = "dot" if base == "int4" and kernel == "triton" else "gemv"
     if args.model:
         from llmopt.assets.models import resolve_model
@@ -432,9 +436,10 @@ def main() -> None:
         nargs="+",
         default=None,
         help="bf16 int8 int4 fp8 (default: all that run here); CUDA kernel variants, each "
-        "forcing one kernel where the engine would choose: int4@triton (the Triton layout instead "
-        "of tinygemm, its tensor-core kernel at one row too), int4@gemv (the Triton layout with "
-        "its CUDA-core GEMV at one row), int8@gemv, int8@dot, int8@dot1, fp8@gemv, fp8@dot, "
+        "forcing one kernel where the engine would choose: int4@tinygemm (tinygemm's layout at "
+        "every row count), int4@triton (the Triton layout, its tensor-core kernel at one row "
+        "too), int4@gemv (the Triton layout with its CUDA-core GEMV at one row: the default), "
+        "int8@gemv, int8@dot, int8@dot1, fp8@gemv, fp8@dot, "
         "fp8@dot1 "
         "(CUDA-core GEMV, tensor-core kernel, the same without its K split, at decode rows)",
     )
@@ -520,6 +525,7 @@ def main() -> None:
     from llmopt.engines.native import attention as A
     from llmopt.engines.native import linear as L
 
+    args.int4_triton_default = L.INT4_TRITON  # (build() sets it per int4 mode)
     cuda = torch.device(args.device).type == "cuda"
     dtype = (
         getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)

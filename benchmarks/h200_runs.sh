@@ -9,19 +9,17 @@
 #   KERNEL_M=1 bash benchmarks/h200_runs.sh kernels      # has the int4 GEMV column (int4-g128-gemv)
 #   KERNEL_M=1 KERNEL_ARGS="--shapes down --kernels int8-gemv fp8-gemv --gated --rounds 5" \
 #     bash benchmarks/h200_runs.sh kernels                # SiLU x up inside the down GEMV, alone
-#   MODES="int8 fp8 int4 int4@gemv" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
+#   MODES="int8 fp8 int4 int4@tinygemm" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 #   bash benchmarks/h200_runs.sh ncu              # Nsight Compute counters of the one-row GEMVs
 # Next run (each decode.py point compiles the step afresh, ~40-100 s: about four points a call;
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call 1: MODES="fp8 int8" AB="--lm-head dense int8" TAG=head bash ... ab  # the int8 output
-#           projection (the torch engine's `lm_head: int8` candidates) against the dense one;
-#           the log's "one-row GEMV pick" lines say which kernel each 8B shape kept
-#   call 2: QB="1 8 64" MODES="int4 int4@gemv" bash ... decode  # the Triton int4 layout (its
-#           GEMV at one row, its tensor-core kernels at 8 and 64) against tinygemm's, each
-#           batch: the layout is opt-in until this says it is not slower at 8-64 rows
+#   call 1: QB="8 16" MODES="int4@tinygemm int4" bash ... decode  # the int4 Triton layout
+#           (the CUDA default since it won at 1 and 64 rows) against tinygemm at 8-16 rows
+#   call 2: bash ... smol-part (x2) realweights  # real-weight quality with int4 on the Triton
+#           layout (the last real-weight run took tinygemm's) and an int8 head
 #   call 3: MODES="fp8 int8" AB="--linear default GEMV_PICK=off" TAG=pick bash ... ab  # the
 #           per-shape CUDA/Triton pick against the CUDA GEMV everywhere; then
 #           TORCH_LOGS=perf_hints smol-decode  # every format, SmolLM2 shape
@@ -117,9 +115,9 @@ for step in "$@"; do
       (cd "$W/run-8b" && tar czf "$OUT/run-8b-json.tgz" --exclude=artifact --exclude='*.safetensors' .)
       rm -rf "$W/run-8b" ;;  # ~50 GB of artifacts: the next step needs the disk (64 GiB)
     decode)  # quantized formats at batch 1, each kernel against the other (issue 24): int4
-      # tinygemm vs Triton, int8/FP8 tensor-core kernel vs the CUDA-core GEMV
+      # tinygemm vs Triton (the default), int8/FP8 tensor-core kernel vs the CUDA-core GEMV
       python3 benchmarks/decode.py --shape llama-3.1-8b --batches 1 --quant-batches ${QB:-1} \
-        --modes ${MODES:-int8@dot int8@gemv fp8@dot fp8@gemv int4 int4@triton} \
+        --modes ${MODES:-int8@dot int8@gemv fp8@dot fp8@gemv int4@tinygemm int4} \
         --new-tokens ${NEW_TOKENS:-128} ${PROFILE:-} --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
       grep -v "^ " "$OUT/decode.log" | tail -9 ;;
     sweep)  # every config of the Triton weight-only kernels, per 8B shape and row count

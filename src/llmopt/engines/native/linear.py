@@ -8,8 +8,8 @@ activation dtype. The kernels are PyTorch's and, on CUDA at decode rows, our own
 |-------------|---------------------------------------|----------------------------------------------|
 | Int8Linear  | `_weight_int8pack_mm` (rows <= 8)     | Triton: `wo8_gemv` at 1 row, `wo8_dot` at    |
 |             |                                       | 2-16; dequant + cuBLAS above                 |
-| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | tinygemm (`_weight_int4pack_mm`); with       |
-|             |                                       | `INT4_TRITON`, Triton `int4_dot` (any rows)  |
+| Int4Linear  | `_weight_int4pack_mm_for_cpu`         | Triton (`INT4_TRITON`): `int4_gemv` at 1     |
+|             |                                       | row, `int4_dot` above; else tinygemm         |
 | Fp8Linear   | refused (no fast FP8 matmul on CPU)   | weight-only Triton: the GEMV at 1 row,       |
 |             |                                       | `wo8_dot` at 2-16; `_scaled_mm` above        |
 |             |                                       | (row-wise scales, cc >= 8.9)                 |
@@ -324,9 +324,13 @@ TRITON_M = 16
 # on the narrow projections), the dot kernel at 2-16 rows (there it reads the weights 2-4x
 # faster than the GEMV, which re-reads them per row). Benchmarks force one.
 WO8_KERNEL = "auto"
-# The Triton int4 kernel (`int4_mm`) instead of tinygemm on CUDA: off, as it reads int4 weights
-# slower than tinygemm on the H200 (docs/benchmarks.md, issue 24); tests and benchmarks opt in.
-INT4_TRITON = False
+# The Triton int4 kernels (`int4_mm`: the layout chosen at load, `int4_gemv` at one row,
+# `int4_dot` at more rows and for prompts) instead of tinygemm on CUDA, where they take the
+# shape (`int4_triton_supported`) and pass their check on the GPU. On: against tinygemm on the 8B
+# shape they decode faster at batch 1 (H200 1.12x interleaved, H100 1.03x) and at batch 64 (H100
+# 2.67x), and prefill a 128-token prompt 2.6x (one) and 4.0x (64) faster (docs/benchmarks.md).
+# Off: tinygemm at every row count.
+INT4_TRITON = True
 # The Triton int4 path's kernel at one row: "gemv" (`int4_gemv`: on the H200 faster than
 # tinygemm on three of the 8B shapes and level on the fourth, 1.12x tinygemm end to end at batch
 # 1, where `int4_dot` reads ~1.75x slower than tinygemm; docs/benchmarks.md) or "dot"

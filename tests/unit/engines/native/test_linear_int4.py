@@ -95,7 +95,7 @@ def test_int4_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("k", [576, 4096])  # SmolLM2's width pads to 3 tiles of 256
 def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k, monkeypatch):
-    monkeypatch.setattr(L, "INT4_TRITON", True)  # opt-in (tinygemm is the CUDA default)
+    monkeypatch.setattr(L, "INT4_TRITON", True)  # (the CUDA default)
     n, group = 1024, 64 if k == 576 else 128
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g) * 0.02
@@ -154,7 +154,7 @@ def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, asym, monkeypat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [576, 1536, 4096])  # SmolLM2's hidden and MLP widths, Llama's
 def test_int4_linear_tinygemm_takes_widths_not_divisible_by_128(k, monkeypatch):
-    monkeypatch.setattr(L, "INT4_TRITON", False)  # tinygemm, the default
+    monkeypatch.setattr(L, "INT4_TRITON", False)  # tinygemm, where the Triton layout is off
     n, group = 64, 64
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g) * 0.02
