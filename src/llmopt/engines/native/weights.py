@@ -346,10 +346,9 @@ def quantize_head_(model: Transformer, mode: str) -> bool:
 
     Why int8 only: the head is the layer most sensitive to rounding (on SmolLM2-135M an int8 head
     adds 0.08 points to the int8 model's perplexity change, an int4 head takes the int4 model's
-    from +29% to +72%; docs/benchmarks.md), and
-    at batch 1 it is a large share of a quantized model's reads (the 8B shape's bf16 head is
-    1.05 GB of an int4 step's 4.65). A tied head gets its own int8 copy; the embedding table,
-    read one row per token, stays as it is."""
+    from +29% to +72%; docs/benchmarks.md), and at batch 1 it is a large share of a quantized
+    model's reads (the 8B shape's bf16 head is 1.05 GB of an int4 step's 4.65). A tied head gets
+    its own int8 copy; the embedding table, read one row per token, stays as it is."""
     if mode not in HEAD_MODES:
         raise ValueError(f"lm_head format {mode!r}: one of {HEAD_MODES} (or leave it dense)")
     if type(model.lm_head) is not nn.Linear:
