@@ -153,10 +153,8 @@ def kernels(
     if k % 128 == 0:
         q4, s4 = L.quantize_int4(w.float(), 128)
         deq = (q4.float().reshape(n, -1, 128) * s4[..., None]).reshape(n, k)
-        default, L.INT4_TRITON = (
-            L.INT4_TRITON,
-            device == "cuda",
-        )  # the Triton layout; tinygemm below
+        default = L.INT4_TRITON
+        L.INT4_TRITON = device == "cuda"  # the Triton layout; tinygemm's below
         fn, c = rotate(n * k // 2, lambda: L.Int4Linear(q4, s4, 128, None, dt))
         kern = "int4-g128-triton" if L.Int4Linear(q4, s4, 128, None, dt).triton_kernel else "int4"
         L.INT4_TRITON = default

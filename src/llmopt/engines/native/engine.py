@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmopt.assets.models import resolve_model
-from llmopt.core.errors import LlmoptError
 from llmopt.core.recipes import get_recipe
 from llmopt.core.settings import EngineSettings
 from llmopt.engines import get_engine, register_engine
@@ -214,7 +213,7 @@ def load_generator(
     from transformers import AutoTokenizer
 
     from llmopt.engines.native.generator import Generator  # heavy: torch
-    from llmopt.engines.native.weights import HEAD_MODES, load_model  # heavy: torch
+    from llmopt.engines.native.weights import load_model  # heavy: torch
 
     folder, _ = resolve_model(model)
     rec = get_recipe(recipe)
@@ -223,12 +222,7 @@ def load_generator(
         dtype = torch.float32
     kernel = _kernel_for(rec)
     group = int(getattr(rec, "group_size", None) or 128)
-    head = None if lm_head in (None, "dense") else lm_head
-    if head is not None and head not in HEAD_MODES:
-        raise LlmoptError(
-            f"torch engine option lm_head={lm_head!r} is not a format it runs",
-            hint=f"use one of {', '.join(('dense', *HEAD_MODES))}",
-        )
+    head = None if lm_head == "dense" else lm_head  # (an unknown format: load_model refuses it)
     net = load_model(
         folder, device, dtype, quant=kernel, ignore=tuple(rec.ignore), group=group, head=head
     )

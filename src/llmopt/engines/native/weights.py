@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.core.errors import LlmoptError
 from llmopt.engines.native import linear as L
 from llmopt.engines.native.config import HF_HINT, NativeConfig, UnsupportedModel
 from llmopt.engines.native.model import Transformer, rope_inv_freq
@@ -350,7 +351,10 @@ def quantize_head_(model: Transformer, mode: str) -> bool:
     model's reads (the 8B shape's bf16 head is 1.05 GB of an int4 step's 4.65). A tied head gets
     its own int8 copy; the embedding table, read one row per token, stays as it is."""
     if mode not in HEAD_MODES:
-        raise ValueError(f"lm_head format {mode!r}: one of {HEAD_MODES} (or leave it dense)")
+        raise LlmoptError(
+            f"lm_head={mode!r} is not an output-projection format the torch engine runs",
+            hint=f"use one of {', '.join(('dense', *HEAD_MODES))}",
+        )
     if type(model.lm_head) is not nn.Linear:
         return False
     model.lm_head = quantize_linear(model.lm_head, mode)
