@@ -133,7 +133,7 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
     if not quant and not quant_heads and not fold:
         return model, {"dense": (dense, None)}
     ref = prompt_logits(model, prompt, args.device)
-    fold = fold and quant != "int4"  # (int4's kernels take no norm: never folded)
+    fold = fold and quant != "int4"  # (int4 takes its norms unfolded, `quantize_model_`)
     if fold:  # (then the points with FUSE_NORM off run the norms as kernels of weight 1)
         fold_norms_(model)
     if quant:

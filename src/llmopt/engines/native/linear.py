@@ -346,10 +346,11 @@ INT4_GEMV_HALF = True
 FUSE_SILU = False
 # RMSNorm inside the one-row GEMV that reads its output (qkv, gate/up; `norm_linear`) and the
 # residual add in the epilogue of the one that ends each half-layer (o, down; `linear_add`), for
-# int8/FP8 and dense bf16 (`DenseLinear`) at batch 1: the norm kernels between the linears and
-# their launches are gone. Needs the norms' weights folded into the linears first
-# (`weights.fold_norms_`, done on CUDA by `quantize_model_` for int8/FP8 and by
-# `weights.dense_gemv_` for 16-bit models while this is on). On: on the H200, side by side at
+# int8/FP8, dense bf16 (`DenseLinear`) and int4 on the Triton layout at batch 1: the norm
+# kernels between the linears and their launches are gone. int8/FP8/bf16 need the norms'
+# weights folded into the linears first (`weights.fold_norms_`, done on CUDA by
+# `quantize_model_` for int8/FP8 and by `weights.dense_gemv_` for 16-bit models while this is
+# on); the int4 GEMV multiplies its input by the norm's weight instead. On: on the H200, side by side at
 # batch 1, bf16 +11% and FP8 +8% tokens/s, quality unchanged (docs/benchmarks.md;
 # `benchmarks/decode.py --linear FUSE_NORM=off default`).
 FUSE_NORM = True
@@ -784,24 +785,49 @@ def _gemv_row(lin: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def norm_linear(lin: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """`lin(rmsnorm(x))` in one kernel, for a layer whose columns hold the norm's weight
-    (`weights.fold_norms_`): the GEMV normalizes the row it reads. Applies where `FUSE_NORM` is
-    on, `lin` is an int8/FP8 layer or a `DenseLinear` on the Triton kernels and x is one row;
-    otherwise None (the caller runs the norm, whose weight is then all ones, and the layer)."""
-    if not _gemv_row(lin, x):
+def _int4_row(lin: nn.Module, x: torch.Tensor) -> bool:
+    # one activation row, an int4 layer on the Triton layout, its one-row GEMV chosen
+    return (
+        FUSE_NORM
+        and isinstance(lin, Int4Linear)
+        and lin.triton_kernel
+        and lin.bias is None
+        and x.numel() == x.shape[-1]
+        and INT4_ONE_ROW == "gemv"
+    )
+
+
+def norm_linear(lin: nn.Module, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+    """`lin(norm(x))` in one kernel, `norm` an RMSNorm (`weight`, `eps`, `gemma`, `folded`):
+    the GEMV normalizes the row it reads. Applies where `FUSE_NORM` is on and x is one row, for
+    an int8/FP8 layer or a `DenseLinear` on the Triton kernels whose columns hold the norm's
+    weight (`norm.folded`, `weights.fold_norms_`), and for an int4 layer on the Triton layout
+    with the norm unfolded (the GEMV multiplies x by the weight; not Gemma's 1 + w);
+    otherwise None (the caller runs the norm and the layer)."""
+    if norm.folded and _gemv_row(lin, x):
+        y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", norm_eps=norm.eps)
+    elif not norm.folded and not norm.gemma and _int4_row(lin, x):
+        y = _int4_layer_gemv(lin, x, norm=(norm.weight, norm.eps))
+    else:
         return None
-    y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", norm_eps=eps)
     return y.reshape(*x.shape[:-1], lin.out_features)
 
 
 def linear_add(lin: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
-    """`residual + lin(x)` in one kernel (the add in the GEMV's epilogue), under the same
-    conditions as `norm_linear`; otherwise None."""
-    if not _gemv_row(lin, x):
+    """`residual + lin(x)` in one kernel (the add in the GEMV's epilogue), for one row of x and
+    the layers `norm_linear` takes (folded or not); otherwise None."""
+    if _gemv_row(lin, x):
+        y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", residual=residual)
+    elif _int4_row(lin, x):
+        y = _int4_layer_gemv(lin, x, residual=residual)
+    else:
         return None
-    y = wo_mm(x.reshape(1, -1), lin.weight, _gemv_scale(lin), kernel="gemv", residual=residual)
     return y.reshape(*x.shape[:-1], lin.out_features)
+
+
+def _int4_layer_gemv(lin: nn.Module, x: torch.Tensor, **fused) -> torch.Tensor:
+    x2 = x.reshape(1, -1)
+    return int4_mm(x2, lin.weight, lin.scale, lin.zero, lin.group, "gemv", lin.counters, **fused)
 
 
 def _gemv_scale(lin: nn.Module) -> torch.Tensor:
@@ -850,6 +876,8 @@ def int4_mm(
     counters: torch.Tensor | None = None,
     half: bool | None = None,
     cuda: bool = True,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T, W[n, k] = q[n, k] * scale[n, k // group] (+ zero[n, ...]),
     q the codes `pack_int4_planar` packed into `packed` (N, KP / 8); any row count. `kernel`:
@@ -857,33 +885,52 @@ def int4_mm(
     row) or None for `INT4_ONE_ROW` at one row and the dot kernel otherwise. `counters`: the
     GEMV's K-split counters (`gemv_counters`, at least M x cdiv(N, 8)); made here when not
     given or too few. `half`: the GEMV's products in half precision (None: `INT4_GEMV_HALF`).
-    `cuda`: the GEMV may be the CUDA C++ one (`INT4_GEMV_CUDA`); False keeps Triton's."""
+    `cuda`: the GEMV may be the CUDA C++ one (`INT4_GEMV_CUDA`); False keeps Triton's.
+    `norm` (weight (K,), eps): x is an RMSNorm's input, normalized by the GEMV as it reads it
+    (`norm_linear`); `residual` (M, N): added to the output in the GEMV's epilogue
+    (`linear_add`). Both GEMV only, on Triton's kernel."""
     import triton
 
     m, k = x.shape
     n = packed.shape[0]
     x = x.contiguous()
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     z = scale if zero is None else zero  # an unread stand-in when there is no zero
     kernel = kernel or (INT4_ONE_ROW if m == 1 else "dot")
+    fused = norm is not None or residual is not None
+    if fused and kernel != "gemv":
+        raise ValueError(f"a normalized or residual input needs the GEMV, not {kernel!r}")
     shape = {"K": k, "KP": packed.shape[1] * 8, "G": group, "HAS_ZERO": zero is not None}
-    if kernel == "gemv" and cuda and _int4_cuda_here(x, packed, group, zero):
+    if kernel == "gemv" and cuda and not fused and _int4_cuda_here(x, packed, group, zero):
         pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
         return cuda_gemv.int4_gemv(x, packed, scale, group, pdl)
     if kernel == "gemv":
-
-        def grid1(meta):
-            return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)
-
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)
-        ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
-        flags = {"EVEN_N": n % INT4_GEMV_TILE_N == 0, "ASM": not _INTERPRET}
-        flags["HALF"] = INT4_GEMV_HALF if half is None else half
-        launch(
-            _kernel("int4_gemv"), grid1, x, packed, scale, z, y, ws, counters, n, **shape, **flags
+        g, eps = (scale, 0.0) if norm is None else (norm[0], float(norm[1]))  # (unread if no norm)
+        r = x if residual is None else residual.reshape(m, n).contiguous()
+        flags = {"even_n": n % INT4_GEMV_TILE_N == 0, "asm": not _INTERPRET}
+        flags["half"] = INT4_GEMV_HALF if half is None else half
+        flags |= {"norm": norm is not None, "resid": residual is not None}
+        args = (
+            x,
+            packed,
+            scale,
+            z,
+            counters,
+            g,
+            r,
+            eps,
+            n,
+            k,
+            shape["KP"],
+            group,
+            zero is not None,
         )
-        return y
+        if GEMV_PDL and not _INTERPRET and pdl_supported(x.device.index or 0):
+            return torch.ops.llmopt.int4_gemv_pdl(*args, **flags)
+        return _int4_gemv(*args, **flags, pdl=False)
+
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
@@ -891,6 +938,70 @@ def int4_mm(
     name = "int4_dot" if m <= TRITON_M else "int4_dot_prompt"
     launch(_kernel(name), grid, x, packed, scale, z, y, m, n, _m_bucket(m), **shape)
     return y
+
+
+def _int4_gemv(
+    x, packed, scale, z, counters, g, r, eps: float, n: int, k: int, kp: int, group: int,
+    has_zero: bool, even_n: bool, asm: bool, half: bool, norm: bool, resid: bool, pdl: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Launch `triton_kernels.int4_gemv` (`int4_mm`'s arguments; `z`, `g`, `r` stand-ins where
+    there is no zero, norm or residual), as a programmatic dependent with `pdl`."""
+    import triton
+
+    m = x.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], m)
+
+    ws = torch.empty(SPLIT_K_MAX, m, n, device=x.device, dtype=torch.float32)
+    # NORM: each split's sum of x^2 per program along N (BLOCK_N >= 8)
+    sq = (
+        torch.empty(SPLIT_K_MAX, m, -(-n // 8), device=x.device, dtype=torch.float32)
+        if norm
+        else ws
+    )
+    flags = {"EVEN_N": even_n, "ASM": asm, "HALF": half, "NORM": norm, "RESID": resid}
+    shape = {"K": k, "KP": kp, "G": group, "HAS_ZERO": has_zero}
+    # (PDL always given: Inductor, which traces the plain launch, passes no constexpr defaults)
+    opts = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+    args = (x, packed, scale, z, y, ws, counters, g, r, sq, eps, n)
+    launch(_kernel("int4_gemv"), grid, *args, **shape, **flags, **opts)
+    return y
+
+
+# Opaque to Inductor, as `_wo8_gemv_pdl` (which says why). The K-split counters the kernel
+# takes and gives back are left as they were (each count returns to 0): no mutated arguments.
+@torch.library.custom_op("llmopt::int4_gemv_pdl", mutates_args=())
+def _int4_gemv_pdl(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    z: torch.Tensor,
+    counters: torch.Tensor,
+    g: torch.Tensor,
+    r: torch.Tensor,
+    eps: float,
+    n: int,
+    k: int,
+    kp: int,
+    group: int,
+    has_zero: bool,
+    even_n: bool,
+    asm: bool,
+    half: bool,
+    norm: bool,
+    resid: bool,
+) -> torch.Tensor:
+    """`int4_mm`'s GEMV with `GEMV_PDL`."""
+    args = (x, packed, scale, z, counters, g, r, eps, n, k, kp, group, has_zero)
+    return _int4_gemv(*args, even_n, asm, half, norm, resid, pdl=True)
+
+
+@_int4_gemv_pdl.register_fake
+def _(x, packed, scale, z, counters, g, r, eps, n, k, kp, group, has_zero, even_n, asm, half,
+      norm, resid):  # fmt: skip
+    return x.new_empty(x.shape[0], n)
 
 
 def _int4_cuda_here(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> bool:

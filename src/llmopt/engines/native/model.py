@@ -80,6 +80,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.ones(dim))
+        # The weight lives in the columns of the projections that read this norm's output
+        # (`weights.fold_norms_`; its own weight is then ones): their GEMV may normalize.
+        self.folded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -159,8 +162,8 @@ class Attention(nn.Module):
         norm: RMSNorm | None = None,
         residual: torch.Tensor | None = None,
     ):
-        # `norm`: x is the norm's input (its weight folded into the projections, `Block`);
-        # `residual`: returned plus the output projection's result
+        # `norm`: x is the norm's input (the projection normalizes it where its GEMV can,
+        # `_normed`); `residual`: returned plus the output projection's result
         B, T, _ = x.shape
         fuse = self.fuse_rope and self.decode_kernel and B <= attention.FUSE_ROPE_MAX_ROWS
         if fuse and not prefill and T == 1 and ring is None:
@@ -354,7 +357,7 @@ def _normed(lin: nn.Module, x, norm: RMSNorm | None):
     # lin(norm(x)), the norm inside the GEMV where it can be (`linear.norm_linear`)
     if norm is None:
         return lin(x)
-    y = norm_linear(lin, x, norm.eps)
+    y = norm_linear(lin, x, norm)
     return lin(norm(x)) if y is None else y
 
 
@@ -383,8 +386,9 @@ class Block(nn.Module):
             self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.gemma)
         # The two norms' weights live in the projections that read their outputs (set by
-        # `weights.fold_norms_`; the norms' own weights are then ones): the projections
-        # normalize their input, in the GEMV at batch 1 (`linear.FUSE_NORM`).
+        # `weights.fold_norms_`, with each norm's `folded`; the norms' own weights are then
+        # ones): the projections normalize their input, in the GEMV at batch 1
+        # (`linear.FUSE_NORM`).
         self.norms_folded = False
         self.folded_gains = None  # the norm weights `weights.fold_norms_` folded, to undo it
 
@@ -400,12 +404,10 @@ class Block(nn.Module):
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, *args))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        if self.norms_folded:
-            x = self.self_attn(x, cos, sin, *args, norm=self.input_layernorm, residual=x)
-            return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, *args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # each projection takes the norm before it and the residual after it into its GEMV
+        # where it can (`_normed`, `_added`); otherwise the same ops one by one
+        x = self.self_attn(x, cos, sin, *args, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class Transformer(nn.Module):

@@ -869,22 +869,43 @@ if triton is not None:
         return v.to(tl.float32)
 
     @triton.jit
-    def _int4_x(x_ptr, m, t, tend, i: tl.constexpr, K: tl.constexpr, WHOLE: tl.constexpr):
-        # the activations of nibble i per tile: x[t * 256 + 32 i + j] (TILES, 32), fp32
+    def _int4_x(
+        x_ptr,
+        g_ptr,
+        m,
+        t,
+        tend,
+        i: tl.constexpr,
+        K: tl.constexpr,
+        WHOLE: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
+        # the activations of nibble i per tile: x[t * 256 + 32 i + j] (TILES, 32), fp32, as the
+        # products take them and as loaded: with NORM (x an RMSNorm's input) the first is
+        # x * g, g the norm's weight (its 1 / rms is a scalar the GEMV applies at the end)
         j = tl.arange(0, 32)
         k = t[:, None] * 256 + i * 32 + j[None, :]
         if WHOLE:
-            x = tl.load(x_ptr + m * K + k)
+            x = tl.load(x_ptr + m * K + k).to(tl.float32)
         else:
-            x = tl.load(x_ptr + m * K + k, mask=(k < K) & (t < tend)[:, None], other=0.0)
-        return x.to(tl.float32)
+            mask = (k < K) & (t < tend)[:, None]
+            x = tl.load(x_ptr + m * K + k, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            if WHOLE:
+                g = tl.load(g_ptr + k).to(tl.float32)
+            else:
+                g = tl.load(g_ptr + k, mask=mask, other=0.0).to(tl.float32)
+            return x * g, x
+        return x, x
 
     @triton.jit
     def _int4_step(
         acc,
         zacc,
+        xsq,
         p,
         x_ptr,
+        g_ptr,
         s_ptr,
         z_ptr,
         m,
@@ -898,6 +919,7 @@ if triton is not None:
         MASKED: tl.constexpr,
         HAS_ZERO: tl.constexpr,
         ASM: tl.constexpr,
+        NORM: tl.constexpr,
     ):
         # acc += the products of words p (BLOCK_N, TILES, 32) with their activations, in fp32:
         # per nibble a logic instruction, a subtraction and a multiply-add; the partial sums of
@@ -910,7 +932,9 @@ if triton is not None:
             for i4 in tl.static_range(4):  # nibble 4 h + i4 (spelled out: a constexpr bound
                 # to a local name becomes a tensor)
                 f = f0 if i4 == 0 else (f1 if i4 == 1 else (f2 if i4 == 2 else f3))
-                x = _int4_x(x_ptr, m, t, tend, 4 * h + i4, K, WHOLE)
+                x, xr = _int4_x(x_ptr, g_ptr, m, t, tend, 4 * h + i4, K, WHOLE, NORM)
+                if NORM:
+                    xsq += xr * xr
                 c = 8388608.0 + 8.0 * (16**i4)
                 part += (f - c) * (x * (1.0 / 16**i4))[None, :, :]
                 if HAS_ZERO:
@@ -924,7 +948,7 @@ if triton is not None:
                         z = _int4_group(z_ptr, rn, g, nmask, t, tend, K, G, True)
                         zacc += xs[None, :] * z
                         xs = tl.zeros(t.shape, dtype=tl.float32)
-        return acc, zacc
+        return acc, zacc, xsq
 
     @triton.jit
     def _pack_f16x2(lo, hi):
@@ -981,8 +1005,10 @@ if triton is not None:
     def _int4_step_half(
         acc,
         zacc,
+        xsq,
         p,
         x_ptr,
+        g_ptr,
         s_ptr,
         z_ptr,
         m,
@@ -995,18 +1021,21 @@ if triton is not None:
         WHOLE: tl.constexpr,
         MASKED: tl.constexpr,
         HAS_ZERO: tl.constexpr,
+        NORM: tl.constexpr,
     ):
         # `_int4_step` through half precision (`_word_dot_f16`), for groups of 128 codes or
         # more: nibbles 0-3 of a tile's words are its first 128 codes, 4-7 the other 128, so each
         # half-sum has one scale. acc holds sums / 16.
-        x0 = _int4_x(x_ptr, m, t, tend, 0, K, WHOLE)
-        x1 = _int4_x(x_ptr, m, t, tend, 1, K, WHOLE)
-        x2 = _int4_x(x_ptr, m, t, tend, 2, K, WHOLE)
-        x3 = _int4_x(x_ptr, m, t, tend, 3, K, WHOLE)
-        x4 = _int4_x(x_ptr, m, t, tend, 4, K, WHOLE)
-        x5 = _int4_x(x_ptr, m, t, tend, 5, K, WHOLE)
-        x6 = _int4_x(x_ptr, m, t, tend, 6, K, WHOLE)
-        x7 = _int4_x(x_ptr, m, t, tend, 7, K, WHOLE)
+        x0, r0 = _int4_x(x_ptr, g_ptr, m, t, tend, 0, K, WHOLE, NORM)
+        x1, r1 = _int4_x(x_ptr, g_ptr, m, t, tend, 1, K, WHOLE, NORM)
+        x2, r2 = _int4_x(x_ptr, g_ptr, m, t, tend, 2, K, WHOLE, NORM)
+        x3, r3 = _int4_x(x_ptr, g_ptr, m, t, tend, 3, K, WHOLE, NORM)
+        x4, r4 = _int4_x(x_ptr, g_ptr, m, t, tend, 4, K, WHOLE, NORM)
+        x5, r5 = _int4_x(x_ptr, g_ptr, m, t, tend, 5, K, WHOLE, NORM)
+        x6, r6 = _int4_x(x_ptr, g_ptr, m, t, tend, 6, K, WHOLE, NORM)
+        x7, r7 = _int4_x(x_ptr, g_ptr, m, t, tend, 7, K, WHOLE, NORM)
+        if NORM:
+            xsq += r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3 + r4 * r4 + r5 * r5 + r6 * r6 + r7 * r7
         lo, hi = _word_dot_f16(
             p,
             _pack_f16x2(x0, x4)[None, :, :],
@@ -1025,7 +1054,40 @@ if triton is not None:
             xsa = tl.sum(x0 + x1 + x2 + x3, axis=1) * (1.0 / 16)
             xsb = tl.sum(x4 + x5 + x6 + x7, axis=1) * (1.0 / 16)
             zacc += xsa[None, :] * za + xsb[None, :] * zb
-        return acc, zacc
+        return acc, zacc, xsq
+
+    @triton.jit
+    def _int4_tiles(
+        acc, zacc, xsq, wrow, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
+        K: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr,
+    ):  # fmt: skip
+        # one step of `int4_gemv`: the words of tiles t for rows rn, and their products
+        if MASKED:
+            wmask = nmask[:, None, None] & (t < tend)[None, :, None]
+            p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
+        else:
+            p = tl.load(wrow + t[None, :, None] * 32)
+        return _int4_products(
+            acc, zacc, xsq, p, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
+            K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM, F16,
+        )  # fmt: skip
+
+    @triton.jit
+    def _int4_products(
+        acc, zacc, xsq, p, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
+        K: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr,
+    ):  # fmt: skip
+        if F16:
+            return _int4_step_half(
+                acc, zacc, xsq, p, x_ptr, g_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+                K, G, WHOLE, MASKED, HAS_ZERO, NORM,
+            )  # fmt: skip
+        return _int4_step(
+            acc, zacc, xsq, p, x_ptr, g_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
+            K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM,
+        )  # fmt: skip
 
     @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G", "HALF"])
     @triton.jit
@@ -1037,6 +1099,10 @@ if triton is not None:
         y_ptr,
         ws_ptr,
         sem_ptr,
+        g_ptr,
+        r_ptr,
+        sq_ptr,
+        eps,
         N,
         K: tl.constexpr,
         KP: tl.constexpr,
@@ -1045,9 +1111,12 @@ if triton is not None:
         EVEN_N: tl.constexpr,
         ASM: tl.constexpr,
         HALF: tl.constexpr,
+        NORM: tl.constexpr,
+        RESID: tl.constexpr,
         BLOCK_N: tl.constexpr,
         TILES: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # y[m] = W x[m], W[n, k] = c * scale[n, k // G] (+ zero[n, k // G]); program (n, s, m)
         # over tiles s * TS .. (s + 1) * TS of K's KP / 256. EVEN_N: BLOCK_N divides N (no row
@@ -1055,6 +1124,16 @@ if triton is not None:
         # 128 or more): the products in half precision (`_int4_step_half`), else in fp32. With
         # SPLIT_K > 1 the partials go to `ws_ptr` (SPLIT_K, M, N) and a counter per row block
         # in `sem_ptr` (M x cdiv(N, 8), left at 0) names the program that adds them.
+        # NORM: x[m] is the input of an RMSNorm of weight g (`g_ptr`, K) and y[m] = W rmsnorm(
+        # x[m]) = rsqrt(mean(x^2) + eps) W (g x): the products take g x, the squares of x are
+        # summed as it is read, and the scalar is applied once at the end (with a K split, each
+        # split's sum of squares goes to `sq_ptr` (SPLIT_K, M, programs along N) beside its
+        # partial). Unlike the 1-byte formats, whose norms are folded into their weights, a
+        # scale group of int4 codes cannot take the norm's weight without losing precision
+        # (`weights.unfold_norms_`), so the weight comes in here. RESID: y[m] += r[m] (the
+        # layer's residual add) before the one rounding to the output's dtype.
+        # PDL: launched as a programmatic dependent (`linear.GEMV_PDL`): the first step's
+        # weights are loaded before waiting for the kernel before, whose output x (and r) is.
         pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
@@ -1069,41 +1148,70 @@ if triton is not None:
         wrow = w_ptr + rn[:, None, None] * (KP // 8) + j[None, None, :]
         acc = tl.zeros((BLOCK_N, TILES, 32), dtype=tl.float32)
         zacc = tl.zeros((BLOCK_N, TILES), dtype=tl.float32)
-        for t0 in tl.range(0, TS, TILES):
-            t = pid_k * TS + t0 + tt  # this step's tiles
+        xsq = tl.zeros((TILES, 32), dtype=tl.float32)  # NORM: squares of x, per position
+        FIRST: tl.constexpr = TILES if PDL else 0
+        if PDL:  # (the weights do not depend on the kernel before: loaded first)
+            t = pid_k * TS + tt
             if MASKED:
                 wmask = nmask[:, None, None] & (t < tend)[None, :, None]
                 p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
             else:
                 p = tl.load(wrow + t[None, :, None] * 32)
-            if F16:
-                acc, zacc = _int4_step_half(
-                    acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                    K, G, WHOLE, MASKED, HAS_ZERO,
-                )  # fmt: skip
-            else:
-                acc, zacc = _int4_step(
-                    acc, zacc, p, x_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                    K, G, WHOLE, MASKED, HAS_ZERO, ASM,
-                )  # fmt: skip
+            tl.extra.cuda.gdc_wait()
+            acc, zacc, xsq = _int4_products(
+                acc, zacc, xsq, p, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
+                K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM, F16,
+            )  # fmt: skip
+        for t0 in tl.range(FIRST, TS, TILES):
+            t = pid_k * TS + t0 + tt  # this step's tiles
+            acc, zacc, xsq = _int4_tiles(
+                acc, zacc, xsq, wrow, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
+                K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM, F16,
+            )  # fmt: skip
+        if PDL:  # every weight load issued: the next dependent kernel may start its own
+            tl.extra.cuda.gdc_launch_dependents()
         y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zacc, axis=1)
         if F16:
             y = y * 16.0
+        sq = tl.sum(tl.sum(xsq, axis=1), axis=0)  # (NORM: this split's sum of x^2)
         if SPLIT_K > 1:
             part_y = ws_ptr + (pid_k * tl.num_programs(2) + m) * N + rn
             tl.store(part_y, y, mask=nmask)
+            part_sq = sq_ptr + (pid_k * tl.num_programs(2) + m) * tl.num_programs(0) + pid_n
+            if NORM:
+                tl.store(part_sq, sq)
             # every thread's partial stored before the counter's release (acq_rel, GPU scope)
             tl.debug_barrier()
             row_block = sem_ptr + m * tl.cdiv(N, 8) + pid_n
             if tl.atomic_add(row_block, 1, sem="acq_rel") == SPLIT_K - 1:
                 y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                sq = 0.0
                 for s in tl.static_range(SPLIT_K):  # from L2: other programs wrote them
                     y += tl.load(
                         ws_ptr + (s * tl.num_programs(2) + m) * N + rn,
                         mask=nmask,
                         cache_modifier=".cg",
                     )
+                    if NORM:
+                        sq += tl.load(
+                            sq_ptr + (s * tl.num_programs(2) + m) * tl.num_programs(0) + pid_n,
+                            cache_modifier=".cg",
+                        )
                 tl.atomic_xchg(row_block, 0)  # ready for the next launch
-                tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+                _int4_store(y, sq, y_ptr, r_ptr, eps, m, rn, nmask, N, K, NORM, RESID)
         else:
-            tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+            _int4_store(y, sq, y_ptr, r_ptr, eps, m, rn, nmask, N, K, NORM, RESID)
+
+    @triton.jit
+    def _int4_store(
+        y, sq, y_ptr, r_ptr, eps, m, rn, nmask, N, K: tl.constexpr, NORM: tl.constexpr,
+        RESID: tl.constexpr,
+    ):  # fmt: skip
+        # `int4_gemv`'s epilogue: the norm's scalar (sq: the row's sum of x^2), the residual,
+        # one rounding to y's dtype (fp32 math: inside a compiled graph Inductor passes `eps`
+        # as fp64)
+        if NORM:
+            y = y * tl.math.rsqrt((sq / K + eps).to(tl.float32))
+        if RESID:
+            y += tl.load(r_ptr + m * N + rn, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)

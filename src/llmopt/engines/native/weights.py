@@ -133,6 +133,7 @@ def fold_norms_(model: Transformer) -> int:
                 for m in lins:  # (in fp32: one rounding to the weights' dtype)
                     m.weight.copy_(m.weight.float() * g[None, :])
                 norm.weight.fill_(1.0)
+                norm.folded = True
                 gains.append(g)
             b.norms_folded = True
             b.folded_gains = tuple(gains)  # for `unfold_norms_`
@@ -168,6 +169,7 @@ def unfold_norms_(model: Transformer) -> int:
                 for m in lins:
                     m.weight.copy_(m.weight.float() * inv[None, :])
                 norm.weight.copy_(g)
+                norm.folded = False
             b.norms_folded, b.folded_gains = False, None
             done += 1
     return done
@@ -215,9 +217,10 @@ def quantize_model_(
 ) -> list[str]:
     """Replace the dense linears by `mode` layers (round-to-nearest), in place; returns names.
     `fold`: for int8/FP8, fold the norms into the projections first (`fold_norms_`); by default
-    where their one-row GEMV takes the norm (`linear.FUSE_NORM`, on CUDA). int4's kernels take
-    no norm: norms folded before (`dense_gemv_`, by a 16-bit load on CUDA) are unfolded first
-    (`unfold_norms_`), unless `fold` is True (studies of the folded weights)."""
+    where their one-row GEMV takes the norm (`linear.FUSE_NORM`, on CUDA). int4 keeps the norms
+    unfolded (its GEMV multiplies its input by the norm's weight instead): norms folded before
+    (`dense_gemv_`, by a 16-bit load on CUDA) are unfolded first (`unfold_norms_`), unless
+    `fold` is True (studies of the folded weights)."""
     assert mode in QUANT_MODES, mode
     takes_norm = mode in ("int8", "fp8")
     if fold is None:

@@ -157,9 +157,12 @@ def test_int4_kernels_compile(group, has_zero):
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16"}
     types |= {"y_ptr": "*bf16", "M": "i32", "N": "i32", "M_BUCKET": "i32"}
     types |= {"ws_ptr": "*fp32", "sem_ptr": "*i32"}  # the GEMV's K split
+    # the GEMV's norm weight, residual, sums of squares; `eps` fp64 as in a compiled step
+    types |= {"g_ptr": "*bf16", "r_ptr": "*bf16", "sq_ptr": "*fp32", "eps": "fp64"}
     shape = {"K": 4096, "KP": 4096, "G": group, "HAS_ZERO": has_zero}
+    plain = {"NORM": False, "RESID": False}
     for kernel in (T.int4_dot, T.int4_dot_prompt, T.int4_gemv):
-        flags = {"EVEN_N": True, "ASM": True, "HALF": True} if kernel is T.int4_gemv else {}
+        flags = {"EVEN_N": True, "ASM": True, "HALF": True} | plain if kernel is T.int4_gemv else {}
         for cfg in kernel.configs if group == 128 else kernel.configs[:1]:
             tile, warps, stages = _config(cfg)
             _compile(kernel, types, shape | flags | tile, warps, stages)
@@ -168,11 +171,21 @@ def test_int4_kernels_compile(group, has_zero):
     for cfg in T.int4_gemv.configs[-2:]:
         tile, warps, stages = _config(cfg)
         for half in (False, True):  # (at G = 64 both take the fp32 products)
-            _compile(T.int4_gemv, types, masked | {"ASM": True, "HALF": half} | tile, warps, stages)
+            flags = {"ASM": True, "HALF": half} | plain
+            _compile(T.int4_gemv, types, masked | flags | tile, warps, stages)
     # the fp32 products at the engine's group (the half-precision ones are its default there)
     tile, warps, stages = _config(T.int4_gemv.configs[0])
-    flags = {"EVEN_N": True, "ASM": True, "HALF": False}
+    flags = {"EVEN_N": True, "ASM": True, "HALF": False} | plain
     _compile(T.int4_gemv, types, shape | flags | tile, warps, stages)
+    # the RMSNorm and the residual fused (`linear.norm_linear`, `linear_add`), each alone and
+    # together, launched as a programmatic dependent and not; unsplit, split, and masked
+    for cfg in (T.int4_gemv.configs[0], T.int4_gemv.configs[3], T.int4_gemv.configs[-1]):
+        tile, warps, stages = _config(cfg)
+        for norm, resid, pdl in ((True, False, True), (False, True, True), (True, True, False)):
+            for half in (False, True):
+                flags = {"ASM": True, "HALF": half, "NORM": norm, "RESID": resid, "PDL": pdl}
+                _compile(T.int4_gemv, types, shape | flags | {"EVEN_N": True} | tile, warps, stages)
+                _compile(T.int4_gemv, types, masked | flags | tile, warps, stages)
 
 
 def test_decode_kernels_compile_with_an_fp64_scale():

@@ -49,7 +49,7 @@ INTERPRET_CHECK = textwrap.dedent(
              (64, 384, 128, 17, False), (16, 512, 256, 2, True))
     # each config of the dot kernels (1, 2, 4 tiles; prompt tiles); of the GEMV: 128, 64 and
     # 32 rows, K split 1, 2, 4 and 8 ways (a split past the last tile reads nothing), 2 tiles
-    # a step
+    # a step; the GEMV plain and with the norm and the residual fused
     for cfg in (0, 1, 2, 5, 7, 11):
         A.INTERPRET_CONFIG = cfg
         for n, k, group, m, asym in cases:
@@ -61,12 +61,22 @@ INTERPRET_CHECK = textwrap.dedent(
             zero = None if zp is None else -zp.float() * s
             x = torch.randn(m, k, generator=g)
             ref = x @ deq.t()
-            for kern in ("dot", "gemv"):  # the GEMV at any row count too (one program row each)
-                y = L.int4_mm(x, L.pack_int4_planar(q), s, zero, group, kern)
+            # the GEMV also normalizing x (an RMSNorm's weight gw) and adding a residual r
+            gw, r = torch.rand(k, generator=g) + 0.5, torch.randn(m, n, generator=g)
+            xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * gw
+            fused = {"norm": (gw, 1e-5), "residual": r}
+            for kern, extra, want in (
+                ("dot", {}, ref),
+                ("gemv", {}, ref),  # the GEMV at any row count too (one program row each)
+                ("gemv", fused, xn @ deq.t() + r),
+            ):
+                packed = L.pack_int4_planar(q)
+                y = L.int4_mm(x, packed, s, zero, group, kern, **extra)
                 assert y.shape == (m, n), (y.shape, m, n)
-                err = float((y - ref).norm() / ref.norm())
+                err = float((y - want).norm() / want.norm())
                 if not err < 1e-5:  # (NaN too) every case that fails is named, not only the first
-                    bad.append((cfg, kern, n, k, group, m, asym, int(y.isnan().sum()), err))
+                    what = kern + "".join(f"+{e}" for e in extra)
+                    bad.append((cfg, what, n, k, group, m, asym, int(y.isnan().sum()), err))
                 worst = max(worst, err)
     print("worst", worst)
     assert not bad, "config, kernel, N, K, group, M, asym, NaNs, error: " + repr(bad)
@@ -126,10 +136,13 @@ def test_int4_linear_on_gpu_uses_triton_and_matches_its_weights(m, asym, k, monk
         (576, 576, 64, False),  # (groups of 64 take the fp32 products either way)
     ],
 )
-def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, asym, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, asym, fused, monkeypatch):
     """The one-row GEMV against the dequantized weights: products in half precision (PTX,
     groups of 128 or more) and in fp32, with and without zero points, rows that are not whole
-    blocks, SmolLM2's padded width, and K splits (the autotuner tries each)."""
+    blocks, SmolLM2's padded width, and K splits (the autotuner tries each); `fused`: x is an
+    RMSNorm's input that the GEMV normalizes, and a residual is added in its epilogue (launched
+    as a programmatic dependent where the GPU has it)."""
     monkeypatch.setattr(L, "INT4_GEMV_HALF", half)
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.02
@@ -143,8 +156,18 @@ def test_int4_gemv_on_gpu_matches_its_weights(n, k, group, half, asym, monkeypat
         w_of_group += zero.float().cpu()[..., None]
     x = (torch.randn(1, k, generator=g) * 3).to(torch.bfloat16)  # a few units, as after a norm
     x[0, :8] *= 300  # and outliers, as a down projection sees (half precision: < 16,384)
-    ref = x.float() @ w_of_group.reshape(n, k).t()
-    y = L.int4_mm(x.cuda(), L.pack_int4_planar(q.cuda()), sc, zero, group, "gemv")
+    extra = {}
+    if fused:  # the residual stream before a norm: larger than its normalized rows
+        gw = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16)
+        r = torch.randn(1, n, generator=g).to(torch.bfloat16)
+        x = x * 7
+        extra = {"norm": (gw.cuda(), 1e-5), "residual": r.cuda()}
+        xf = x.float()
+        xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gw.float()
+        ref = xn @ w_of_group.reshape(n, k).t() + r.float()
+    else:
+        ref = x.float() @ w_of_group.reshape(n, k).t()
+    y = L.int4_mm(x.cuda(), L.pack_int4_planar(q.cuda()), sc, zero, group, "gemv", **extra)
     assert y.shape == (1, n) and not y.isnan().any()
     err = float((y.float().cpu() - ref).norm() / ref.norm())
     assert err < 5e-3, err
@@ -172,3 +195,48 @@ def test_tinygemm_k_tiles_refuses_widths_it_cannot_tile():
     assert L.tinygemm_k_tiles(576) == 4
     with pytest.raises(ValueError, match="divisible by 32"):
         L.tinygemm_k_tiles(80)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_int4_gemv_pdl_matches_the_plain_launch_on_gpu(monkeypatch):
+    """The int4 GEMV launched as a programmatic dependent (`GEMV_PDL`: the first weights loaded
+    before it waits for its input), plain and with the norm and residual fused, gives the plain
+    launch's output eagerly and inside a compiled step's CUDA graph, where its input is written
+    by the kernel just before it (an Inductor kernel, then the other GEMV)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    g = torch.Generator().manual_seed(3)
+
+    def layer(n, k):
+        q, s = L.quantize_int4(torch.randn(n, k, generator=g) * 0.02, 128)
+        return L.pack_int4_planar(q.cuda()), s.to(torch.bfloat16).cuda()
+
+    def row(k):
+        return torch.randn(1, k, generator=g).to("cuda", torch.bfloat16)
+
+    def both(fn, *args, **kw):
+        monkeypatch.setattr(L, "GEMV_PDL", False)
+        want = fn(*args, **kw)
+        monkeypatch.setattr(L, "GEMV_PDL", True)
+        got = fn(*args, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        return want
+
+    (p1, s1), (p2, s2) = layer(1024, 2048), layer(2048, 1024)
+    gw = (torch.rand(2048, generator=g) + 0.5).to("cuda", torch.bfloat16)
+    x = row(2048)
+    both(L.int4_mm, x, p1, s1, None, 128, "gemv")
+    both(L.int4_mm, x, p1, s1, None, 128, "gemv", norm=(gw, 1e-5), residual=row(1024))
+
+    def step(x):
+        h = L.int4_mm(x * 2, p1, s1, None, 128, "gemv", norm=(gw, 1e-5))
+        return L.int4_mm(h, p2, s2, None, 128, "gemv", residual=x)
+
+    want = both(step, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, CUDA-graph capture, replay
+        got = both(lambda: compiled(x).clone())
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()

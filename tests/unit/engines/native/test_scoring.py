@@ -131,18 +131,21 @@ def test_dense_gemv_folds_and_keeps_the_model(monkeypatch, tiny_native):
     assert type(model.lm_head) is torch.nn.Linear
     assert dense_gemv_(model) == []  # once
     row = torch.ones(1, 1, model.cfg.dim)
-    assert L.norm_linear(model.get_submodule(names[0]), row, 1e-5) is None  # no GPU here
+    norm = model.model.layers[0].input_layernorm
+    assert norm.folded  # (its weight is in the projections now)
+    assert L.norm_linear(model.get_submodule(names[0]), row, norm) is None  # no GPU here
     got = window_logits(model, ids, 8, 5, torch.float32, "cpu")
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), float((got - ref).abs().max())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "bf16", "int4"])
 def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode, monkeypatch):
     """RMSNorm inside the one-row GEMV and the residual add in its epilogue (`FUSE_NORM`): a
     folded, quantized model's one-token steps give the logits of the same model with the norms
-    run as their own kernels (bf16: one rounding fewer per fusion); the chunks are unchanged."""
+    run as their own kernels (bf16: one rounding fewer per fusion); the chunks are unchanged.
+    int4 unfolds the norms (`quantize_model_`): its GEMV multiplies x by the norm's weight."""
     from llmopt.engines.native import linear as L
     from llmopt.engines.native.weights import dense_gemv_, fold_norms_, quantize_model_
 
@@ -173,12 +176,14 @@ def test_norm_in_the_gemv_matches_the_norm_kernel_on_gpu(mode, monkeypatch):
     ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(0))
     row = torch.ones(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
     qkv = model.model.layers[0].self_attn.qkv_proj
+    norm = model.model.layers[0].input_layernorm
+    assert norm.folded == (mode != "int4")
     monkeypatch.setattr(L, "FUSE_NORM", False)
     want = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
-    assert L.norm_linear(qkv, row, 1e-5) is None  # switched off: the norm kernel runs
+    assert L.norm_linear(qkv, row, norm) is None  # switched off: the norm kernel runs
     monkeypatch.setattr(L, "FUSE_NORM", True)
-    assert L.norm_linear(qkv, row, 1e-5) is not None
-    assert L.norm_linear(qkv, row.expand(1, 2, 1024), 1e-5) is None  # two rows: declined
+    assert L.norm_linear(qkv, row, norm) is not None
+    assert L.norm_linear(qkv, row.expand(1, 2, 1024), norm) is None  # two rows: declined
     got = window_logits(model, ids, 16, 16, torch.bfloat16, "cuda")
     d = want[-16:] - got[-16:]
     assert d.abs().max() > 0  # the fused kernels ran
