@@ -16,6 +16,9 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
+#   call 0: MODES="int4" AB="--linear FUSE_NORM=off,GEMV_PDL=off default" TAG=int4 bash ... ab
+#           # the norm/residual inside the int4 GEMV and its PDL launch, on the H200 (H100: x1.05
+#           and x1.03 separately); a fresh machine spends ~120-165 s compiling each point
 #   call 1: QB="8 16" MODES="int4@tinygemm int4" bash ... decode  # the int4 Triton layout
 #           (the CUDA default since it won at 1 and 64 rows) against tinygemm at 8-16 rows
 #   call 2: bash ... smol-part (x2) realweights  # real-weight quality with int4 on the Triton

@@ -350,14 +350,16 @@ FUSE_SILU = False
 # kernels between the linears and their launches are gone. int8/FP8/bf16 need the norms'
 # weights folded into the linears first (`weights.fold_norms_`, done on CUDA by
 # `quantize_model_` for int8/FP8 and by `weights.dense_gemv_` for 16-bit models while this is
-# on); the int4 GEMV multiplies its input by the norm's weight instead. On: on the H200, side by side at
+# on); the int4 GEMV multiplies its input by the norm's weight instead (+5% tokens/s on an
+# H100 at batch 1, docs/benchmarks.md). On: on the H200, side by side at
 # batch 1, bf16 +11% and FP8 +8% tokens/s, quality unchanged (docs/benchmarks.md;
 # `benchmarks/decode.py --linear FUSE_NORM=off default`).
 FUSE_NORM = True
-# The one-row GEMV launched as a programmatic dependent (CUDA sm_90+, `_wo8_gemv_pdl`): it may
-# start while the kernel before it drains, loads its first weight tile, and only then waits for
-# its input; each linear's fixed ramp-up overlaps the kernel before. On where the GPU has it
-# (`pdl_supported`): FP8 +6% tokens/s at batch 1 on the H200 (docs/benchmarks.md;
+# The one-row GEMV launched as a programmatic dependent (CUDA sm_90+, `_wo8_gemv_pdl`,
+# `_int4_gemv_pdl`): it may start while the kernel before it drains, loads its first weight
+# tile, and only then waits for its input; each linear's fixed ramp-up overlaps the kernel
+# before. On where the GPU has it (`pdl_supported`): FP8 +6% tokens/s at batch 1 on the H200,
+# int4 +3% on an H100 (docs/benchmarks.md;
 # `benchmarks/decode.py --linear GEMV_PDL=off default`).
 GEMV_PDL = True
 # The int8 GEMV's bytes made floats through half precision (`triton_kernels.
