@@ -943,9 +943,26 @@ def int4_mm(
 
 
 def _int4_gemv(
-    x, packed, scale, z, counters, g, r, eps: float, n: int, k: int, kp: int, group: int,
-    has_zero: bool, even_n: bool, asm: bool, half: bool, norm: bool, resid: bool, pdl: bool,
-) -> torch.Tensor:  # fmt: skip
+    x,
+    packed,
+    scale,
+    z,
+    counters,
+    g,
+    r,
+    eps: float,
+    n: int,
+    k: int,
+    kp: int,
+    group: int,
+    has_zero: bool,
+    even_n: bool,
+    asm: bool,
+    half: bool,
+    norm: bool,
+    resid: bool,
+    pdl: bool,
+) -> torch.Tensor:
     """Launch `triton_kernels.int4_gemv` (`int4_mm`'s arguments; `z`, `g`, `r` stand-ins where
     there is no zero, norm or residual), as a programmatic dependent with `pdl`."""
     import triton
@@ -1001,8 +1018,26 @@ def _int4_gemv_pdl(
 
 
 @_int4_gemv_pdl.register_fake
-def _(x, packed, scale, z, counters, g, r, eps, n, k, kp, group, has_zero, even_n, asm, half,
-      norm, resid):  # fmt: skip
+def _(
+    x,
+    packed,
+    scale,
+    z,
+    counters,
+    g,
+    r,
+    eps,
+    n,
+    k,
+    kp,
+    group,
+    has_zero,
+    even_n,
+    asm,
+    half,
+    norm,
+    resid,
+):
     return x.new_empty(x.shape[0], n)
 
 

@@ -1058,10 +1058,28 @@ if triton is not None:
 
     @triton.jit
     def _int4_tiles(
-        acc, zacc, xsq, wrow, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
-        K: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, MASKED: tl.constexpr,
-        HAS_ZERO: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr,
-    ):  # fmt: skip
+        acc,
+        zacc,
+        xsq,
+        wrow,
+        t,
+        x_ptr,
+        g_ptr,
+        s_ptr,
+        z_ptr,
+        m,
+        tend,
+        rn,
+        nmask,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        WHOLE: tl.constexpr,
+        MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        ASM: tl.constexpr,
+        NORM: tl.constexpr,
+        F16: tl.constexpr,
+    ):
         # one step of `int4_gemv`: the words of tiles t for rows rn, and their products
         if MASKED:
             wmask = nmask[:, None, None] & (t < tend)[None, :, None]
@@ -1069,25 +1087,97 @@ if triton is not None:
         else:
             p = tl.load(wrow + t[None, :, None] * 32)
         return _int4_products(
-            acc, zacc, xsq, p, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
-            K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM, F16,
-        )  # fmt: skip
+            acc,
+            zacc,
+            xsq,
+            p,
+            t,
+            x_ptr,
+            g_ptr,
+            s_ptr,
+            z_ptr,
+            m,
+            tend,
+            rn,
+            nmask,
+            K,
+            G,
+            WHOLE,
+            MASKED,
+            HAS_ZERO,
+            ASM,
+            NORM,
+            F16,
+        )
 
     @triton.jit
     def _int4_products(
-        acc, zacc, xsq, p, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
-        K: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, MASKED: tl.constexpr,
-        HAS_ZERO: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr,
-    ):  # fmt: skip
+        acc,
+        zacc,
+        xsq,
+        p,
+        t,
+        x_ptr,
+        g_ptr,
+        s_ptr,
+        z_ptr,
+        m,
+        tend,
+        rn,
+        nmask,
+        K: tl.constexpr,
+        G: tl.constexpr,
+        WHOLE: tl.constexpr,
+        MASKED: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        ASM: tl.constexpr,
+        NORM: tl.constexpr,
+        F16: tl.constexpr,
+    ):
         if F16:
             return _int4_step_half(
-                acc, zacc, xsq, p, x_ptr, g_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-                K, G, WHOLE, MASKED, HAS_ZERO, NORM,
-            )  # fmt: skip
+                acc,
+                zacc,
+                xsq,
+                p,
+                x_ptr,
+                g_ptr,
+                s_ptr,
+                z_ptr,
+                m,
+                t,
+                tend,
+                rn,
+                nmask,
+                K,
+                G,
+                WHOLE,
+                MASKED,
+                HAS_ZERO,
+                NORM,
+            )
         return _int4_step(
-            acc, zacc, xsq, p, x_ptr, g_ptr, s_ptr, z_ptr, m, t, tend, rn, nmask,
-            K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM,
-        )  # fmt: skip
+            acc,
+            zacc,
+            xsq,
+            p,
+            x_ptr,
+            g_ptr,
+            s_ptr,
+            z_ptr,
+            m,
+            t,
+            tend,
+            rn,
+            nmask,
+            K,
+            G,
+            WHOLE,
+            MASKED,
+            HAS_ZERO,
+            ASM,
+            NORM,
+        )
 
     @triton.autotune(configs=_INT4_GEMV_CONFIGS, key=["N", "K", "G", "HALF"])
     @triton.jit
@@ -1159,15 +1249,53 @@ if triton is not None:
                 p = tl.load(wrow + t[None, :, None] * 32)
             tl.extra.cuda.gdc_wait()
             acc, zacc, xsq = _int4_products(
-                acc, zacc, xsq, p, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
-                K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM, F16,
-            )  # fmt: skip
+                acc,
+                zacc,
+                xsq,
+                p,
+                t,
+                x_ptr,
+                g_ptr,
+                s_ptr,
+                z_ptr,
+                m,
+                tend,
+                rn,
+                nmask,
+                K,
+                G,
+                WHOLE,
+                MASKED,
+                HAS_ZERO,
+                ASM,
+                NORM,
+                F16,
+            )
         for t0 in tl.range(FIRST, TS, TILES):
             t = pid_k * TS + t0 + tt  # this step's tiles
             acc, zacc, xsq = _int4_tiles(
-                acc, zacc, xsq, wrow, t, x_ptr, g_ptr, s_ptr, z_ptr, m, tend, rn, nmask,
-                K, G, WHOLE, MASKED, HAS_ZERO, ASM, NORM, F16,
-            )  # fmt: skip
+                acc,
+                zacc,
+                xsq,
+                wrow,
+                t,
+                x_ptr,
+                g_ptr,
+                s_ptr,
+                z_ptr,
+                m,
+                tend,
+                rn,
+                nmask,
+                K,
+                G,
+                WHOLE,
+                MASKED,
+                HAS_ZERO,
+                ASM,
+                NORM,
+                F16,
+            )
         if PDL:  # every weight load issued: the next dependent kernel may start its own
             tl.extra.cuda.gdc_launch_dependents()
         y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(zacc, axis=1)
@@ -1204,9 +1332,19 @@ if triton is not None:
 
     @triton.jit
     def _int4_store(
-        y, sq, y_ptr, r_ptr, eps, m, rn, nmask, N, K: tl.constexpr, NORM: tl.constexpr,
+        y,
+        sq,
+        y_ptr,
+        r_ptr,
+        eps,
+        m,
+        rn,
+        nmask,
+        N,
+        K: tl.constexpr,
+        NORM: tl.constexpr,
         RESID: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # `int4_gemv`'s epilogue: the norm's scalar (sq: the row's sum of x^2), the residual,
         # one rounding to y's dtype (fp32 math: inside a compiled graph Inductor passes `eps`
         # as fp64)
