@@ -21,8 +21,9 @@ and architecture (about a minute).
 
 `int4_gemv` is the same design for int4 weights in `linear.pack_int4_planar`'s layout
 (`csrc/int4_gemv.cu`: Marlin's dequantization, two codes per f16x2 instruction, products in
-f16 per scale group): opt-in (`linear.INT4_GEMV_CUDA`), compiled for sm_90 in the tests but not
-yet run on a GPU. It is a second extension, so that a failure of one leaves the other.
+f16 per scale group; the RMSNorm before it and the residual add after it, as the Triton int4
+GEMV takes them): opt-in (`linear.INT4_GEMV_CUDA`). It is a second extension, so that a failure
+of one leaves the other.
 
 Each configuration (rows per block, warps, loads per step: `CONFIGS`) is timed once per weight
 shape on first use, outside CUDA graph capture, with the L2 cache flushed between calls
@@ -271,18 +272,32 @@ def int4_supports(x: torch.Tensor, packed: torch.Tensor, group: int, zero) -> bo
 
 @torch.library.custom_op("llmopt::int4_gemv_cuda", mutates_args=())
 def int4_gemv(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int, pdl: bool
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    g: torch.Tensor,
+    r: torch.Tensor,
+    group: int,
+    eps: float,
+    norm: bool,
+    resid: bool,
+    pdl: bool,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
-    with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold."""
+    with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
+    `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
+    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
-    scale = scale.contiguous()
+    scale, g, r = scale.contiguous(), g.contiguous(), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
     key = ("int4", packed.shape[0], x.shape[1], group, x.dtype, x.shape[0])
-    cfg = _tuned(key, len(INT4_CONFIGS), lambda c: mod.int4_gemv(x, packed, scale, group, c, False))
-    return mod.int4_gemv(x, packed, scale, group, cfg, pdl)
+    fused = (g, r, group, eps, norm, resid)
+    cfg = _tuned(
+        key, len(INT4_CONFIGS), lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False)
+    )
+    return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl)
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, group, pdl):
+def _(x, packed, scale, g, r, group, eps, norm, resid, pdl):
     return x.new_empty(x.shape[0], packed.shape[0])

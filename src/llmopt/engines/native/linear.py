@@ -387,13 +387,14 @@ GEMV_CUDA = True
 # The int4 one-row GEMV in CUDA C++ (`cuda_gemv.int4_gemv`, csrc/int4_gemv.cu: Marlin's
 # dequantization of the Triton layout, two codes per f16x2 instruction) instead of the Triton
 # int4 GEMV, for layers on the Triton int4 layout (`INT4_TRITON`) with symmetric codes, K a
-# multiple of 256 and a power-of-two group. Off: compiled for sm_90 in the tests, not yet run
-# on a GPU (`benchmarks/decode.py --modes int4@gemv --linear default INT4_GEMV_CUDA=on`).
+# multiple of 256 and a power-of-two group, with the RMSNorm and residual add fused as the
+# Triton GEMV fuses them. Off: 4.5% slower end to end on an H100 before either kernel fused the
+# norm (docs/benchmarks.md; `benchmarks/decode.py --linear default INT4_GEMV_CUDA=on`).
 INT4_GEMV_CUDA = False
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
-# this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
-# interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by more
-# than `GEMV_PICK_MARGIN`). Neither kernel wins every shape (timed alone on the H200: the CUDA
+# this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly as
+# CUDA-graph replays over weight copies larger than the L2, interleaved; the CUDA kernel keeps
+# the shape unless Triton's is faster by more than `GEMV_PICK_MARGIN`). Neither kernel wins every shape (timed alone on the H200: the CUDA
 # FP8 GEMV is faster on the 8B model's gate/up and down, slower on qkv; docs/benchmarks.md).
 # Off: every shape takes the CUDA kernel where `GEMV_CUDA` / `INT4_GEMV_CUDA` route to it (read
 # per call, so a model built with it on can run either way: `benchmarks/decode.py --linear`).
@@ -603,13 +604,20 @@ def _wo8_cuda_cases(dev: torch.device):
 
 
 def _int4_cuda_cases(dev: torch.device):
-    """The int4 CUDA GEMV's check: every group size it takes, against fp32 references."""
+    """The int4 CUDA GEMV's check: every group size it takes, against fp32 references, and
+    the RMSNorm and residual it fuses (group 256)."""
     w, x = _cuda_check_data(dev)
     for group in (32, 64, 128, 256):
         q, s = quantize_int4(w, group)
         deq = (q.float().reshape(37, -1, group) * s[..., None]).reshape(37, 512)
-        args = (x, pack_int4_planar(q), s.to(x.dtype).contiguous(), group)
-        yield args, x.float() @ deq.t(), f"group {group}"
+        args = (x, pack_int4_planar(q), s.to(x.dtype).contiguous(), x, x, group, 0.0)
+        yield (*args, False, False), x.float() @ deq.t(), f"group {group}"
+    gw = torch.linspace(0.5, 1.5, x.shape[1], device=dev).to(x.dtype)
+    r = torch.linspace(-1, 1, x.shape[0] * 37, device=dev).reshape(-1, 37).to(x.dtype)
+    xf = x.float() * 40  # (a residual stream far from unit scale: the norm brings it back)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gw.float()
+    args = (xf.to(x.dtype), pack_int4_planar(q), s.to(x.dtype).contiguous(), gw, r, 256, 1e-5)
+    yield (*args, True, True), normed @ deq.t() + r.float(), "norm and residual"
 
 
 def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -629,24 +637,30 @@ def _pick_key(kind: str, w: torch.Tensor, what, x: torch.Tensor) -> tuple:
     return (kind, w.shape[0], w.shape[1], what, x.dtype, x.device.index or 0)
 
 
-def _pick_one_row(kind: str, w: torch.Tensor, what, dtype: torch.dtype, cuda, triton) -> None:
+def _pick_one_row(
+    kind: str, weights: tuple[torch.Tensor, ...], what, dtype: torch.dtype, cuda, triton
+) -> None:
     """Decide, once per shape and eagerly (layer construction, outside any compiled step),
-    whether the CUDA kernel `cuda(x)` or the Triton one `triton(x)` runs this shape's one-row
-    GEMV (`GEMV_PICK`): each timed three times, interleaved, with Triton's `do_bench` (L2
-    flushed between calls; medians), on a random activation row of `dtype`."""
+    whether the CUDA kernel `cuda(x, *weights)` or the Triton one `triton(x, *weights)` runs
+    this shape's one-row GEMV (`GEMV_PICK`), on a random activation row of `dtype`: each timed
+    as the compiled step runs it (`_replayed_ms`), five rounds interleaved, medians."""
+    w = weights[0]
     k = w.shape[1] * (8 if kind == "int4" else 1)
     g = torch.Generator(device=w.device).manual_seed(0)  # (the global generator is the user's)
     x = torch.randn(1, k, device=w.device, dtype=dtype, generator=g)
     key = _pick_key(kind, w, what, x)
     if not GEMV_PICK or key in _CUDA_PICKED:
         return
-    from triton.testing import do_bench
-
+    copies = _weight_copies(weights)
+    graphs = {
+        name: _replay_graph(fn, x, copies) for name, fn in (("cuda", cuda), ("triton", triton))
+    }
     times: dict[str, list[float]] = {"cuda": [], "triton": []}
-    for _ in range(3):
-        for name, fn in (("cuda", cuda), ("triton", triton)):
-            times[name].append(do_bench(lambda f=fn: f(x), warmup=5, rep=20, return_mode="median"))
-    t_cuda, t_triton = (sorted(t)[1] for t in times.values())
+    for _ in range(5):
+        for name, (graph, calls) in graphs.items():
+            times[name].append(_replayed_ms(graph, calls))
+    del graphs, copies
+    t_cuda, t_triton = (sorted(t)[2] for t in times.values())
     _CUDA_PICKED[key] = t_cuda <= t_triton * (1 + GEMV_PICK_MARGIN)
     _PICK_TIMES[key] = (t_cuda, t_triton)
     log.info(
@@ -656,6 +670,49 @@ def _pick_one_row(kind: str, w: torch.Tensor, what, dtype: torch.dtype, cuda, tr
         1e3 * t_triton,
         "CUDA" if _CUDA_PICKED[key] else "Triton",
     )
+
+
+def _weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """`weights` and enough copies of them that cycling through all of them reads twice the
+    GPU's L2 cache: each launch then reads its weights from DRAM, as a decode step does (one
+    layer's weights are long evicted by the time the next token reaches them)."""
+    size = sum(t.numel() * t.element_size() for t in weights)
+    l2 = torch.cuda.get_device_properties(weights[0].device).L2_cache_size
+    n = min(16, max(2, -(-2 * l2 // size)))
+    return [weights] + [tuple(t.clone() for t in weights) for _ in range(n - 1)]
+
+
+def _replay_graph(fn, x: torch.Tensor, copies: list) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of `fn(x, *ws)` launched back to back over the weight copies (at least 24
+    launches), and its launch count. Each copy runs once eagerly first: the kernels' tuning
+    and compiles happen outside the capture, as they do before a compiled step's capture."""
+    for ws in copies:
+        fn(x, *ws)
+    torch.cuda.synchronize(x.device)
+    calls = len(copies) * -(-24 // len(copies))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(x.device)
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fn(x, *copies[i % len(copies)])
+    graph.replay()  # (the first replay uploads the graph)
+    torch.cuda.synchronize(x.device)
+    return graph, calls
+
+
+def _replayed_ms(graph: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Milliseconds per launch over three replays of `graph` (`_replay_graph`): the kernel as
+    a CUDA-graph replay sees it, each launch right after the last and reading its weights
+    from DRAM, which is how the compiled step runs it. (A single launch timed after an L2
+    flush, as Triton's `do_bench` times, ranked the kernels otherwise on some shapes:
+    docs/benchmarks.md.)"""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (3 * calls)
 
 
 def gemv_picks() -> list[dict]:
@@ -683,10 +740,15 @@ def _pick_wo8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         return
     s = scale.reshape(-1)
 
-    def cuda(x):
-        return cuda_gemv.wo8_gemv(x, w, s, x, 0.0, False, False, False)
+    # (each as the step launches it: a programmatic dependent where `GEMV_PDL` is on; the
+    # shape is not in the table yet, so `cuda=True` routes to the CUDA kernel)
+    def cuda(x, w, s):
+        return wo_mm(x, w, s, "gemv", cuda=True)
 
-    _pick_one_row("wo8", w, w.dtype, dtype, cuda, lambda x: wo_mm(x, w, s, "gemv", cuda=False))
+    def triton(x, w, s):
+        return wo_mm(x, w, s, "gemv", cuda=False)
+
+    _pick_one_row("wo8", (w, s), w.dtype, dtype, cuda, triton)
 
 
 def _pick_int4(packed, scale, zero, group: int, dtype: torch.dtype) -> None:
@@ -695,13 +757,15 @@ def _pick_int4(packed, scale, zero, group: int, dtype: torch.dtype) -> None:
     if not (INT4_GEMV_CUDA and GEMV_PICK and _int4_cuda_here(x0, packed, group, zero)):
         return
 
-    def cuda(x):
-        return cuda_gemv.int4_gemv(x, packed, scale, group, False)
+    def cuda(x, packed, scale):  # (as `_pick_wo8`'s)
+        return int4_mm(x, packed, scale, zero, group, "gemv", cuda=True)
 
-    def triton(x):
-        return int4_mm(x, packed, scale, zero, group, "gemv", cuda=False)
+    counters = gemv_counters(packed.shape[0], 1, packed.device)  # (as a layer keeps its own)
 
-    _pick_one_row("int4", packed, group, dtype, cuda, triton)
+    def triton(x, packed, scale):
+        return int4_mm(x, packed, scale, zero, group, "gemv", counters, cuda=False)
+
+    _pick_one_row("int4", (packed, scale), group, dtype, cuda, triton)
 
 
 def _gemv(
@@ -890,7 +954,7 @@ def int4_mm(
     `cuda`: the GEMV may be the CUDA C++ one (`INT4_GEMV_CUDA`); False keeps Triton's.
     `norm` (weight (K,), eps): x is an RMSNorm's input, normalized by the GEMV as it reads it
     (`norm_linear`); `residual` (M, N): added to the output in the GEMV's epilogue
-    (`linear_add`). Both GEMV only, on Triton's kernel."""
+    (`linear_add`). Both GEMV only (Triton's or the CUDA one)."""
     import triton
 
     m, k = x.shape
@@ -902,14 +966,18 @@ def int4_mm(
     if fused and kernel != "gemv":
         raise ValueError(f"a normalized or residual input needs the GEMV, not {kernel!r}")
     shape = {"K": k, "KP": packed.shape[1] * 8, "G": group, "HAS_ZERO": zero is not None}
-    if kernel == "gemv" and cuda and not fused and _int4_cuda_here(x, packed, group, zero):
+    if kernel == "gemv":
+        g, eps = (scale, 0.0) if norm is None else (norm[0], float(norm[1]))  # (unread if no norm)
+        r = x if residual is None else residual.reshape(m, n).contiguous()
+    if kernel == "gemv" and cuda and _int4_cuda_here(x, packed, group, zero):
         pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
-        return cuda_gemv.int4_gemv(x, packed, scale, group, pdl)
+        if norm is not None:
+            g = g.to(x.dtype)
+        fused_args = (norm is not None, residual is not None, pdl)
+        return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args)
     if kernel == "gemv":
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)
-        g, eps = (scale, 0.0) if norm is None else (norm[0], float(norm[1]))  # (unread if no norm)
-        r = x if residual is None else residual.reshape(m, n).contiguous()
         flags = {"even_n": n % INT4_GEMV_TILE_N == 0, "asm": not _INTERPRET}
         flags["half"] = INT4_GEMV_HALF if half is None else half
         flags |= {"norm": norm is not None, "resid": residual is not None}

@@ -13,6 +13,11 @@
 // Activations beyond f16's range (65,504) do not fit this kernel: it is opt-in
 // (`linear.INT4_GEMV_CUDA`).
 //
+// NORM: x is an RMSNorm's input and g its weight. The block sums x^2 over the row first and
+// stages x g / rms, the normalized activations (the norm's own output, to f16 rounding), so
+// that a large residual stream (real models carry entries in the thousands) is brought into
+// f16's range before it is staged. RESID: r is added to y in the epilogue.
+//
 // The work layout is csrc/wo8_gemv.cu's: a block owns ROWS output rows over the whole of K, a
 // thread reads 16-byte pieces (a quarter of a tile row) t, t + THREADS, ..., each loop step
 // issues UNROLL x ROWS 128-bit weight loads and the next step's before the current products.
@@ -68,7 +73,8 @@ __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
 template <typename T, int ROWS, int WARPS, int UNROLL, int GS>
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
-    T* __restrict__ y, int n, int k, int group_shift) {
+    const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
+    int group_shift, bool norm, bool resid) {
   constexpr int THREADS = WARPS * 32;
   constexpr int STEP = THREADS * UNROLL;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -105,12 +111,34 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   }
   grid_dependency_wait();
   const T* xr = x + static_cast<size_t>(m) * k;
+  __shared__ float partial[WARPS][ROWS];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float inv_rms = 1.0f;
+  if (norm) {  // the row's sum of squares, before anything is staged (see NORM above)
+    float sq = 0.0f;
+    for (int idx = threadIdx.x; idx < k; idx += THREADS) {
+      const float v = to_float<T>(xr[idx]);
+      sq = fmaf(v, v, sq);
+    }
+    sq = warp_sum(sq);
+    if (lane == 0) partial[warp][0] = sq;
+    __syncthreads();
+    sq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < WARPS; ++j) sq += partial[j][0];
+    inv_rms = rsqrtf(sq / k + eps);
+  }
   for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
     const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
     const int k0 = 256 * t + 32 * s + j;
-    xs[idx] = __floats2half2_rn(to_float<T>(xr[k0]), to_float<T>(xr[k0 + 128]));
+    float lo = to_float<T>(xr[k0]), hi = to_float<T>(xr[k0 + 128]);
+    if (norm) {
+      lo *= inv_rms * to_float<T>(g[k0]);
+      hi *= inv_rms * to_float<T>(g[k0 + 128]);
+    }
+    xs[idx] = __floats2half2_rn(lo, hi);
   }
-  __syncthreads();
+  __syncthreads();  // (also: every warp has read `partial` before the epilogue writes it)
 
   float acc[ROWS];
 #pragma unroll
@@ -162,8 +190,6 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   }
   launch_dependents();
 
-  __shared__ float partial[WARPS][ROWS];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
   if (lane == 0) {
@@ -175,7 +201,9 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     float v = 0.0f;
 #pragma unroll
     for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
-    y[static_cast<size_t>(m) * n + n0 + threadIdx.x] = from_float<T>(16.0f * v);  // (q / 16)
+    v *= 16.0f;  // (codes as q / 16)
+    if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + n0 + threadIdx.x]);
+    y[static_cast<size_t>(m) * n + n0 + threadIdx.x] = from_float<T>(v);
   }
 }
 
@@ -193,8 +221,8 @@ constexpr int kConfigs = 6;
 #ifdef LLMOPT_INT4_KERNELS_ONLY
 #define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, GS)                                      \
   template __global__ void int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, GS>(       \
-      const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, __nv_bfloat16*, int, int, \
-      int);
+      const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
+      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
 #define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL) \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 1)    \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 2)    \
@@ -205,9 +233,18 @@ LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 }  // namespace
 #else
 
+// The fused work's operands: the norm's weight g (K,), the residual r (M, N), each read only
+// with its flag (else any tensor).
+struct Fused {
+  const at::Tensor& g;
+  const at::Tensor& r;
+  float eps;
+  bool norm, resid;
+};
+
 template <typename T, int ROWS, int WARPS, int UNROLL, int GS>
-void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y,
-            int64_t group, bool pdl) {
+void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
+            at::Tensor& y, int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
   const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * ROWS * (k / group);
   auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, GS>;
@@ -219,25 +256,26 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, a
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &l.cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
       reinterpret_cast<const uint32_t*>(w.data_ptr()),
-      reinterpret_cast<const T*>(scale.data_ptr()), reinterpret_cast<T*>(y.data_ptr()), n, k,
-      __builtin_ctzll(group)));
+      reinterpret_cast<const T*>(scale.data_ptr()), reinterpret_cast<const T*>(f.g.data_ptr()),
+      reinterpret_cast<const T*>(f.r.data_ptr()), f.eps, reinterpret_cast<T*>(y.data_ptr()), n, k,
+      __builtin_ctzll(group), f.norm, f.resid));
 }
 
 template <typename T, int ROWS, int WARPS, int UNROLL>
-void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y,
-              int64_t group, bool pdl) {
-  if (group == 32) launch<T, ROWS, WARPS, UNROLL, 4>(x, w, scale, y, group, pdl);
-  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, 2>(x, w, scale, y, group, pdl);
-  else launch<T, ROWS, WARPS, UNROLL, 1>(x, w, scale, y, group, pdl);
+void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
+              at::Tensor& y, int64_t group, bool pdl) {
+  if (group == 32) launch<T, ROWS, WARPS, UNROLL, 4>(x, w, scale, f, y, group, pdl);
+  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, 2>(x, w, scale, f, y, group, pdl);
+  else launch<T, ROWS, WARPS, UNROLL, 1>(x, w, scale, f, y, group, pdl);
 }
 
 template <typename T>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-              at::Tensor& y, int64_t group, bool pdl) {
+              const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
   switch (config) {
 #define LLMOPT_CASE(I, ROWS, WARPS, UNROLL)                      \
   case I:                                                        \
-    by_group<T, ROWS, WARPS, UNROLL>(x, w, scale, y, group, pdl); \
+    by_group<T, ROWS, WARPS, UNROLL>(x, w, scale, f, y, group, pdl); \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
@@ -249,9 +287,11 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
 }  // namespace
 
 // x (M, K) bf16/fp16, K a multiple of 256; w (N, K / 8) int32 (`pack_int4_planar`); scale
-// (N, K / G) in x's dtype; G a power of two, 32 or more.
+// (N, K / G) in x's dtype; G a power of two, 32 or more. With `norm`, g (K,) the RMSNorm's
+// weight in x's dtype; with `resid`, r (M, N) in x's dtype (else each any tensor, unread).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                     int64_t group, int64_t config, bool pdl) {
+                     const at::Tensor& g, const at::Tensor& r, int64_t group, double eps,
+                     bool norm, bool resid, int64_t config, bool pdl) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "int4_gemv: CUDA tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kInt,
               "int4_gemv: x (M, K) and packed int32 w (N, K / 8) expected");
@@ -263,13 +303,24 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               "int4_gemv: scale (N, K / G) in the activations' dtype expected");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(),
               "int4_gemv: contiguous tensors expected");
+  if (norm) {
+    TORCH_CHECK(g.is_cuda() && g.is_contiguous() && g.numel() == k &&
+                    g.scalar_type() == x.scalar_type(),
+                "int4_gemv: norm weight (K,) in the activations' dtype expected");
+  }
+  if (resid) {
+    TORCH_CHECK(r.is_cuda() && r.is_contiguous() && r.numel() == x.size(0) * w.size(0) &&
+                    r.scalar_type() == x.scalar_type(),
+                "int4_gemv: residual (M, N) in the activations' dtype expected");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  const Fused f{g, r, static_cast<float>(eps), norm, resid};
   if (x.scalar_type() == at::kBFloat16) {
-    dispatch<__nv_bfloat16>(config, x, w, scale, y, group, pdl);
+    dispatch<__nv_bfloat16>(config, x, w, scale, f, y, group, pdl);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kHalf, "int4_gemv: bf16 or fp16 activations");
-    dispatch<__half>(config, x, w, scale, y, group, pdl);
+    dispatch<__half>(config, x, w, scale, f, y, group, pdl);
   }
   return y;
 }
