@@ -360,6 +360,7 @@ LINEAR_SWITCHES = (
     "GEMV_CUDA",
     "INT4_GEMV_CUDA",
     "GEMV_PICK",
+    "GEMV_PICK_REPLAY",
 )
 
 
@@ -538,9 +539,12 @@ def main() -> None:
                 sys.exit(f"--linear {name}=on: the CUDA GEMV does not run here ({reason})")
     switch_defaults = {name: getattr(L, name) for name in LINEAR_SWITCHES}
     # layers are built with a CUDA GEMV's switch on where any point turns it on, so that they
-    # time it against Triton's per shape (`GEMV_PICK`); each point then routes by its own
+    # time it against Triton's per shape (`GEMV_PICK`); each point then routes by its own.
+    # GEMV_PICK_REPLAY acts at build time only: on for the build where any point sets it.
     build_switches = {
-        name: True for name in ("GEMV_CUDA", "INT4_GEMV_CUDA") if any(s.get(name) for s in linears)
+        name: True
+        for name in ("GEMV_CUDA", "INT4_GEMV_CUDA", "GEMV_PICK_REPLAY")
+        if any(s.get(name) for s in linears)
     }
     rope_default, rope_rows = A.FUSE_ROPE, A.FUSE_ROPE_MAX_ROWS
     modes = args.modes or (["bf16", "int8", "int4"] + (["fp8"] if L.fp8_supported() else []))

@@ -392,14 +392,21 @@ GEMV_CUDA = True
 # norm (docs/benchmarks.md; `benchmarks/decode.py --linear default INT4_GEMV_CUDA=on`).
 INT4_GEMV_CUDA = False
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
-# this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly as
-# CUDA-graph replays over weight copies larger than the L2, interleaved; the CUDA kernel keeps
-# the shape unless Triton's is faster by more than `GEMV_PICK_MARGIN`). Neither kernel wins every shape (timed alone on the H200: the CUDA
+# this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
+# interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
+# more than `GEMV_PICK_MARGIN`). Neither kernel wins every shape (timed alone on the H200: the CUDA
 # FP8 GEMV is faster on the 8B model's gate/up and down, slower on qkv; docs/benchmarks.md).
 # Off: every shape takes the CUDA kernel where `GEMV_CUDA` / `INT4_GEMV_CUDA` route to it (read
 # per call, so a model built with it on can run either way: `benchmarks/decode.py --linear`).
 GEMV_PICK = True
 GEMV_PICK_MARGIN = 0.02
+# The pick's timing: off, each kernel is one launch after an L2 flush (Triton's `do_bench`); on,
+# launches back to back in a CUDA graph over weight copies larger than the L2, each launched as
+# the compiled step launches it (a programmatic dependent where `GEMV_PDL` is on): closer to
+# what the step sees (timed alone by `do_bench`, the CUDA FP8 GEMV won the 8B model's qkv
+# projection, which it loses in CUDA-graph replays: docs/benchmarks.md). Off until it has run
+# on a GPU (`benchmarks/decode.py --linear GEMV_PICK_REPLAY=on` builds the layers with it).
+GEMV_PICK_REPLAY = False
 # ("wo8" or "int4", N, K, weight dtype or group, activation dtype, device index) -> whether the
 # CUDA kernel keeps that shape; a shape not timed (no layer built it) takes the CUDA kernel
 _CUDA_PICKED: dict[tuple, bool] = {}
@@ -642,8 +649,9 @@ def _pick_one_row(
 ) -> None:
     """Decide, once per shape and eagerly (layer construction, outside any compiled step),
     whether the CUDA kernel `cuda(x, *weights)` or the Triton one `triton(x, *weights)` runs
-    this shape's one-row GEMV (`GEMV_PICK`), on a random activation row of `dtype`: each timed
-    as the compiled step runs it (`_replayed_ms`), five rounds interleaved, medians."""
+    this shape's one-row GEMV (`GEMV_PICK`), on a random activation row of `dtype`: five
+    rounds interleaved, medians, each a single launch after an L2 flush (Triton's `do_bench`)
+    or, with `GEMV_PICK_REPLAY`, launches back to back in a CUDA graph (`_replayed_ms`)."""
     w = weights[0]
     k = w.shape[1] * (8 if kind == "int4" else 1)
     g = torch.Generator(device=w.device).manual_seed(0)  # (the global generator is the user's)
@@ -651,15 +659,25 @@ def _pick_one_row(
     key = _pick_key(kind, w, what, x)
     if not GEMV_PICK or key in _CUDA_PICKED:
         return
-    copies = _weight_copies(weights)
-    graphs = {
-        name: _replay_graph(fn, x, copies) for name, fn in (("cuda", cuda), ("triton", triton))
-    }
+    fns = {"cuda": cuda, "triton": triton}
+    if GEMV_PICK_REPLAY:
+        copies = _weight_copies(weights)
+        graphs = {name: _replay_graph(fn, x, copies) for name, fn in fns.items()}
+        timers = {name: functools.partial(_replayed_ms, *graphs[name]) for name in fns}
+    else:
+        from triton.testing import do_bench
+
+        timers = {
+            name: functools.partial(
+                do_bench, lambda f=fn: f(x, *weights), warmup=5, rep=20, return_mode="median"
+            )
+            for name, fn in fns.items()
+        }
     times: dict[str, list[float]] = {"cuda": [], "triton": []}
     for _ in range(5):
-        for name, (graph, calls) in graphs.items():
-            times[name].append(_replayed_ms(graph, calls))
-    del graphs, copies
+        for name, timer in timers.items():
+            times[name].append(timer())
+    del timers
     t_cuda, t_triton = (sorted(t)[2] for t in times.values())
     _CUDA_PICKED[key] = t_cuda <= t_triton * (1 + GEMV_PICK_MARGIN)
     _PICK_TIMES[key] = (t_cuda, t_triton)

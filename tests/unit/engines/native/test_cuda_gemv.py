@@ -231,17 +231,24 @@ def test_decode_with_cuda_gemv_matches_triton_on_gpu(tiny_llama_dir, monkeypatch
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.usefixtures("built")
-def test_pick_times_each_shape_once_and_routes_by_it(monkeypatch):
+@pytest.mark.parametrize("replay", [False, True], ids=["do_bench", "replay"])
+def test_pick_times_each_shape_once_and_routes_by_it(monkeypatch, replay):
     """`GEMV_PICK`: the first layer of a shape times the CUDA and the Triton GEMV (five
-    interleaved rounds each, as CUDA-graph replays), a second layer of that shape does not;
-    the layer's one-row forward then goes where the table says (forced both ways here), with
-    the same outputs; a shape no layer timed takes the CUDA kernel."""
+    interleaved rounds each: single launches, or CUDA-graph replays with
+    `GEMV_PICK_REPLAY`), a second layer of that shape does not; the layer's one-row forward
+    then goes where the table says (forced both ways here), with the same outputs; a shape no
+    layer timed takes the CUDA kernel."""
+    import triton.testing
+
     monkeypatch.setattr(L, "_CUDA_PICKED", {})
     monkeypatch.setattr(L, "_PICK_TIMES", {})
     monkeypatch.setattr(L, "GEMV_CUDA", True)
     monkeypatch.setattr(L, "GEMV_PICK", True)
-    benched, real_bench = [], L._replayed_ms
-    monkeypatch.setattr(L, "_replayed_ms", lambda *a: benched.append(1) or real_bench(*a))
+    monkeypatch.setattr(L, "GEMV_PICK_REPLAY", replay)
+    benched = []
+    owner, name = (L, "_replayed_ms") if replay else (triton.testing, "do_bench")
+    real_bench = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: benched.append(1) or real_bench(*a, **k))
     calls, real = [], C._module(C._arch(0)).wo8_gemv
 
     class Spy:
@@ -387,3 +394,35 @@ def test_int4_cuda_gemv_fuses_the_norm_and_residual_as_triton_does_on_gpu(monkey
         torch.testing.assert_close(
             only_resid.float(), normed.float() @ deq.t() + r.float(), rtol=3e-2, atol=3e-2
         )
+
+
+@pytest.mark.parametrize(
+    "cuda_ms, triton_ms, picked",
+    [(1.0, 1.0, True), (1.0, 0.99, True), (1.0, 0.95, False), (0.9, 1.0, True)],
+)
+def test_pick_keeps_cuda_unless_triton_wins_by_the_margin(monkeypatch, cuda_ms, triton_ms, picked):
+    """`_pick_one_row`'s decision from its timings (medians of five interleaved rounds, one
+    outlier per kernel ignored): the CUDA kernel keeps a shape unless Triton's is faster by
+    more than `GEMV_PICK_MARGIN` (2%). Timings stand in for the GPU here; the kernels
+    themselves are timed by the GPU test above."""
+    import triton.testing
+
+    monkeypatch.setattr(L, "_CUDA_PICKED", {})
+    monkeypatch.setattr(L, "_PICK_TIMES", {})
+    monkeypatch.setattr(L, "GEMV_PICK", True)
+    monkeypatch.setattr(L, "GEMV_PICK_REPLAY", False)
+    rounds = {"cuda": [cuda_ms, cuda_ms, 50.0, cuda_ms, cuda_ms], "triton": [triton_ms] * 5}
+    rounds["triton"][1] = 0.001  # an outlier the median ignores
+
+    def fake_bench(fn, **kw):
+        return rounds[fn()].pop(0)
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    w = torch.zeros(64, 128, dtype=torch.int8)
+    L._pick_one_row(
+        "wo8", (w,), w.dtype, torch.bfloat16, lambda x, w: "cuda", lambda x, w: "triton"
+    )
+    (pick,) = L.gemv_picks()
+    assert pick["picked"] == ("cuda" if picked else "triton")
+    assert pick["cuda_us"] == pytest.approx(1e3 * cuda_ms)
+    assert L._CUDA_PICKED[("wo8", 64, 128, torch.int8, torch.bfloat16, 0)] is picked
