@@ -677,7 +677,6 @@ def _pick_one_row(
     for _ in range(5):
         for name, timer in timers.items():
             times[name].append(timer())
-    del timers
     t_cuda, t_triton = (sorted(t)[2] for t in times.values())
     _CUDA_PICKED[key] = t_cuda <= t_triton * (1 + GEMV_PICK_MARGIN)
     _PICK_TIMES[key] = (t_cuda, t_triton)
@@ -987,13 +986,12 @@ def int4_mm(
     if kernel == "gemv":
         g, eps = (scale, 0.0) if norm is None else (norm[0], float(norm[1]))  # (unread if no norm)
         r = x if residual is None else residual.reshape(m, n).contiguous()
-    if kernel == "gemv" and cuda and _int4_cuda_here(x, packed, group, zero):
-        pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
-        if norm is not None:
-            g = g.to(x.dtype)
-        fused_args = (norm is not None, residual is not None, pdl)
-        return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args)
-    if kernel == "gemv":
+        if cuda and _int4_cuda_here(x, packed, group, zero):
+            pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
+            if norm is not None:
+                g = g.to(x.dtype)
+            fused_args = (norm is not None, residual is not None, pdl)
+            return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args)
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)
         flags = {"even_n": n % INT4_GEMV_TILE_N == 0, "asm": not _INTERPRET}

@@ -1079,13 +1079,18 @@ if triton is not None:
         ASM: tl.constexpr,
         NORM: tl.constexpr,
         F16: tl.constexpr,
+        WAIT: tl.constexpr = False,
     ):
-        # one step of `int4_gemv`: the words of tiles t for rows rn, and their products
+        # one step of `int4_gemv`: the words of tiles t for rows rn, and their products (WAIT:
+        # the words requested first, then the wait for the kernel before, as a programmatic
+        # dependent's first step does: the weights do not depend on it, x does)
         if MASKED:
             wmask = nmask[:, None, None] & (t < tend)[None, :, None]
             p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
         else:
             p = tl.load(wrow + t[None, :, None] * 32)
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
         return _int4_products(
             acc,
             zacc,
@@ -1240,19 +1245,13 @@ if triton is not None:
         zacc = tl.zeros((BLOCK_N, TILES), dtype=tl.float32)
         xsq = tl.zeros((TILES, 32), dtype=tl.float32)  # NORM: squares of x, per position
         FIRST: tl.constexpr = TILES if PDL else 0
-        if PDL:  # (the weights do not depend on the kernel before: loaded first)
+        if PDL:  # the first step's weights requested before the wait (`_int4_tiles`' WAIT)
             t = pid_k * TS + tt
-            if MASKED:
-                wmask = nmask[:, None, None] & (t < tend)[None, :, None]
-                p = tl.load(wrow + t[None, :, None] * 32, mask=wmask, other=0)
-            else:
-                p = tl.load(wrow + t[None, :, None] * 32)
-            tl.extra.cuda.gdc_wait()
-            acc, zacc, xsq = _int4_products(
+            acc, zacc, xsq = _int4_tiles(
                 acc,
                 zacc,
                 xsq,
-                p,
+                wrow,
                 t,
                 x_ptr,
                 g_ptr,
@@ -1270,6 +1269,7 @@ if triton is not None:
                 ASM,
                 NORM,
                 F16,
+                True,
             )
         for t0 in tl.range(FIRST, TS, TILES):
             t = pid_k * TS + t0 + tt  # this step's tiles
