@@ -524,6 +524,7 @@ def main() -> None:
     import torch._inductor.config as inductor_config
 
     from llmopt.engines.native import attention as A
+    from llmopt.engines.native import cuda_gemv
     from llmopt.engines.native import linear as L
 
     args.int4_triton_default = L.INT4_TRITON  # (build() sets it per int4 mode)
@@ -696,6 +697,9 @@ def main() -> None:
             f"one-row GEMV pick {pick['kind']} {pick['shape']} {pick['what']}: CUDA "
             f"{pick['cuda_us']:.1f} us, Triton {pick['triton_us']:.1f} us -> {pick['picked']}"
         )
+    results["cuda_gemv_configs"] = cuda_gemv.tuned_configs()
+    for t in results["cuda_gemv_configs"]:
+        print(f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}: {t['config']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -50,8 +50,19 @@ INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cu"
 # LLMOPT_WO8_CONFIGS, in its order.
 CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
 DEFAULT_CONFIG = 2
-# csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS, in its order
-INT4_CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (2, 8, 2))
+# (rows per group, warps, loads per row per step, groups of rows per block): csrc/int4_gemv.cu's
+# LLMOPT_INT4_CONFIGS, in its order
+INT4_CONFIGS = (
+    (2, 4, 2, 1),
+    (4, 4, 1, 1),
+    (4, 4, 2, 1),
+    (8, 4, 1, 1),
+    (2, 8, 1, 1),
+    (2, 8, 2, 1),
+    (4, 4, 1, 4),
+    (8, 4, 1, 4),
+    (4, 8, 1, 4),
+)
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -184,6 +195,19 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
     except Exception as e:  # a toolkit/driver mismatch must not take the engine down
         return f"build or launch failed: {str(e)[:2000]}"
     return ""
+
+
+def tuned_configs() -> list[dict]:
+    """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
+    weight dtype (int8/FP8) or scale group (int4), rows, and the configuration's tuple."""
+    out = []
+    for (kernel, n, k, what, act, rows), cfg in _TUNED.items():
+        table = INT4_CONFIGS if kernel == "int4" else CONFIGS
+        out.append(
+            {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
+            | {"rows": rows, "config": list(table[cfg])}
+        )
+    return out
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -289,9 +289,12 @@ def test_configs_match_the_kernel_table(which):
     """`CONFIGS` (`INT4_CONFIGS`) index the .cu file's config list by position: they must
     agree."""
     source, configs = (C.SOURCE, C.CONFIGS) if which == "wo8" else (C.INT4_SOURCE, C.INT4_CONFIGS)
-    rows = re.findall(r"X\((\d+), (\d+), (\d+), (\d+)\)", source.read_text())
-    assert [int(i) for i, *_ in rows] == list(range(len(rows)))
-    assert tuple(tuple(int(v) for v in cfg) for _, *cfg in rows) == configs
+    rows = [
+        tuple(int(v) for v in row.split(", "))
+        for row in re.findall(r"^\s*X\((\d+(?:, \d+)+)\)", source.read_text(), re.M)
+    ]
+    assert [i for i, *_ in rows] == list(range(len(rows)))
+    assert tuple(tuple(cfg) for _, *cfg in rows) == configs
     assert 0 <= C.DEFAULT_CONFIG < len(configs)
 
 

@@ -21,6 +21,10 @@
 // The work layout is csrc/wo8_gemv.cu's: a block owns ROWS output rows over the whole of K, a
 // thread reads 16-byte pieces (a quarter of a tile row) t, t + THREADS, ..., each loop step
 // issues UNROLL x ROWS 128-bit weight loads and the next step's before the current products.
+// With CHUNKS > 1 a block owns CHUNKS such groups of ROWS rows, one after the other, and its
+// loads run ahead across the groups: the activations are staged (and normalized) once per
+// CHUNKS x ROWS rows instead of once per ROWS, which is most of a block's own work where K is
+// short (4,096: one loop step per group at 128 threads).
 #ifndef LLMOPT_INT4_KERNELS_ONLY
 #include <torch/extension.h>
 
@@ -70,7 +74,7 @@ __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
 // scale group: G = 32 -> 4, 64 -> 2, 128 or more -> 1). G is a power of two (group_shift =
 // log2 G), so that the scale index is a shift.
-template <typename T, int ROWS, int WARPS, int UNROLL, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int GS>
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
@@ -81,31 +85,30 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   half2* xs = reinterpret_cast<half2*>(smem);                  // (k / 256, 4, 32) pairs
   float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (ROWS, k / G)
   const int m = blockIdx.y;
-  const int n0 = blockIdx.x * ROWS;
+  const int n0 = blockIdx.x * ROWS * CHUNKS;
   const int words = k / 8;  // per row
   const int pieces = words / 4;
   const int groups = k >> group_shift;  // (G a power of two: no integer division in the loop)
-  const uint32_t* rows[ROWS];
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) rows[i] = w + static_cast<size_t>(min(n0 + i, n - 1)) * words;
 
+  // A loop step is (chunk c, first piece b + threadIdx.x); b is the same for the whole block.
   uint4 cur[UNROLL][ROWS];
-  auto load_step = [&](uint4 (&dst)[UNROLL][ROWS], int p0) {
+  auto load_step = [&](uint4 (&dst)[UNROLL][ROWS], int c, int b) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int p = p0 + u * THREADS;
+    for (int i = 0; i < ROWS; ++i) {
+      const uint32_t* row = w + static_cast<size_t>(min(n0 + c * ROWS + i, n - 1)) * words;
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i) {
-        dst[u][i] = p < pieces ? load_weights(rows[i] + static_cast<size_t>(p) * 4)
-                               : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < UNROLL; ++u) {
+        const int p = b + threadIdx.x + u * THREADS;
+        dst[u][i] = c < CHUNKS && p < pieces ? load_weights(row + static_cast<size_t>(p) * 4)
+                                             : make_uint4(0, 0, 0, 0);
       }
     }
   };
   // Weights and scales do not depend on the kernel before (a programmatic dependent launch
   // may start this block while it drains): the first step's weights and every scale of the
   // block's rows are requested before waiting, the activations after.
-  load_step(cur, threadIdx.x);
-  for (int idx = threadIdx.x; idx < ROWS * groups; idx += THREADS) {
+  load_step(cur, 0, 0);
+  for (int idx = threadIdx.x; idx < CHUNKS * ROWS * groups; idx += THREADS) {
     const int i = idx / groups, g = idx % groups;
     sc[idx] = to_float<T>(scale[static_cast<size_t>(min(n0 + i, n - 1)) * groups + g]);
   }
@@ -143,12 +146,15 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   float acc[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-  for (int p0 = threadIdx.x; p0 < pieces; p0 += STEP) {
+  for (int c = 0, b = 0; c < CHUNKS;) {
+    int nc = c, nb = b + STEP;  // the next step
+    if (nb >= pieces) nc = c + 1, nb = 0;
     uint4 nxt[UNROLL][ROWS];
-    load_step(nxt, p0 + STEP);
+    load_step(nxt, nc, nb);
+    const float* scr = sc + c * ROWS * groups;  // this chunk's scales
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int p = p0 + u * THREADS;
+      const int p = b + threadIdx.x + u * THREADS;
       if (p >= pieces) break;
       const int t = p >> 3, j0 = (p & 7) * 4;  // the tile and the piece's first word in it
       half2 xp[4][4];                             // [s][word]: x pairs of this piece
@@ -177,8 +183,8 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
         for (int a = 0; a < GS; ++a) {
           const float2 f = __half22float2(part[a]);
           const int kx = 256 * t + 32 * (a * 4 / GS);  // the first code of the pair's low half
-          acc[i] = fmaf(f.x, sc[i * groups + (kx >> group_shift)], acc[i]);
-          acc[i] = fmaf(f.y, sc[i * groups + ((kx + 128) >> group_shift)], acc[i]);
+          acc[i] = fmaf(f.x, scr[i * groups + (kx >> group_shift)], acc[i]);
+          acc[i] = fmaf(f.y, scr[i * groups + ((kx + 128) >> group_shift)], acc[i]);
         }
       }
     }
@@ -187,46 +193,55 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) cur[u][i] = nxt[u][i];
     }
-  }
-  launch_dependents();
-
+    if (nc != c) {  // the chunk's rows are done: their sums to y
+      if (nc == CHUNKS) launch_dependents();
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
-  if (lane == 0) {
+      for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
+      if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) partial[warp][i] = acc[i];
-  }
-  __syncthreads();
-  if (threadIdx.x < ROWS && n0 + static_cast<int>(threadIdx.x) < n) {
-    float v = 0.0f;
+        for (int i = 0; i < ROWS; ++i) partial[warp][i] = acc[i];
+      }
+      __syncthreads();
+      const int row = n0 + c * ROWS + static_cast<int>(threadIdx.x);
+      if (threadIdx.x < ROWS && row < n) {
+        float v = 0.0f;
 #pragma unroll
-    for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
-    v *= 16.0f;  // (codes as q / 16)
-    if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + n0 + threadIdx.x]);
-    y[static_cast<size_t>(m) * n + n0 + threadIdx.x] = from_float<T>(v);
+        for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
+        v *= 16.0f;  // (codes as q / 16)
+        if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + row]);
+        y[static_cast<size_t>(m) * n + row] = from_float<T>(v);
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
+      if (CHUNKS > 1) __syncthreads();  // (`partial` read before the next chunk writes it)
+    }
+    c = nc, b = nb;
   }
 }
 
-// (ROWS, WARPS, UNROLL): `cuda_gemv.INT4_CONFIGS`, same order.
+// (ROWS, WARPS, UNROLL, CHUNKS): `cuda_gemv.INT4_CONFIGS`, same order.
 #define LLMOPT_INT4_CONFIGS(X) \
-  X(0, 2, 4, 2)                \
-  X(1, 4, 4, 1)                \
-  X(2, 4, 4, 2)                \
-  X(3, 8, 4, 1)                \
-  X(4, 2, 8, 1)                \
-  X(5, 2, 8, 2)
+  X(0, 2, 4, 2, 1)             \
+  X(1, 4, 4, 1, 1)             \
+  X(2, 4, 4, 2, 1)             \
+  X(3, 8, 4, 1, 1)             \
+  X(4, 2, 8, 1, 1)             \
+  X(5, 2, 8, 2, 1)             \
+  X(6, 4, 4, 1, 4)             \
+  X(7, 8, 4, 1, 4)             \
+  X(8, 4, 8, 1, 4)
 
-constexpr int kConfigs = 6;
+constexpr int kConfigs = 9;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
-#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, GS)                                      \
-  template __global__ void int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, GS>(       \
+#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, GS)                              \
+  template __global__ void int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, GS>( \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
       const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
-#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL) \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 1)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 2)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, 4)
+#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS) \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, 1)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, 2)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, 4)
 LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 #undef LLMOPT_INSTANTIATE_GS
@@ -242,17 +257,17 @@ struct Fused {
   bool norm, resid;
 };
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int GS>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
             at::Tensor& y, int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
-  const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * ROWS * (k / group);
-  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, GS>;
+  const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * CHUNKS * ROWS * (k / group);
+  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, GS>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  Launch l(dim3((n + ROWS - 1) / ROWS, m), dim3(WARPS * 32), smem, pdl);
+  Launch l(dim3((n + CHUNKS * ROWS - 1) / (CHUNKS * ROWS), m), dim3(WARPS * 32), smem, pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &l.cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
       reinterpret_cast<const uint32_t*>(w.data_ptr()),
@@ -261,21 +276,21 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, c
       __builtin_ctzll(group), f.norm, f.resid));
 }
 
-template <typename T, int ROWS, int WARPS, int UNROLL>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS>
 void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
               at::Tensor& y, int64_t group, bool pdl) {
-  if (group == 32) launch<T, ROWS, WARPS, UNROLL, 4>(x, w, scale, f, y, group, pdl);
-  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, 2>(x, w, scale, f, y, group, pdl);
-  else launch<T, ROWS, WARPS, UNROLL, 1>(x, w, scale, f, y, group, pdl);
+  if (group == 32) launch<T, ROWS, WARPS, UNROLL, CHUNKS, 4>(x, w, scale, f, y, group, pdl);
+  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, CHUNKS, 2>(x, w, scale, f, y, group, pdl);
+  else launch<T, ROWS, WARPS, UNROLL, CHUNKS, 1>(x, w, scale, f, y, group, pdl);
 }
 
 template <typename T>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
               const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL)                      \
-  case I:                                                        \
-    by_group<T, ROWS, WARPS, UNROLL>(x, w, scale, f, y, group, pdl); \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS)                      \
+  case I:                                                                \
+    by_group<T, ROWS, WARPS, UNROLL, CHUNKS>(x, w, scale, f, y, group, pdl); \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
