@@ -62,6 +62,8 @@ INT4_CONFIGS = (
     (4, 4, 1, 4),
     (8, 4, 1, 4),
     (4, 8, 1, 4),
+    (4, 4, 1, 8),
+    (4, 8, 1, 8),
 )
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)

@@ -388,9 +388,11 @@ GEMV_CUDA = True
 # dequantization of the Triton layout, two codes per f16x2 instruction) instead of the Triton
 # int4 GEMV, for layers on the Triton int4 layout (`INT4_TRITON`) with symmetric codes, K a
 # multiple of 256 and a power-of-two group, with the RMSNorm and residual add fused as the
-# Triton GEMV fuses them. Off: 4.5% slower end to end on an H100 before either kernel fused the
-# norm (docs/benchmarks.md; `benchmarks/decode.py --linear default INT4_GEMV_CUDA=on`).
-INT4_GEMV_CUDA = False
+# Triton GEMV fuses them. On since its blocks own several groups of rows (the activations
+# staged once per 16-32 rows): 5.8% faster end to end than the Triton GEMV on an H100, every
+# 8B shape picked for it by the per-shape timing (docs/benchmarks.md; `benchmarks/decode.py
+# --linear default INT4_GEMV_CUDA=off`). Where its build or check fails, Triton's GEMV runs.
+INT4_GEMV_CUDA = True
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
@@ -404,8 +406,9 @@ GEMV_PICK_MARGIN = 0.02
 # launches back to back in a CUDA graph over weight copies larger than the L2, each launched as
 # the compiled step launches it (a programmatic dependent where `GEMV_PDL` is on): closer to
 # what the step sees (timed alone by `do_bench`, the CUDA FP8 GEMV won the 8B model's qkv
-# projection, which it loses in CUDA-graph replays: docs/benchmarks.md). Off until it has run
-# on a GPU (`benchmarks/decode.py --linear GEMV_PICK_REPLAY=on` builds the layers with it).
+# projection, which it loses in CUDA-graph replays: docs/benchmarks.md). Off: on an H100 it
+# picked what `do_bench` picks for every 8B shape (FP8 end to end x1.001); not yet run on an
+# H200, where the misranking was seen (`benchmarks/decode.py --linear GEMV_PICK_REPLAY=on`).
 GEMV_PICK_REPLAY = False
 # ("wo8" or "int4", N, K, weight dtype or group, activation dtype, device index) -> whether the
 # CUDA kernel keeps that shape; a shape not timed (no layer built it) takes the CUDA kernel
@@ -625,6 +628,12 @@ def _int4_cuda_cases(dev: torch.device):
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * gw.float()
     args = (xf.to(x.dtype), pack_int4_planar(q), s.to(x.dtype).contiguous(), gw, r, 256, 1e-5)
     yield (*args, True, True), normed @ deq.t() + r.float(), "norm and residual"
+    # massive activations (a down projection's input can carry a few in the thousands): beyond
+    # what the f16 sums of raw products hold, so the block stages the row scaled down
+    xm = x.clone()
+    xm[:, 5], xm[0, 300] = 30000.0, -60000.0
+    args = (xm, pack_int4_planar(q), s.to(x.dtype).contiguous(), gw, r, 256, 0.0)
+    yield (*args, False, True), xm.float() @ deq.t() + r.float(), "massive activations"
 
 
 def _cuda_gemv_here(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -665,14 +674,7 @@ def _pick_one_row(
         graphs = {name: _replay_graph(fn, x, copies) for name, fn in fns.items()}
         timers = {name: functools.partial(_replayed_ms, *graphs[name]) for name in fns}
     else:
-        from triton.testing import do_bench
-
-        timers = {
-            name: functools.partial(
-                do_bench, lambda f=fn: f(x, *weights), warmup=5, rep=20, return_mode="median"
-            )
-            for name, fn in fns.items()
-        }
+        timers = {name: functools.partial(_launched_ms, fn, x, weights) for name, fn in fns.items()}
     times: dict[str, list[float]] = {"cuda": [], "triton": []}
     for _ in range(5):
         for name, timer in timers.items():
@@ -748,6 +750,14 @@ def gemv_picks() -> list[dict]:
         for key, picked in _CUDA_PICKED.items()
         if key in _PICK_TIMES
     ]
+
+
+def _launched_ms(fn, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> float:
+    """`fn(x, *weights)`'s median time in ms, single launches after an L2 flush (Triton's
+    `do_bench`): the pick's default timing."""
+    from triton.testing import do_bench
+
+    return do_bench(lambda: fn(x, *weights), warmup=5, rep=20, return_mode="median")
 
 
 def _pick_wo8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:

@@ -10,8 +10,10 @@
 // activations are staged once per block in shared memory as the matching f16 pairs
 // (x[k], x[k + 128]), so each pair of codes costs one f16x2 multiply-add; a thread's products
 // within a tile are summed in f16 per scale group (at most 16 products), then scaled in fp32.
-// Activations beyond f16's range (65,504) do not fit this kernel: it is opt-in
-// (`linear.INT4_GEMV_CUDA`).
+// The f16 sums bound what may be staged (see word_as_pairs): a block finds the largest |x| it
+// will stage and, above kStageMax, stages x / 2^e instead (e the smallest power that brings it
+// under; exact in f16 but for entries 2^e below its subnormals) and multiplies its sums back by
+// 2^e in fp32, so that any finite row fits, a real model's massive activations included.
 //
 // NORM: x is an RMSNorm's input and g its weight. The block sums x^2 over the row first and
 // stages x g / rms, the normalized activations (the norm's own output, to f16 rounding), so
@@ -40,6 +42,15 @@
 namespace {
 
 using namespace llmopt_gemv;
+
+// The largest staged |x|: products (codes as q / 16) at most 2,048, f16 sums of 16 at most 32,768.
+constexpr float kStageMax = 4096.0f;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
 
 __device__ __forceinline__ half2 as_half2(uint32_t v) {
   return *reinterpret_cast<half2*>(&v);
@@ -131,15 +142,27 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     for (int j = 0; j < WARPS; ++j) sq += partial[j][0];
     inv_rms = rsqrtf(sq / k + eps);
   }
+  // The value staged at position k0 (before any scaling down): x, or the norm's output.
+  auto value = [&](int k0) {
+    const float v = to_float<T>(xr[k0]);
+    return norm ? v * inv_rms * to_float<T>(g[k0]) : v;
+  };
+  __shared__ float peak[WARPS];
+  float amax = 0.0f;
+  for (int idx = threadIdx.x; idx < k; idx += THREADS) amax = fmaxf(amax, fabsf(value(idx)));
+  amax = warp_max(amax);
+  if (lane == 0) peak[warp] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < WARPS; ++j) amax = fmaxf(amax, peak[j]);
+  // (a NaN or infinite row stays so: the output is then what the reference gives, not finite)
+  const float up = amax > kStageMax && amax <= 3.0e38f ? exp2f(ceilf(log2f(amax / kStageMax)))
+                                                       : 1.0f;
+  const float down = 1.0f / up;  // (a power of two: exact)
   for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
     const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
     const int k0 = 256 * t + 32 * s + j;
-    float lo = to_float<T>(xr[k0]), hi = to_float<T>(xr[k0 + 128]);
-    if (norm) {
-      lo *= inv_rms * to_float<T>(g[k0]);
-      hi *= inv_rms * to_float<T>(g[k0 + 128]);
-    }
-    xs[idx] = __floats2half2_rn(lo, hi);
+    xs[idx] = __floats2half2_rn(value(k0) * down, value(k0 + 128) * down);
   }
   __syncthreads();  // (also: every warp has read `partial` before the epilogue writes it)
 
@@ -207,7 +230,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
         float v = 0.0f;
 #pragma unroll
         for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
-        v *= 16.0f;  // (codes as q / 16)
+        v *= 16.0f * up;  // (codes as q / 16, x staged as x / up)
         if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + row]);
         y[static_cast<size_t>(m) * n + row] = from_float<T>(v);
       }
@@ -229,9 +252,11 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   X(5, 2, 8, 2, 1)             \
   X(6, 4, 4, 1, 4)             \
   X(7, 8, 4, 1, 4)             \
-  X(8, 4, 8, 1, 4)
+  X(8, 4, 8, 1, 4)             \
+  X(9, 4, 4, 1, 8)             \
+  X(10, 4, 8, 1, 8)
 
-constexpr int kConfigs = 9;
+constexpr int kConfigs = 11;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
 #define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, GS)                              \
