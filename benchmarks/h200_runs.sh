@@ -16,16 +16,19 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call -1: TESTS_K="fuses_the_norm or pick_times or routes_to_cuda" bash ... native-tests
-#           # the CUDA int4 GEMV's fused norm/residual and the CUDA-graph pick timing, never run
-#           # on a GPU yet; then MODES="int4" AB="--linear default INT4_GEMV_CUDA=on" TAG=int4cuda
-#           # ... ab (the CUDA int4 GEMV on the shapes its pick gives it, fusions kept), and
+#   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
+#           # (the CUDA int4 GEMV's scaling-down of massive activations and its eight-group
+#           # configs, not yet run on a GPU; the extensions' first build takes ~3 min), then
+#           MODES="int4" AB="--linear default INT4_GEMV_CUDA=off" TAG=int4cuda bash ... ab
+#           # (the CUDA int4 GEMV, default since it won x1.058 on an H100; its `CUDA GEMV
+#           # config` lines say which configs the shapes took), and on an H200
 #           # MODES="fp8" AB="--linear default GEMV_PICK_REPLAY=on" TAG=replay ... ab: that
 #           # switch acts when layers are built, so both points share the replay's picks; the
 #           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves
 #   call 0: MODES="int4" AB="--linear FUSE_NORM=off,GEMV_PDL=off default" TAG=int4 bash ... ab
 #           # the norm/residual inside the int4 GEMV and its PDL launch, on the H200 (H100: x1.05
-#           and x1.03 separately); a fresh machine spends ~120-165 s compiling each point
+#           # and x1.03 separately, Triton's GEMV); a fresh machine spends ~120-165 s compiling
+#           # each point
 #   call 1: QB="8 16" MODES="int4@tinygemm int4" bash ... decode  # the int4 Triton layout
 #           (the CUDA default since it won at 1 and 64 rows) against tinygemm at 8-16 rows
 #   call 2: bash ... smol-part (x2) realweights  # real-weight quality with int4 on the Triton
