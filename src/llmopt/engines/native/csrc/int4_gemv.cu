@@ -127,34 +127,32 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   const T* xr = x + static_cast<size_t>(m) * k;
   __shared__ float partial[WARPS][ROWS];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float inv_rms = 1.0f;
-  if (norm) {  // the row's sum of squares, before anything is staged (see NORM above)
-    float sq = 0.0f;
-    for (int idx = threadIdx.x; idx < k; idx += THREADS) {
-      const float v = to_float<T>(xr[idx]);
+  // One pass over the row before anything is staged: its sum of squares (with NORM, see
+  // above) and the largest |x| (|x g| with NORM) it will stage, which sets the scaling down.
+  __shared__ float peak[WARPS];
+  float sq = 0.0f, amax = 0.0f;
+  for (int idx = threadIdx.x; idx < k; idx += THREADS) {
+    float v = to_float<T>(xr[idx]);
+    if (norm) {
       sq = fmaf(v, v, sq);
+      v *= to_float<T>(g[idx]);
     }
-    sq = warp_sum(sq);
-    if (lane == 0) partial[warp][0] = sq;
-    __syncthreads();
-    sq = 0.0f;
-#pragma unroll
-    for (int j = 0; j < WARPS; ++j) sq += partial[j][0];
-    inv_rms = rsqrtf(sq / k + eps);
+    amax = fmaxf(amax, fabsf(v));
   }
+  if (norm) sq = warp_sum(sq);
+  amax = warp_max(amax);
+  if (lane == 0) partial[warp][0] = sq, peak[warp] = amax;
+  __syncthreads();
+  sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < WARPS; ++j) sq += partial[j][0], amax = fmaxf(amax, peak[j]);
+  const float inv_rms = norm ? rsqrtf(sq / k + eps) : 1.0f;
+  amax *= inv_rms;
   // The value staged at position k0 (before any scaling down): x, or the norm's output.
   auto value = [&](int k0) {
     const float v = to_float<T>(xr[k0]);
     return norm ? v * inv_rms * to_float<T>(g[k0]) : v;
   };
-  __shared__ float peak[WARPS];
-  float amax = 0.0f;
-  for (int idx = threadIdx.x; idx < k; idx += THREADS) amax = fmaxf(amax, fabsf(value(idx)));
-  amax = warp_max(amax);
-  if (lane == 0) peak[warp] = amax;
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < WARPS; ++j) amax = fmaxf(amax, peak[j]);
   // (a NaN or infinite row stays so: the output is then what the reference gives, not finite)
   const float up = amax > kStageMax && amax <= 3.0e38f ? exp2f(ceilf(log2f(amax / kStageMax)))
                                                        : 1.0f;
