@@ -10,10 +10,11 @@
 // activations are staged once per block in shared memory as the matching f16 pairs
 // (x[k], x[k + 128]), so each pair of codes costs one f16x2 multiply-add; a thread's products
 // within a tile are summed in f16 per scale group (at most 16 products), then scaled in fp32.
-// The f16 sums bound what may be staged (see word_as_pairs): a block finds the largest |x| it
-// will stage and, above kStageMax, stages x / 2^e instead (e the smallest power that brings it
-// under; exact in f16 but for entries 2^e below its subnormals) and multiplies its sums back by
-// 2^e in fp32, so that any finite row fits, a real model's massive activations included.
+// The f16 sums bound what may be staged (see word_as_pairs): a block notes the largest |x| as it
+// stages the row and, above kStageMax, stages it again as x / 2^e (e the smallest power that
+// brings it under; exact in f16 but for entries 2^e below its subnormals) and multiplies its
+// sums back by 2^e in fp32, so that any finite row fits, a real model's massive activations
+// included, at no cost to a row that needs no scaling.
 //
 // NORM: x is an RMSNorm's input and g its weight. The block sums x^2 over the row first and
 // stages x g / rms, the normalized activations (the norm's own output, to f16 rounding), so
@@ -127,40 +128,52 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   const T* xr = x + static_cast<size_t>(m) * k;
   __shared__ float partial[WARPS][ROWS];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // One pass over the row before anything is staged: its sum of squares (with NORM, see
-  // above) and the largest |x| (|x g| with NORM) it will stage, which sets the scaling down.
-  __shared__ float peak[WARPS];
-  float sq = 0.0f, amax = 0.0f;
-  for (int idx = threadIdx.x; idx < k; idx += THREADS) {
-    float v = to_float<T>(xr[idx]);
-    if (norm) {
+  float inv_rms = 1.0f;
+  if (norm) {  // the row's sum of squares, before anything is staged (see NORM above)
+    float sq = 0.0f;
+    for (int idx = threadIdx.x; idx < k; idx += THREADS) {
+      const float v = to_float<T>(xr[idx]);
       sq = fmaf(v, v, sq);
-      v *= to_float<T>(g[idx]);
     }
-    amax = fmaxf(amax, fabsf(v));
-  }
-  if (norm) sq = warp_sum(sq);
-  amax = warp_max(amax);
-  if (lane == 0) partial[warp][0] = sq, peak[warp] = amax;
-  __syncthreads();
-  sq = 0.0f;
+    sq = warp_sum(sq);
+    if (lane == 0) partial[warp][0] = sq;
+    __syncthreads();
+    sq = 0.0f;
 #pragma unroll
-  for (int j = 0; j < WARPS; ++j) sq += partial[j][0], amax = fmaxf(amax, peak[j]);
-  const float inv_rms = norm ? rsqrtf(sq / k + eps) : 1.0f;
-  amax *= inv_rms;
+    for (int j = 0; j < WARPS; ++j) sq += partial[j][0];
+    inv_rms = rsqrtf(sq / k + eps);
+  }
   // The value staged at position k0 (before any scaling down): x, or the norm's output.
   auto value = [&](int k0) {
     const float v = to_float<T>(xr[k0]);
     return norm ? v * inv_rms * to_float<T>(g[k0]) : v;
   };
-  // (a NaN or infinite row stays so: the output is then what the reference gives, not finite)
-  const float up = amax > kStageMax && amax <= 3.0e38f ? exp2f(ceilf(log2f(amax / kStageMax)))
-                                                       : 1.0f;
-  const float down = 1.0f / up;  // (a power of two: exact)
+  // Staged as it is, the row's largest |value| found on the way; a row above kStageMax (rare:
+  // a few massive activations) is staged again, scaled down (each thread rewrites its own).
+  __shared__ float peak[WARPS];
+  float amax = 0.0f;
   for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
     const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
     const int k0 = 256 * t + 32 * s + j;
-    xs[idx] = __floats2half2_rn(value(k0) * down, value(k0 + 128) * down);
+    const float lo = value(k0), hi = value(k0 + 128);
+    amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
+    xs[idx] = __floats2half2_rn(lo, hi);
+  }
+  amax = warp_max(amax);
+  if (lane == 0) peak[warp] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < WARPS; ++j) amax = fmaxf(amax, peak[j]);
+  float up = 1.0f;
+  // (a NaN or infinite row stays as it is: the output is then not finite, as the reference's)
+  if (amax > kStageMax && amax <= 3.0e38f) {  // (the same on every thread of the block)
+    up = exp2f(ceilf(log2f(amax / kStageMax)));
+    const float down = 1.0f / up;  // (a power of two: exact)
+    for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
+      const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
+      const int k0 = 256 * t + 32 * s + j;
+      xs[idx] = __floats2half2_rn(value(k0) * down, value(k0 + 128) * down);
+    }
   }
   __syncthreads();  // (also: every warp has read `partial` before the epilogue writes it)
 
