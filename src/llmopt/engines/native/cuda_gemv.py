@@ -17,7 +17,7 @@ Where nvcc, ninja or a GPU is missing, or the build or its check fails, `availab
 with the reason in `unavailable_reason()`, and the engine keeps the Triton GEMV. The build is
 cached by PyTorch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a name that
 carries the GPU architecture and a digest of `csrc/`, so it runs once per version of the kernels
-and architecture (about a minute).
+and architecture (a minute or two each).
 
 `int4_gemv` is the same design for int4 weights in `linear.pack_int4_planar`'s layout
 (`csrc/int4_gemv.cu`: Marlin's dequantization, two codes per f16x2 instruction, products in
@@ -97,7 +97,7 @@ def _build(name: str, source: Path, arch: str):
     # carries a digest of the whole folder (gemv_common.cuh included)
     files = sorted(SOURCE.parent.iterdir())
     digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
-    log.info("building %s for sm_%s (once; about a minute)", name, arch)
+    log.info("building %s for sm_%s (once; a minute or two)", name, arch)
     return cpp_extension.load(
         name=f"llmopt_{name}_sm{arch}_{digest[:12]}",
         sources=[str(source)],
