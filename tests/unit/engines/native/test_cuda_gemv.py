@@ -427,3 +427,14 @@ def test_pick_keeps_cuda_unless_triton_wins_by_the_margin(monkeypatch, cuda_ms, 
     assert pick["picked"] == ("cuda" if picked else "triton")
     assert pick["cuda_us"] == pytest.approx(1e3 * cuda_ms)
     assert L._CUDA_PICKED[("wo8", 64, 128, torch.int8, torch.bfloat16, 0)] is picked
+
+
+def test_tuned_configs_name_each_shapes_config(monkeypatch):
+    """`tuned_configs()` (what `decode.py` records) reads a timed key's config index back as
+    the row of its kernel's table."""
+    monkeypatch.setattr(C, "_TUNED", {})
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1)] = 6
+    C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
+    int4, wo8 = C.tuned_configs()
+    assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
+    assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
