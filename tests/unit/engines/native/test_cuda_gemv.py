@@ -397,6 +397,41 @@ def test_int4_cuda_gemv_fuses_the_norm_and_residual_as_triton_does_on_gpu(monkey
         )
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("adtype", [torch.bfloat16, torch.float16])
+@pytest.mark.usefixtures("built_int4")
+def test_int4_cuda_gemv_stages_massive_activations_scaled_down_on_gpu(adtype):
+    """A row with a few entries far beyond what f16 sums of raw products hold (30,000 and
+    -60,000; through the norm, ~11,000 where its weight is 200) gives the fp32 reference's
+    output in every config, and the rest of the row keeps its precision: with the weights of
+    the massive entries' columns zeroed, the output is the reference of the ordinary entries."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, k, eps = 512, 4096, 1e-5
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    big = torch.tensor([7, 300, 2049], device="cuda")
+    mod = C._int4_module(C._arch(0))
+    for zeroed in (False, True):
+        if zeroed:
+            w[:, big] = 0.0
+        q, s = L.quantize_int4(w, 128)
+        deq = (q.float().reshape(n, -1, 128) * s[..., None]).reshape(n, k)
+        packed, sc = L.pack_int4_planar(q), s.to(adtype).contiguous()
+        x = torch.randn(2, k, device="cuda", generator=g)
+        x[:, big] = torch.tensor([30000.0, -60000.0, 12000.0], device="cuda")
+        x = x.to(adtype)
+        gw = torch.ones(k, device="cuda", dtype=adtype)
+        gw[big] = 200.0
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * gw.float()
+        for fused, want in ((False, xf @ deq.t()), (True, normed @ deq.t())):
+            for c in range(len(C.INT4_CONFIGS)):
+                got = mod.int4_gemv(x, packed, sc, gw, x, 128, eps, fused, False, c, False)
+                assert torch.isfinite(got).all(), (zeroed, fused, c)
+                err = float((got.float() - want).norm() / want.norm())
+                assert err < 1e-2, (zeroed, fused, c, err)
+
+
 @pytest.mark.parametrize(
     "cuda_ms, triton_ms, picked",
     [(1.0, 1.0, True), (1.0, 0.99, True), (1.0, 0.95, False), (0.9, 1.0, True)],
