@@ -66,12 +66,14 @@ VOCAB=${VOCAB:-0}
 W=${WORKDIR:-/tmp/llmopt-h200}
 M=$W/$SHAPE
 TOK=$PWD/.devdata/smollm2-tok
-# Compiled kernels (Triton's and Inductor's) in one known place, so that `cache-out` can bring
-# them back and a later session's `cache-in` can start warm: a decode.py point compiles for
-# ~60-100 s on a fresh machine and ~10 s with its kernels cached. Kernels whose source changed
-# since simply compile again (both caches key on the source).
+# Compiled kernels (Triton's, Inductor's, the CUDA extensions) in one known place, so that
+# `cache-out` can bring them back and a later session's `cache-in` can start warm: a decode.py
+# point compiles for ~60-100 s on a fresh machine and ~10 s with its kernels cached. Kernels
+# whose source changed since simply compile again (every cache keys on the source).
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$W/cache/triton}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$W/cache/inductor}
+# the CUDA GEMVs' extensions too (a minute or two each to build; rebuilt when csrc/ changes)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$W/cache/torch_extensions}
 llmopt() { python3 -m llmopt.cli.main "$@"; }
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
