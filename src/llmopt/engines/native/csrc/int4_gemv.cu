@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   constexpr int STEP = THREADS * UNROLL;
   extern __shared__ __align__(16) unsigned char smem[];
   half2* xs = reinterpret_cast<half2*>(smem);                  // (k / 256, 4, 32) pairs
-  float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (ROWS, k / G)
+  float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (CHUNKS ROWS, k / G)
   const int m = blockIdx.y;
   const int n0 = blockIdx.x * ROWS * CHUNKS;
   const int words = k / 8;  // per row
