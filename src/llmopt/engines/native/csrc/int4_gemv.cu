@@ -148,13 +148,14 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const float v = to_float<T>(xr[k0]);
     return norm ? v * inv_rms * to_float<T>(g[k0]) : v;
   };
+  // Staged pair idx holds (x[k0], x[k0 + 128]): tile t, nibble position s, word j.
+  auto pair_k0 = [](int idx) { return 256 * (idx >> 7) + 32 * ((idx >> 5) & 3) + (idx & 31); };
   // Staged as it is, the row's largest |value| found on the way; a row above kStageMax (rare:
   // a few massive activations) is staged again, scaled down (each thread rewrites its own).
   __shared__ float peak[WARPS];
   float amax = 0.0f;
   for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
-    const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
-    const int k0 = 256 * t + 32 * s + j;
+    const int k0 = pair_k0(idx);
     const float lo = value(k0), hi = value(k0 + 128);
     amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
     xs[idx] = __floats2half2_rn(lo, hi);
@@ -170,8 +171,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     up = exp2f(ceilf(log2f(amax / kStageMax)));
     const float down = 1.0f / up;  // (a power of two: exact)
     for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
-      const int t = idx >> 7, s = (idx >> 5) & 3, j = idx & 31;
-      const int k0 = 256 * t + 32 * s + j;
+      const int k0 = pair_k0(idx);
       xs[idx] = __floats2half2_rn(value(k0) * down, value(k0 + 128) * down);
     }
   }
