@@ -22,8 +22,8 @@ and architecture (a minute or two each).
 `int4_gemv` is the same design for int4 weights in `linear.pack_int4_planar`'s layout
 (`csrc/int4_gemv.cu`: Marlin's dequantization, two codes per f16x2 instruction, products in
 f16 per scale group; the RMSNorm before it and the residual add after it, as the Triton int4
-GEMV takes them): opt-in (`linear.INT4_GEMV_CUDA`). It is a second extension, so that a failure
-of one leaves the other.
+GEMV takes them): on by default (`linear.INT4_GEMV_CUDA`). It is a second extension, so that a
+failure of one leaves the other.
 
 Each configuration (rows per block, warps, loads per step: `CONFIGS`) is timed once per weight
 shape on first use, outside CUDA graph capture, with the L2 cache flushed between calls
@@ -50,20 +50,24 @@ INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cu"
 # LLMOPT_WO8_CONFIGS, in its order.
 CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
 DEFAULT_CONFIG = 2
-# (rows per group, warps, loads per row per step, groups of rows per block): csrc/int4_gemv.cu's
-# LLMOPT_INT4_CONFIGS, in its order
+# (rows per group, warps, loads per row per step, groups of rows per block, teams of warps the
+# groups are dealt to): csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS, in its order
 INT4_CONFIGS = (
-    (2, 4, 2, 1),
-    (4, 4, 1, 1),
-    (4, 4, 2, 1),
-    (8, 4, 1, 1),
-    (2, 8, 1, 1),
-    (2, 8, 2, 1),
-    (4, 4, 1, 4),
-    (8, 4, 1, 4),
-    (4, 8, 1, 4),
-    (4, 4, 1, 8),
-    (4, 8, 1, 8),
+    (2, 4, 2, 1, 1),
+    (4, 4, 1, 1, 1),
+    (4, 4, 2, 1, 1),
+    (8, 4, 1, 1, 1),
+    (2, 8, 1, 1, 1),
+    (2, 8, 2, 1, 1),
+    (4, 4, 1, 4, 1),
+    (8, 4, 1, 4, 1),
+    (4, 8, 1, 4, 1),
+    (4, 4, 1, 8, 1),
+    (4, 8, 1, 8, 1),
+    (4, 8, 1, 4, 2),
+    (4, 8, 1, 8, 2),
+    (8, 8, 1, 4, 2),
+    (4, 16, 1, 8, 4),
 )
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)

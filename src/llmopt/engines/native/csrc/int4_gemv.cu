@@ -28,6 +28,10 @@
 // loads run ahead across the groups: the activations are staged (and normalized) once per
 // CHUNKS x ROWS rows instead of once per ROWS, which is most of a block's own work where K is
 // short (4,096: one loop step per group at 128 threads).
+// With SPLIT > 1 the block's warps form SPLIT teams, team t taking groups t, t + SPLIT, ...
+// side by side: at K = 4,096 a row is 128 pieces, so in a block of 256 threads working one group
+// at a time half the threads had nothing to load, while the team split keeps them all
+// streaming and still stages the activations once for the whole block.
 #ifndef LLMOPT_INT4_KERNELS_ONLY
 #include <torch/extension.h>
 
@@ -86,13 +90,16 @@ __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
 // scale group: G = 32 -> 4, 64 -> 2, 128 or more -> 1). G is a power of two (group_shift =
 // log2 G), so that the scale index is a shift.
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, int GS>
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
     int group_shift, bool norm, bool resid) {
+  static_assert(WARPS % SPLIT == 0 && CHUNKS % SPLIT == 0, "teams of whole warps and groups");
   constexpr int THREADS = WARPS * 32;
-  constexpr int STEP = THREADS * UNROLL;
+  constexpr int TEAM = THREADS / SPLIT;      // threads per team
+  constexpr int TEAM_CHUNKS = CHUNKS / SPLIT;  // groups of rows per team, one after the other
+  constexpr int STEP = TEAM * UNROLL;
   extern __shared__ __align__(16) unsigned char smem[];
   half2* xs = reinterpret_cast<half2*>(smem);                  // (k / 256, 4, 32) pairs
   float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (CHUNKS ROWS, k / G)
@@ -102,17 +109,20 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   const int pieces = words / 4;
   const int groups = k >> group_shift;  // (G a power of two: no integer division in the loop)
 
-  // A loop step is (chunk c, first piece b + threadIdx.x); b is the same for the whole block.
+  // A loop step is (the team's chunk c, first piece b + tid); b is the same for the whole block.
+  const int team = threadIdx.x / TEAM, tid = threadIdx.x % TEAM;
   uint4 cur[UNROLL][ROWS];
   auto load_step = [&](uint4 (&dst)[UNROLL][ROWS], int c, int b) {
+    const int first = n0 + (c * SPLIT + team) * ROWS;  // the chunk's first row
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const uint32_t* row = w + static_cast<size_t>(min(n0 + c * ROWS + i, n - 1)) * words;
+      const uint32_t* row = w + static_cast<size_t>(min(first + i, n - 1)) * words;
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int p = b + threadIdx.x + u * THREADS;
-        dst[u][i] = c < CHUNKS && p < pieces ? load_weights(row + static_cast<size_t>(p) * 4)
-                                             : make_uint4(0, 0, 0, 0);
+        const int p = b + tid + u * TEAM;
+        dst[u][i] = c < TEAM_CHUNKS && p < pieces
+                        ? load_weights(row + static_cast<size_t>(p) * 4)
+                        : make_uint4(0, 0, 0, 0);
       }
     }
   };
@@ -180,15 +190,16 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   float acc[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-  for (int c = 0, b = 0; c < CHUNKS;) {
+  // (every team runs the same steps: the block's barriers below are reached by all threads)
+  for (int c = 0, b = 0; c < TEAM_CHUNKS;) {
     int nc = c, nb = b + STEP;  // the next step
     if (nb >= pieces) nc = c + 1, nb = 0;
     uint4 nxt[UNROLL][ROWS];
     load_step(nxt, nc, nb);
-    const float* scr = sc + c * ROWS * groups;  // this chunk's scales
+    const float* scr = sc + (c * SPLIT + team) * ROWS * groups;  // this chunk's scales
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int p = b + threadIdx.x + u * THREADS;
+      const int p = b + tid + u * TEAM;
       if (p >= pieces) break;
       const int t = p >> 3, j0 = (p & 7) * 4;  // the tile and the piece's first word in it
       half2 xp[4][4];                             // [s][word]: x pairs of this piece
@@ -227,8 +238,8 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) cur[u][i] = nxt[u][i];
     }
-    if (nc != c) {  // the chunk's rows are done: their sums to y
-      if (nc == CHUNKS) launch_dependents();
+    if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
+      if (nc == TEAM_CHUNKS) launch_dependents();
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
       if (lane == 0) {
@@ -236,48 +247,55 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
         for (int i = 0; i < ROWS; ++i) partial[warp][i] = acc[i];
       }
       __syncthreads();
-      const int row = n0 + c * ROWS + static_cast<int>(threadIdx.x);
-      if (threadIdx.x < ROWS && row < n) {
+      constexpr int TEAM_WARPS = WARPS / SPLIT;
+      const int ot = threadIdx.x / ROWS, oi = threadIdx.x % ROWS;  // output: team, row in chunk
+      const int row = n0 + (c * SPLIT + ot) * ROWS + oi;
+      if (threadIdx.x < SPLIT * ROWS && row < n) {
         float v = 0.0f;
 #pragma unroll
-        for (int j = 0; j < WARPS; ++j) v += partial[j][threadIdx.x];
+        for (int j = 0; j < TEAM_WARPS; ++j) v += partial[ot * TEAM_WARPS + j][oi];
         v *= 16.0f * up;  // (codes as q / 16, x staged as x / up)
         if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + row]);
         y[static_cast<size_t>(m) * n + row] = from_float<T>(v);
       }
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-      if (CHUNKS > 1) __syncthreads();  // (`partial` read before the next chunk writes it)
+      if (TEAM_CHUNKS > 1) __syncthreads();  // (`partial` read before the next chunk writes it)
     }
     c = nc, b = nb;
   }
 }
 
-// (ROWS, WARPS, UNROLL, CHUNKS): `cuda_gemv.INT4_CONFIGS`, same order.
+// (ROWS, WARPS, UNROLL, CHUNKS, SPLIT): `cuda_gemv.INT4_CONFIGS`, same order.
 #define LLMOPT_INT4_CONFIGS(X) \
-  X(0, 2, 4, 2, 1)             \
-  X(1, 4, 4, 1, 1)             \
-  X(2, 4, 4, 2, 1)             \
-  X(3, 8, 4, 1, 1)             \
-  X(4, 2, 8, 1, 1)             \
-  X(5, 2, 8, 2, 1)             \
-  X(6, 4, 4, 1, 4)             \
-  X(7, 8, 4, 1, 4)             \
-  X(8, 4, 8, 1, 4)             \
-  X(9, 4, 4, 1, 8)             \
-  X(10, 4, 8, 1, 8)
+  X(0, 2, 4, 2, 1, 1)   \
+  X(1, 4, 4, 1, 1, 1)   \
+  X(2, 4, 4, 2, 1, 1)   \
+  X(3, 8, 4, 1, 1, 1)   \
+  X(4, 2, 8, 1, 1, 1)   \
+  X(5, 2, 8, 2, 1, 1)   \
+  X(6, 4, 4, 1, 4, 1)   \
+  X(7, 8, 4, 1, 4, 1)   \
+  X(8, 4, 8, 1, 4, 1)   \
+  X(9, 4, 4, 1, 8, 1)   \
+  X(10, 4, 8, 1, 8, 1)  \
+  X(11, 4, 8, 1, 4, 2)  \
+  X(12, 4, 8, 1, 8, 2)  \
+  X(13, 8, 8, 1, 4, 2)  \
+  X(14, 4, 16, 1, 8, 4)
 
-constexpr int kConfigs = 11;
+constexpr int kConfigs = 15;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
-#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, GS)                              \
-  template __global__ void int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, GS>( \
+#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, GS)              \
+  template __global__ void                                                            \
+  int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, GS>(            \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
       const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
-#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS) \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, 1)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, 2)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, 4)
+#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT) \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 1)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 2)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 4)
 LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 #undef LLMOPT_INSTANTIATE_GS
@@ -293,12 +311,12 @@ struct Fused {
   bool norm, resid;
 };
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, int GS>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
             at::Tensor& y, int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
   const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * CHUNKS * ROWS * (k / group);
-  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, GS>;
+  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, GS>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
@@ -312,21 +330,21 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, c
       __builtin_ctzll(group), f.norm, f.resid));
 }
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT>
 void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
               at::Tensor& y, int64_t group, bool pdl) {
-  if (group == 32) launch<T, ROWS, WARPS, UNROLL, CHUNKS, 4>(x, w, scale, f, y, group, pdl);
-  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, CHUNKS, 2>(x, w, scale, f, y, group, pdl);
-  else launch<T, ROWS, WARPS, UNROLL, CHUNKS, 1>(x, w, scale, f, y, group, pdl);
+  if (group == 32) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 4>(x, w, scale, f, y, group, pdl);
+  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 2>(x, w, scale, f, y, group, pdl);
+  else launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 1>(x, w, scale, f, y, group, pdl);
 }
 
 template <typename T>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
               const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS)                      \
-  case I:                                                                \
-    by_group<T, ROWS, WARPS, UNROLL, CHUNKS>(x, w, scale, f, y, group, pdl); \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT)                       \
+  case I:                                                                        \
+    by_group<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT>(x, w, scale, f, y, group, pdl); \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
