@@ -700,6 +700,8 @@ def main() -> None:
     results["cuda_gemv_configs"] = cuda_gemv.tuned_configs()
     for t in results["cuda_gemv_configs"]:
         print(f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}: {t['config']}")
+        if t["us"]:  # every config alone (do_bench, L2 flushed), in the table's order
+            print("  configs, us:", " ".join(f"{u:.1f}" for u in t["us"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

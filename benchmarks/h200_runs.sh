@@ -17,8 +17,8 @@
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
 #   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
-#           # (the CUDA int4 GEMV's scaling-down of massive activations and its eight-group
-#           # configs, not yet run on a GPU; the extensions' first build takes ~3 min), then
+#           # (the CUDA int4 GEMV's scaling-down of massive activations, its eight-group and
+#           # team (SPLIT) configs, not yet run on a GPU; the extensions' first build takes ~3 min), then
 #           MODES="int4" AB="--linear default INT4_GEMV_CUDA=off" TAG=int4cuda bash ... ab
 #           # (the CUDA int4 GEMV, default since it won x1.058 on an H100; its `CUDA GEMV
 #           # config` lines say which configs the shapes took), and on an H200

@@ -75,6 +75,7 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 _REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
 _INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
 _TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
+_TIMES: dict[tuple, list[float]] = {}  # the same keys -> each config's time (ms), as timed
 
 
 @functools.cache
@@ -205,13 +206,16 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
 
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
-    weight dtype (int8/FP8) or scale group (int4), rows, and the configuration's tuple."""
+    weight dtype (int8/FP8) or scale group (int4), rows, the configuration's tuple, and every
+    configuration's time in microseconds (`us`, in the table's order; empty where not timed)."""
     out = []
-    for (kernel, n, k, what, act, rows), cfg in _TUNED.items():
+    for key, cfg in _TUNED.items():
+        kernel, n, k, what, act, rows = key
         table = INT4_CONFIGS if kernel == "int4" else CONFIGS
         out.append(
             {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
             | {"rows": rows, "config": list(table[cfg])}
+            | {"us": [round(1e3 * t, 2) for t in _TIMES.get(key, [])]}
         )
     return out
 
@@ -232,6 +236,7 @@ def _tuned(key: tuple, configs: int, run) -> int:
 
     times = [do_bench(lambda c=c: run(c), warmup=5, rep=25) for c in range(configs)]
     _TUNED[key] = min(range(configs), key=times.__getitem__)
+    _TIMES[key] = times
     log.debug("CUDA GEMV %s: config %d (%s)", key, _TUNED[key], times)
     return _TUNED[key]
 

@@ -468,8 +468,11 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     """`tuned_configs()` (what `decode.py` records) reads a timed key's config index back as
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
+    monkeypatch.setattr(C, "_TIMES", {})
     C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1)] = [0.0123, 0.0101]
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
+    assert int4["us"] == [12.3, 10.1] and wo8["us"] == []
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
