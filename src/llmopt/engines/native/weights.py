@@ -20,6 +20,7 @@ benchmark and the on-the-fly recipes use.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,30 +149,37 @@ def _block_projections(b) -> tuple[list, list]:
     return ins, outs
 
 
-def unfold_norms_(model: Transformer) -> int:
+def unfold_norms_(model: Transformer, which: Callable[[list], bool] | None = None) -> int:
     """Undo `fold_norms_` where its projections are still 16-bit: divide each column by the norm
     weight it was multiplied by (one more rounding, far below any quantization error) and give
     the norms their weights back. For formats whose kernels do not take the norm (int4): a scale
     group spans columns of different norm weights once folded, which costs SmolLM2 int4 g64 +89%
-    perplexity against +29% unfolded (docs/benchmarks.md). Returns the number of blocks."""
+    perplexity against +29% unfolded (docs/benchmarks.md). `which(projections)`: unfold only the
+    norms whose projections it accepts (default: all); a norm whose projections stay 16-bit is
+    better left folded, as the GEMV then takes it. Returns the number of norms unfolded."""
     done = 0
     with torch.no_grad():
         for b in model.model.layers:
             gains = getattr(b, "folded_gains", None)
             if not b.norms_folded or gains is None:
                 continue
-            ins, outs = _block_projections(b)
-            if not all(type(m) in (nn.Linear, L.DenseLinear) for m in ins + outs):
-                continue  # already quantized: the fold is part of their weights now
+            left = list(gains)
             norms = (b.input_layernorm, b.post_attention_layernorm)
-            for lins, norm, g in zip((ins, outs), norms, gains, strict=True):
+            pairs = zip(_block_projections(b), norms, gains, strict=True)
+            for i, (lins, norm, g) in enumerate(pairs):
+                if g is None or (which is not None and not which(lins)):
+                    continue
+                if not all(type(m) in (nn.Linear, L.DenseLinear) for m in lins):
+                    continue  # already quantized: the fold is part of their weights now
                 inv = torch.where(g != 0, 1.0 / g, torch.zeros_like(g))  # (a zero gain: 0 out)
                 for m in lins:
                     m.weight.copy_(m.weight.float() * inv[None, :])
                 norm.weight.copy_(g)
                 norm.folded = False
-            b.norms_folded, b.folded_gains = False, None
-            done += 1
+                left[i] = None
+                done += 1
+            b.norms_folded = any(g is not None for g in left)
+            b.folded_gains = tuple(left) if b.norms_folded else None
     return done
 
 
@@ -225,24 +233,27 @@ def quantize_model_(
     takes_norm = mode in ("int8", "fp8")
     if fold is None:
         fold = takes_norm and _gemv_takes_norms(model)
+
+    def quantized(name: str, lin: nn.Module) -> bool:
+        if any(name == s or name.endswith("." + s) for s in ignore):
+            return False
+        if isinstance(lin, DequantizedLinear):
+            return False  # already quantized by the checkpoint (exact values kept)
+        return not (mode == "int4" and lin.in_features % group)  # (else left dense; listed)
+
+    # (a 16-bit model loaded on CUDA holds `DenseLinear` projections: `dense_gemv_`)
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, L.DenseLinear))]
+    names = [n for n in names if quantized(n, model.get_submodule(n))]
     if fold and takes_norm:
         fold_norms_(model)
     elif not fold and not takes_norm:
-        unfold_norms_(model)
-    done = []
-    # (a 16-bit model loaded on CUDA holds `DenseLinear` projections: `dense_gemv_`)
-    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, L.DenseLinear))]
+        # only the norms whose projections become int4: where they stay 16-bit (a group that
+        # does not divide their width), the dense GEMV keeps taking the norm
+        targets = {id(model.get_submodule(n)) for n in names}
+        unfold_norms_(model, which=lambda lins: any(id(m) in targets for m in lins))
     for name in names:
-        lin = model.get_submodule(name)
-        if any(name == s or name.endswith("." + s) for s in ignore):
-            continue
-        if isinstance(lin, DequantizedLinear):
-            continue  # already quantized by the checkpoint (exact values kept)
-        if mode == "int4" and lin.in_features % group:
-            continue  # left dense; the build lists it
-        _set_module(model, name, quantize_linear(lin, mode, group))
-        done.append(name)
-    return done
+        _set_module(model, name, quantize_linear(model.get_submodule(name), mode, group))
+    return names
 
 
 def dense_gemv_(model: Transformer) -> list[str]:

@@ -111,6 +111,52 @@ def test_int4_unfolds_the_norms_a_16_bit_load_folded(monkeypatch, tiny_native):
     assert rel(got) < 0.03 and rel(other) > 10 * rel(got), (rel(got), rel(other))
 
 
+@pytest.mark.parametrize(
+    "group, ignore, unfolded",
+    [
+        (128, ("lm_head",), (False, False)),  # K = 64: every normed projection stays 16-bit
+        (32, ("lm_head", "gate_up_proj"), (True, False)),  # only q/k/v become int4
+        (32, ("lm_head",), (True, True)),
+    ],
+    ids=["group-too-wide", "mlp-ignored", "all"],
+)
+def test_int4_unfolds_only_the_norms_before_int4_projections(
+    monkeypatch, tiny_native, group, ignore, unfolded
+):
+    """Where a norm's projections stay 16-bit (a group that does not divide their width, or
+    ignored), the norm stays folded, so that the dense GEMV keeps taking it; the rest is
+    unfolded before quantizing. The logits are those of the int4 model quantized from the
+    unfolded weights either way."""
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native.weights import dense_gemv_, quantize_model_
+
+    monkeypatch.setattr(L, "FUSE_NORM", True)
+
+    def model_with_norms():
+        model = tiny_native()
+        gen = torch.Generator().manual_seed(3)
+        for b in model.model.layers:
+            for norm in (b.input_layernorm, b.post_attention_layernorm):
+                norm.weight.data = torch.rand(norm.weight.shape, generator=gen) * 4 + 0.1
+        return model
+
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    folded = model_with_norms()
+    dense_gemv_(folded)
+    names = quantize_model_(folded, "int4", ignore=ignore, group=group)
+    assert all(n.endswith("down_proj") for n in names) == (group == 128), names
+    for b in folded.model.layers:
+        norms = (b.input_layernorm, b.post_attention_layernorm)
+        assert tuple(not n.folded for n in norms) == unfolded
+        assert b.norms_folded == (not all(unfolded))
+    want_model = model_with_norms()  # (never folded)
+    assert quantize_model_(want_model, "int4", ignore=ignore, group=group) == names
+    want = window_logits(want_model, ids, 8, 5, torch.float32, "cpu")
+    got = window_logits(folded, ids, 8, 5, torch.float32, "cpu")
+    # (a rare code flips where w * g / g rounds across a rounding boundary)
+    assert float((got - want).norm() / want.norm()) < 0.03
+
+
 def test_dense_gemv_folds_and_keeps_the_model(monkeypatch, tiny_native):
     """`weights.dense_gemv_` (16-bit models under FUSE_NORM): the norms folded, every block's
     projections made `DenseLinear` (lm_head left alone), the logits unchanged; on the CPU the
