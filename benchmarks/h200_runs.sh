@@ -17,11 +17,13 @@
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
 #   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
-#           # (the CUDA int4 GEMV's scaling-down of massive activations, its eight-group and
-#           # team (SPLIT) configs, not yet run on a GPU; the extensions' first build takes ~3 min), then
+#           # (the CUDA int4 GEMV's configs that request two steps before the dependency wait,
+#           # EARLY, not yet run on a GPU; the extensions' first build takes ~4 min), then
 #           MODES="int4" AB="--linear default INT4_GEMV_CUDA=off" TAG=int4cuda bash ... ab
-#           # (the CUDA int4 GEMV, default since it won x1.058 on an H100; its `CUDA GEMV
-#           # config` lines say which configs the shapes took), and on an H200
+#           # (the CUDA int4 GEMV, default since it won x1.058 and x1.066 on H100s; its `CUDA
+#           # GEMV config` lines say which configs the shapes took, `configs, us` each config's
+#           # time alone: EARLY against its twin, same window), then `smol-decode` (int4 now
+#           # keeps the norms of its 16-bit projections folded), and on an H200
 #           # MODES="fp8" AB="--linear default GEMV_PICK_REPLAY=on" TAG=replay ... ab: that
 #           # switch acts when layers are built, so both points share the replay's picks; the
 #           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves
@@ -29,8 +31,10 @@
 #           # the norm/residual inside the int4 GEMV and its PDL launch, on the H200 (H100: x1.05
 #           # and x1.03 separately, Triton's GEMV); a fresh machine spends ~120-165 s compiling
 #           # each point
-#   call 1: QB="8 16" MODES="int4@tinygemm int4" bash ... decode  # the int4 Triton layout
-#           (the CUDA default since it won at 1 and 64 rows) against tinygemm at 8-16 rows
+#   call 1: QB="8 16" MODES="int4@tinygemm int4" NEW_TOKENS=64 bash ... decode  # the int4
+#           Triton layout (the CUDA default since it won at 1 and 64 rows) against tinygemm at
+#           8-16 rows: four compiles, more than 290 s (a call with that limit ended after
+#           tinygemm's two points): give it the whole 600
 #   call 2: bash ... smol-part (x2) realweights  # real-weight quality with int4 on the Triton
 #           layout (the last real-weight run took tinygemm's) and an int8 head
 #   call 3: MODES="fp8 int8" AB="--linear default GEMV_PICK=off" TAG=pick bash ... ab  # the

@@ -51,23 +51,29 @@ INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cu"
 CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
 DEFAULT_CONFIG = 2
 # (rows per group, warps, loads per row per step, groups of rows per block, teams of warps the
-# groups are dealt to): csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS, in its order
+# groups are dealt to, second step requested before the dependency wait): csrc/int4_gemv.cu's
+# LLMOPT_INT4_CONFIGS, in its order
 INT4_CONFIGS = (
-    (2, 4, 2, 1, 1),
-    (4, 4, 1, 1, 1),
-    (4, 4, 2, 1, 1),
-    (8, 4, 1, 1, 1),
-    (2, 8, 1, 1, 1),
-    (2, 8, 2, 1, 1),
-    (4, 4, 1, 4, 1),
-    (8, 4, 1, 4, 1),
-    (4, 8, 1, 4, 1),
-    (4, 4, 1, 8, 1),
-    (4, 8, 1, 8, 1),
-    (4, 8, 1, 4, 2),
-    (4, 8, 1, 8, 2),
-    (8, 8, 1, 4, 2),
-    (4, 16, 1, 8, 4),
+    (2, 4, 2, 1, 1, 0),
+    (4, 4, 1, 1, 1, 0),
+    (4, 4, 2, 1, 1, 0),
+    (8, 4, 1, 1, 1, 0),
+    (2, 8, 1, 1, 1, 0),
+    (2, 8, 2, 1, 1, 0),
+    (4, 4, 1, 4, 1, 0),
+    (8, 4, 1, 4, 1, 0),
+    (4, 8, 1, 4, 1, 0),
+    (4, 4, 1, 8, 1, 0),
+    (4, 8, 1, 8, 1, 0),
+    (4, 8, 1, 4, 2, 0),
+    (4, 8, 1, 8, 2, 0),
+    (8, 8, 1, 4, 2, 0),
+    (4, 16, 1, 8, 4, 0),
+    (4, 4, 1, 4, 1, 1),
+    (4, 8, 1, 4, 1, 1),
+    (4, 8, 1, 4, 2, 1),
+    (4, 8, 1, 8, 2, 1),
+    (4, 16, 1, 8, 4, 1),
 )
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)

@@ -32,6 +32,11 @@
 // side by side: at K = 4,096 a row is 128 pieces, so in a block of 256 threads working one group
 // at a time half the threads had nothing to load, while the team split keeps them all
 // streaming and still stages the activations once for the whole block.
+//
+// With EARLY the block's second loop step is requested with its first, before the dependency
+// wait, so that two steps of weights are in flight while the block waits for the kernel before
+// and stages its activations (a team with two steps, as at K = 4,096 with two groups per team,
+// then has all its weights requested before it reads x); later steps as without it.
 #ifndef LLMOPT_INT4_KERNELS_ONLY
 #include <torch/extension.h>
 
@@ -90,7 +95,7 @@ __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
 // scale group: G = 32 -> 4, 64 -> 2, 128 or more -> 1). G is a power of two (group_shift =
 // log2 G), so that the scale index is a shift.
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int GS>
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
@@ -126,10 +131,21 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
       }
     }
   };
+  // (c, b) -> the next step: the next STEP pieces, or the next chunk's first
+  auto advance = [&](int& c, int& b) {
+    b += STEP;
+    if (b >= pieces) c += 1, b = 0;
+  };
   // Weights and scales do not depend on the kernel before (a programmatic dependent launch
-  // may start this block while it drains): the first step's weights and every scale of the
-  // block's rows are requested before waiting, the activations after.
+  // may start this block while it drains): the first step's weights (two steps' with EARLY)
+  // and every scale of the block's rows are requested before waiting, the activations after.
   load_step(cur, 0, 0);
+  uint4 nxt[UNROLL][ROWS];  // the step after `cur`'s, once requested
+  if constexpr (EARLY) {
+    int c1 = 0, b1 = 0;
+    advance(c1, b1);
+    load_step(nxt, c1, b1);
+  }
   for (int idx = threadIdx.x; idx < CHUNKS * ROWS * groups; idx += THREADS) {
     const int i = idx / groups, g = idx % groups;
     sc[idx] = to_float<T>(scale[static_cast<size_t>(min(n0 + i, n - 1)) * groups + g]);
@@ -192,10 +208,9 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
   // (every team runs the same steps: the block's barriers below are reached by all threads)
   for (int c = 0, b = 0; c < TEAM_CHUNKS;) {
-    int nc = c, nb = b + STEP;  // the next step
-    if (nb >= pieces) nc = c + 1, nb = 0;
-    uint4 nxt[UNROLL][ROWS];
-    load_step(nxt, nc, nb);
+    int nc = c, nb = b;  // the next step
+    advance(nc, nb);
+    if constexpr (!EARLY) load_step(nxt, nc, nb);
     const float* scr = sc + (c * SPLIT + team) * ROWS * groups;  // this chunk's scales
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -238,6 +253,11 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) cur[u][i] = nxt[u][i];
     }
+    if constexpr (EARLY) {  // the step after the next one
+      int nnc = nc, nnb = nb;
+      advance(nnc, nnb);
+      load_step(nxt, nnc, nnb);
+    }
     if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
       if (nc == TEAM_CHUNKS) launch_dependents();
 #pragma unroll
@@ -266,36 +286,41 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   }
 }
 
-// (ROWS, WARPS, UNROLL, CHUNKS, SPLIT): `cuda_gemv.INT4_CONFIGS`, same order.
-#define LLMOPT_INT4_CONFIGS(X) \
-  X(0, 2, 4, 2, 1, 1)   \
-  X(1, 4, 4, 1, 1, 1)   \
-  X(2, 4, 4, 2, 1, 1)   \
-  X(3, 8, 4, 1, 1, 1)   \
-  X(4, 2, 8, 1, 1, 1)   \
-  X(5, 2, 8, 2, 1, 1)   \
-  X(6, 4, 4, 1, 4, 1)   \
-  X(7, 8, 4, 1, 4, 1)   \
-  X(8, 4, 8, 1, 4, 1)   \
-  X(9, 4, 4, 1, 8, 1)   \
-  X(10, 4, 8, 1, 8, 1)  \
-  X(11, 4, 8, 1, 4, 2)  \
-  X(12, 4, 8, 1, 8, 2)  \
-  X(13, 8, 8, 1, 4, 2)  \
-  X(14, 4, 16, 1, 8, 4)
+// (ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY): `cuda_gemv.INT4_CONFIGS`, same order.
+#define LLMOPT_INT4_CONFIGS(X)\
+  X(0, 2, 4, 2, 1, 1, 0)   \
+  X(1, 4, 4, 1, 1, 1, 0)   \
+  X(2, 4, 4, 2, 1, 1, 0)   \
+  X(3, 8, 4, 1, 1, 1, 0)   \
+  X(4, 2, 8, 1, 1, 1, 0)   \
+  X(5, 2, 8, 2, 1, 1, 0)   \
+  X(6, 4, 4, 1, 4, 1, 0)   \
+  X(7, 8, 4, 1, 4, 1, 0)   \
+  X(8, 4, 8, 1, 4, 1, 0)   \
+  X(9, 4, 4, 1, 8, 1, 0)   \
+  X(10, 4, 8, 1, 8, 1, 0)  \
+  X(11, 4, 8, 1, 4, 2, 0)  \
+  X(12, 4, 8, 1, 8, 2, 0)  \
+  X(13, 8, 8, 1, 4, 2, 0)  \
+  X(14, 4, 16, 1, 8, 4, 0) \
+  X(15, 4, 4, 1, 4, 1, 1)  \
+  X(16, 4, 8, 1, 4, 1, 1)  \
+  X(17, 4, 8, 1, 4, 2, 1)  \
+  X(18, 4, 8, 1, 8, 2, 1)  \
+  X(19, 4, 16, 1, 8, 4, 1)
 
-constexpr int kConfigs = 15;
+constexpr int kConfigs = 20;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
-#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, GS)              \
+#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS)       \
   template __global__ void                                                            \
-  int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, GS>(            \
+  int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS>(     \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
       const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
-#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT) \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 1)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 2)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 4)
+#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 1)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 2)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 4)
 LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 #undef LLMOPT_INSTANTIATE_GS
@@ -311,12 +336,12 @@ struct Fused {
   bool norm, resid;
 };
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int GS>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
             at::Tensor& y, int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
   const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * CHUNKS * ROWS * (k / group);
-  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, GS>;
+  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
@@ -330,21 +355,22 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, c
       __builtin_ctzll(group), f.norm, f.resid));
 }
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY>
 void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
               at::Tensor& y, int64_t group, bool pdl) {
-  if (group == 32) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 4>(x, w, scale, f, y, group, pdl);
-  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 2>(x, w, scale, f, y, group, pdl);
-  else launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, 1>(x, w, scale, f, y, group, pdl);
+  // GS, accumulators per pair position: 4 for groups of 32, 2 for 64, 1 for 128 and more
+  if (group == 32) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 4>(x, w, scale, f, y, group, pdl);
+  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 2>(x, w, scale, f, y, group, pdl);
+  else launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 1>(x, w, scale, f, y, group, pdl);
 }
 
 template <typename T>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
               const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT)                       \
-  case I:                                                                        \
-    by_group<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT>(x, w, scale, f, y, group, pdl); \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY)                       \
+  case I:                                                                               \
+    by_group<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY>(x, w, scale, f, y, group, pdl); \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
