@@ -68,6 +68,15 @@ def test_quantizing_folds_the_norms_where_the_gemv_takes_them(monkeypatch, tiny_
     assert not any(b.norms_folded for b in model.model.layers)
 
 
+def _with_norms(model):
+    """`model` with norm weights far from one (0.1-4.1, seeded): a fold that moves them shows."""
+    gen = torch.Generator().manual_seed(3)
+    for b in model.model.layers:
+        for norm in (b.input_layernorm, b.post_attention_layernorm):
+            norm.weight.data = torch.rand(norm.weight.shape, generator=gen) * 4 + 0.1
+    return model
+
+
 def test_int4_unfolds_the_norms_a_16_bit_load_folded(monkeypatch, tiny_native):
     """A 16-bit model loaded on CUDA has its norms folded (`dense_gemv_`); int4, whose kernels
     take no norm, must not quantize the folded columns (a scale group would span norm weights
@@ -78,19 +87,11 @@ def test_int4_unfolds_the_norms_a_16_bit_load_folded(monkeypatch, tiny_native):
 
     monkeypatch.setattr(L, "FUSE_NORM", True)
 
-    def model_with_norms():
-        model = tiny_native()
-        gen = torch.Generator().manual_seed(3)
-        for b in model.model.layers:
-            for norm in (b.input_layernorm, b.post_attention_layernorm):
-                norm.weight.data = torch.rand(norm.weight.shape, generator=gen) * 4 + 0.1
-        return model
-
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
-    plain = model_with_norms()
+    plain = _with_norms(tiny_native())
     quantize_model_(plain, "int4", group=32)
     want = window_logits(plain, ids, 8, 5, torch.float32, "cpu")
-    folded = model_with_norms()
+    folded = _with_norms(tiny_native())
     dense_gemv_(folded)
     assert all(b.norms_folded for b in folded.model.layers)
     quantize_model_(folded, "int4", group=32)
@@ -98,7 +99,7 @@ def test_int4_unfolds_the_norms_a_16_bit_load_folded(monkeypatch, tiny_native):
     norm = folded.model.layers[0].input_layernorm.weight
     assert torch.equal(norm, plain.model.layers[0].input_layernorm.weight)
     got = window_logits(folded, ids, 8, 5, torch.float32, "cpu")
-    kept = model_with_norms()
+    kept = _with_norms(tiny_native())
     dense_gemv_(kept)
     quantize_model_(kept, "int4", group=32, fold=True)  # (what `real_weights.py --fold-norms`
     assert all(b.norms_folded for b in kept.model.layers)  # measures)
@@ -132,16 +133,8 @@ def test_int4_unfolds_only_the_norms_before_int4_projections(
 
     monkeypatch.setattr(L, "FUSE_NORM", True)
 
-    def model_with_norms():
-        model = tiny_native()
-        gen = torch.Generator().manual_seed(3)
-        for b in model.model.layers:
-            for norm in (b.input_layernorm, b.post_attention_layernorm):
-                norm.weight.data = torch.rand(norm.weight.shape, generator=gen) * 4 + 0.1
-        return model
-
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
-    folded = model_with_norms()
+    folded = _with_norms(tiny_native())
     dense_gemv_(folded)
     names = quantize_model_(folded, "int4", ignore=ignore, group=group)
     assert all(n.endswith("down_proj") for n in names) == (group == 128), names
@@ -149,7 +142,7 @@ def test_int4_unfolds_only_the_norms_before_int4_projections(
         norms = (b.input_layernorm, b.post_attention_layernorm)
         assert tuple(not n.folded for n in norms) == unfolded
         assert b.norms_folded == (not all(unfolded))
-    want_model = model_with_norms()  # (never folded)
+    want_model = _with_norms(tiny_native())  # (never folded)
     assert quantize_model_(want_model, "int4", ignore=ignore, group=group) == names
     want = window_logits(want_model, ids, 8, 5, torch.float32, "cpu")
     got = window_logits(folded, ids, 8, 5, torch.float32, "cpu")
