@@ -19,10 +19,13 @@
 #   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
 #           # (the CUDA int4 GEMV's configs that request two steps before the dependency wait,
 #           # EARLY, not yet run on a GPU; the extensions' first build takes ~4 min), then
-#           MODES="int4" AB="--linear default INT4_GEMV_CUDA=off" TAG=int4cuda bash ... ab
-#           # (the CUDA int4 GEMV, default since it won x1.058 and x1.066 on H100s; its `CUDA
-#           # GEMV config` lines say which configs the shapes took, `configs, us` each config's
-#           # time alone: EARLY against its twin, same window), then `smol-decode` (int4 now
+#           MODES="int4" AB="--linear default INT4_GEMV_EARLY=off INT4_GEMV_CUDA=off" \
+#             TAG=int4cuda bash ... ab
+#           # (the CUDA int4 GEMV, default since it won x1.058 and x1.066 on H100s, with and
+#           # without its EARLY configs: each point times its own config set; its `CUDA GEMV
+#           # config` lines say which configs the shapes took, `configs, us` each config's
+#           # time alone: EARLY against its twin, same window; INT4_GEMV_TEAMS=off does the
+#           # same for the teams of warps), then `smol-decode` (int4 now
 #           # keeps the norms of its 16-bit projections folded), and on an H200
 #           # MODES="fp8" AB="--linear default GEMV_PICK_REPLAY=on" TAG=replay ... ab: that
 #           # switch acts when layers are built, so both points share the replay's picks; the

@@ -81,7 +81,7 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 _REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
 _INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
 _TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
-_TIMES: dict[tuple, list[float]] = {}  # the same keys -> each config's time (ms), as timed
+_TIMES: dict[tuple, dict[int, float]] = {}  # the same keys -> config -> its time (ms), as timed
 
 
 @functools.cache
@@ -212,16 +212,20 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
 
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
-    weight dtype (int8/FP8) or scale group (int4), rows, the configuration's tuple, and every
-    configuration's time in microseconds (`us`, in the table's order; empty where not timed)."""
+    weight dtype (int8/FP8) or scale group (int4), rows, the configurations allowed (int4:
+    `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
+    microseconds (`us`, in the table's order; None for one not allowed, empty where not
+    timed)."""
     out = []
     for key, cfg in _TUNED.items():
-        kernel, n, k, what, act, rows = key
+        kernel, n, k, what, act, rows, *allowed = key
         table = INT4_CONFIGS if kernel == "int4" else CONFIGS
+        times = _TIMES.get(key, {})
         out.append(
             {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
             | {"rows": rows, "config": list(table[cfg])}
-            | {"us": [round(1e3 * t, 2) for t in _TIMES.get(key, [])]}
+            | ({"teams": allowed[0], "early": allowed[1]} if allowed else {})
+            | {"us": [round(1e3 * times[c], 2) if c in times else None for c in range(len(table))]}
         )
     return out
 
@@ -231,17 +235,18 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _tuned(key: tuple, configs: int, run) -> int:
-    """The fastest of `configs` configurations for `key`, timed once by `run(config)` with the
-    L2 flushed between calls; under CUDA graph capture an untimed key gets DEFAULT_CONFIG."""
+def _tuned(key: tuple, configs: Iterable[int], run) -> int:
+    """The fastest of the configurations `configs` (indices into the table) for `key`, timed
+    once by `run(config)` with the L2 flushed between calls; under CUDA graph capture an
+    untimed key gets DEFAULT_CONFIG (which every kernel's table allows)."""
     if key in _TUNED:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing():
         return DEFAULT_CONFIG  # (not stored: the next eager call times it)
     from triton.testing import do_bench
 
-    times = [do_bench(lambda c=c: run(c), warmup=5, rep=25) for c in range(configs)]
-    _TUNED[key] = min(range(configs), key=times.__getitem__)
+    times = {c: do_bench(lambda c=c: run(c), warmup=5, rep=25) for c in configs}
+    _TUNED[key] = min(times, key=times.__getitem__)
     _TIMES[key] = times
     log.debug("CUDA GEMV %s: config %d (%s)", key, _TUNED[key], times)
     return _TUNED[key]
@@ -251,7 +256,7 @@ def _config(x, w, scale, r, eps: float, norm: bool, resid: bool) -> int:
     mod = _module(_arch(x.device.index or 0))
     key = ("wo8", w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0])
     return _tuned(
-        key, len(CONFIGS), lambda c: mod.wo8_gemv(x, w, scale, r, eps, norm, resid, c, False)
+        key, range(len(CONFIGS)), lambda c: mod.wo8_gemv(x, w, scale, r, eps, norm, resid, c, False)
     )
 
 
@@ -323,22 +328,45 @@ def int4_gemv(
     norm: bool,
     resid: bool,
     pdl: bool,
+    teams: bool = True,
+    early: bool = True,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
     with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
     `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
-    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread)."""
+    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early`: the
+    configurations with teams of warps / the second step requested early may be chosen
+    (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
+    choice (a CUDA graph replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
     scale, g, r = scale.contiguous(), g.contiguous(), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
-    key = ("int4", packed.shape[0], x.shape[1], group, x.dtype, x.shape[0])
+    key = ("int4", packed.shape[0], x.shape[1], group, x.dtype, x.shape[0], teams, early)
     fused = (g, r, group, eps, norm, resid)
     cfg = _tuned(
-        key, len(INT4_CONFIGS), lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False)
+        key, int4_configs(teams, early), lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False)
     )
     return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl)
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, g, r, group, eps, norm, resid, pdl):
+def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True):
     return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def int4_configs(teams: bool = True, early: bool = True) -> list[int]:
+    """The indices of `INT4_CONFIGS` the per-shape timing may choose from: all of them, less
+    those with several teams of warps unless `teams`, less those that request their second
+    step before the dependency wait unless `early` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY`:
+    an end-to-end A/B of either design, each point timing its own set).
+
+    >>> len(int4_configs()), len(int4_configs(teams=False)), len(int4_configs(early=False))
+    (20, 13, 15)
+    >>> DEFAULT_CONFIG in int4_configs(False, False)
+    True
+    """
+    return [
+        c
+        for c, (*_, split, ahead) in enumerate(INT4_CONFIGS)
+        if (teams or split == 1) and (early or not ahead)
+    ]

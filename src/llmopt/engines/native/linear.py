@@ -66,6 +66,8 @@ __all__ = [
     "GEMV_PREFETCH",
     "GEMV_CUDA",
     "INT4_GEMV_CUDA",
+    "INT4_GEMV_TEAMS",
+    "INT4_GEMV_EARLY",
     "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
@@ -393,6 +395,14 @@ GEMV_CUDA = True
 # 8B shape picked for it by the per-shape timing (docs/benchmarks.md; `benchmarks/decode.py
 # --linear default INT4_GEMV_CUDA=off`). Where its build or check fails, Triton's GEMV runs.
 INT4_GEMV_CUDA = True
+# Which of the CUDA int4 GEMV's configurations its per-shape timing may choose: those whose
+# blocks deal their groups of rows to several teams of warps (`INT4_GEMV_TEAMS`), and those
+# that request a second loop step's weights before the programmatic-dependency wait
+# (`INT4_GEMV_EARLY`). Both on; off takes them out of the timing, so that an end-to-end A/B
+# (`benchmarks/decode.py --linear default INT4_GEMV_EARLY=off`) shows what each design adds:
+# read when a step is traced, each compiled step times and keeps its own set.
+INT4_GEMV_TEAMS = True
+INT4_GEMV_EARLY = True
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
@@ -1001,7 +1011,8 @@ def int4_mm(
             if norm is not None:
                 g = g.to(x.dtype)
             fused_args = (norm is not None, residual is not None, pdl)
-            return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args)
+            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY)
+            return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args, *configs)
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)
         flags = {"even_n": n % INT4_GEMV_TILE_N == 0, "asm": not _INTERPRET}

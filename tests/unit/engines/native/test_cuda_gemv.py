@@ -354,6 +354,16 @@ def test_int4_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
         got = L.int4_mm(x, packed, sc, None, 128, "gemv")
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert len(C._TUNED) == tuned + 1  # the CUDA kernel ran (it timed its configs once)
+    # neither teams nor the early step: the shape is timed again, among the rest only
+    monkeypatch.setattr(L, "INT4_GEMV_TEAMS", False)
+    monkeypatch.setattr(L, "INT4_GEMV_EARLY", False)
+    got = L.int4_mm(x, packed, sc, None, 128, "gemv")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    plain = [t for t in C.tuned_configs() if t["n"] == n and not t["teams"] and not t["early"]]
+    assert len(plain) == 1 and plain[0]["config"][4:] == [1, 0]
+    assert [u is None for u in plain[0]["us"]] == [
+        c not in C.int4_configs(False, False) for c in range(len(C.INT4_CONFIGS))
+    ]
     zero = torch.zeros_like(sc)
     before = len(C._TUNED)
     L.int4_mm(x, packed, sc, zero, 128, "gemv")
@@ -469,10 +479,47 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1)] = 6
-    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1)] = [0.0123, 0.0101]
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = {0: 0.0123, 6: 0.0101}
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
-    assert int4["us"] == [12.3, 10.1] and wo8["us"] == []
+    assert (int4["teams"], int4["early"]) == (True, False) and "teams" not in wo8
+    assert int4["us"][0] == 12.3 and int4["us"][6] == 10.1 and int4["us"][1] is None
+    assert len(int4["us"]) == len(C.INT4_CONFIGS) and wo8["us"] == [None] * len(C.CONFIGS)
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
+
+
+@pytest.mark.parametrize("teams", [True, False])
+@pytest.mark.parametrize("early", [True, False])
+def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, early):
+    """`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` off: the per-shape timing runs and may choose
+    only configs without teams of warps / without the early second step, and a shape timed
+    under one set is timed again under another (the set is part of the key), so that each
+    point of an end-to-end A/B gets its own choice. The fastest config is made a team one with
+    an early step, so that excluding either must change the choice."""
+    import triton.testing
+
+    monkeypatch.setattr(C, "_TUNED", {})
+    monkeypatch.setattr(C, "_TIMES", {})
+    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1))
+    ran = []
+
+    def fake_bench(fn, **kw):
+        c = fn()
+        ran.append(c)
+        return 1.0 if c == fastest else 2.0 + c / 100  # then the lowest index wins
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
+    allowed = C.int4_configs(teams, early)
+    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early)
+    got = C._tuned(key, allowed, lambda c: c)
+    assert sorted(ran) == allowed
+    assert all(C.INT4_CONFIGS[c][4] == 1 or teams for c in ran)
+    assert all(C.INT4_CONFIGS[c][5] == 0 or early for c in ran)
+    assert got == (fastest if teams and early else 0)
+    other = key[:-2] + (not teams, early)
+    C._tuned(other, C.int4_configs(not teams, early), lambda c: c)
+    assert len(C._TUNED) == 2
+    assert C._tuned(key, allowed, lambda c: pytest.fail("timed twice")) == got
