@@ -155,6 +155,7 @@ def run_native(
 ) -> dict:
     from llmopt.engines.native import attention as A
     from llmopt.engines.native.generator import Generator, SamplingParams
+    from llmopt.serve import collector
 
     new = args.new_tokens
     gen = Generator(
@@ -180,6 +181,10 @@ def run_native(
         gen.remove(i)
     sync(args.device)
     warm = time.perf_counter() - t0
+    if args.gc_freeze == "on":  # as `llmopt serve` does once warm (serve/collector.py)
+        collector.freeze("decode.py point")
+    collector.watch()
+    gc0 = collector.pauses()
     for i in range(batch):
         gen.add(i, prompt, params)
     t0 = time.perf_counter()
@@ -194,6 +199,7 @@ def run_native(
         steps += 1
     sync(args.device)
     t2 = time.perf_counter()
+    gc1 = collector.pauses()
     for i in range(batch):
         gen.remove(i)
     graph = replay_only(args, gen, batch, len(prompt))
@@ -201,6 +207,7 @@ def run_native(
         profile_steps(args, gen, batch, len(prompt))
         profile_loop(args, gen, batch, prompt)
     model.setup_cache(1, 1, torch.bfloat16, args.device)  # free the pool
+    gc.unfreeze()  # a point's frozen objects (its compiled steps) must be freeable after it
     decode_s = t2 - t1
     return {
         "batch": batch,
@@ -215,6 +222,10 @@ def run_native(
         "host_ms_per_step": 1e3 * decode_s / steps - graph,
         "overlap": gen.overlap,
         "attention": ("triton-rope" if rope else "triton") if kernel else "gather",
+        # garbage collections during the timed prefill and decode: collections by generation,
+        # and the ms they stopped the process (host time that is not the engine's)
+        "gc_collections": [b - a for a, b in zip(gc0.collections, gc1.collections, strict=True)],
+        "gc_ms": 1e3 * (sum(gc1.seconds) - sum(gc0.seconds)),
     }
 
 
@@ -514,6 +525,13 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
+        "--gc-freeze",
+        choices=("on", "off"),
+        default="on",
+        help="freeze the heap after each point's warm-up, as `llmopt serve` does once warm "
+        "(every point reports the garbage collections during its timed decode: gc ms)",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="torch.profiler table of 20 decode steps"
     )
     ap.add_argument("--json", default=None)
@@ -663,7 +681,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(
         f"\n{'mode':6s} {'attn':6s} {'ovl':3s} {'silu':4s} {'pdl':3s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} "
-        f"{'dev ms':>7s} {'host ms':>7s} {'GB/s':>8s} {'%copy':>6s} {'warm s':>7s} {'SQNR dB':>8s}"
+        f"{'dev ms':>7s} {'host ms':>7s} {'gc ms':>6s} {'GB/s':>8s} {'%copy':>6s} {'warm s':>7s} "
+        f"{'SQNR dB':>8s}"
     )
     for r in results["native"]:
         q = r.get("logits_sqnr_db_vs_dense")
@@ -672,7 +691,7 @@ def main() -> None:
             f"{'on' if r['fuse_silu'] else 'off':4s} {'on' if r['inductor_pdl'] else 'off':3s} "
             f"{r['batch']:5d} {r['tok_s']:9.1f} {r['ms_per_step']:8.2f} "
             f"{r['ms_per_step_device_only']:7.2f} {r['host_ms_per_step']:7.2f} "
-            f"{r['achieved_GBps']:8.1f} "
+            f"{r['gc_ms']:6.1f} {r['achieved_GBps']:8.1f} "
             f"{100 * r['share_of_copy_bw']:5.1f}% {r['warmup_s']:7.1f} "
             f"{'-' if q is None else format(q, '.1f'):>8s} {r['linear']}"
             + ("" if r["lm_head"] == "dense" else f" lm_head={r['lm_head']}")

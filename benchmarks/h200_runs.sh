@@ -25,8 +25,10 @@
 #           # without its EARLY configs: each point times its own config set; its `CUDA GEMV
 #           # config` lines say which configs the shapes took, `configs, us` each config's
 #           # time alone: EARLY against its twin, same window; INT4_GEMV_TEAMS=off does the
-#           # same for the teams of warps), then `smol-decode` (int4 now
-#           # keeps the norms of its 16-bit projections folded), and on an H200
+#           # same for the teams of warps), then `GC_FREEZE=off ... smol-decode` (its `gc ms`
+#           # column says whether garbage collections are bf16's unexplained 0.45 ms of host
+#           # time per step; `llmopt serve` freezes the heap once warm; int4 now keeps the
+#           # norms of its 16-bit projections folded), and on an H200
 #           # MODES="fp8" AB="--linear default GEMV_PICK_REPLAY=on" TAG=replay ... ab: that
 #           # switch acts when layers are built, so both points share the replay's picks; the
 #           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves
@@ -147,8 +149,9 @@ for step in "$@"; do
       python3 benchmarks/linear_kernels.py --m ${KERNEL_M:-1 4 16} --sweep \
         --sweep-kinds ${SWEEP_KINDS:-int8 fp8 int4} --json "$OUT/sweep.json" \
         > "$OUT/sweep.log" 2>&1; grep -E "^sweep|precompiled|copy" "$OUT/sweep.log" ;;
-    smol-decode)  # the SmolLM2-135M shape (random weights: speed only), every format, batch 1
-      python3 benchmarks/decode.py --shape smollm2-135m --batches 1 \
+    smol-decode)  # the SmolLM2-135M shape (random weights: speed only), every format, batch 1;
+      # GC_FREEZE=off leaves the heap unfrozen after warm-up (the `gc ms` column: collections)
+      python3 benchmarks/decode.py --shape smollm2-135m --batches 1 --gc-freeze ${GC_FREEZE:-on} \
         --modes bf16 int8 int4 fp8 --json "$OUT/smol-decode.json" > "$OUT/smol-decode.log" 2>&1
       grep -v "^ " "$OUT/smol-decode.log" | tail -6 ;;
     native-tests)  # issue 24: the GPU halves of the Triton kernels' tests (no wheels needed;

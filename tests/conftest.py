@@ -6,6 +6,7 @@ each test's tmp_path, so a test may damage its copy freely.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -22,6 +23,15 @@ CHAT_TEMPLATE = (
 )
 TINY_LLAMA_VOCAB = 264  # 256 byte tokens + 3 specials, padded to a multiple of 8
 BERT_VOCAB = 30522  # MiniLM's vocabulary size, so its real tokenizer fits
+
+
+@pytest.fixture(autouse=True)
+def _heap_unfrozen() -> Iterator[None]:
+    """A server warmed up inside the test process freezes its heap (`serve.collector`): give
+    the objects back to the garbage collector after each test, as the process is shared."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

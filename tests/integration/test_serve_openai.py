@@ -48,6 +48,7 @@ class Server:
     """A `llmopt serve` subprocess on a free loopback port; always killed by its fixture."""
 
     def __init__(self, model: str, args: list[str], log: Path):
+        self.args = args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -128,6 +129,19 @@ def test_models_and_completion(server):
     d = {k: server.metric(f"llmopt_engine_{k}_total") - v for k, v in before.items()}
     assert d["prefill_tokens"] >= 5 and d["decode_steps"] >= r.usage.completion_tokens - 1
     assert 0 < d["prefill_seconds"] < d["step_seconds"]
+    # Each process froze its heap once warm (the model's objects, out of every collection's
+    # way) and its collections are counted: the engine's, and the server's own where the
+    # engine has a process of its own
+    text = httpx.get(server.url + "/metrics").text
+    frozen = {
+        p: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        for p in ("engine", "server")
+        if line.startswith(f'llmopt_gc_frozen_objects{{process="{p}"}} ')
+    }
+    assert frozen["engine"] > 50_000, frozen
+    assert ("server" in frozen) == ("--engine-process" in server.args), frozen
+    assert 'llmopt_gc_collections_total{generation="2",process="engine"}' in text
 
 
 def test_echo_returns_prompt_logprobs(server):

@@ -4,9 +4,10 @@ Modules, in reading order: `settings` (the typed limits), `defaults` (the schedu
 KV-cache settings not given, from the run's plan or planned for this machine), `api.protocol`
 (OpenAI request models and error bodies), `engine.scheduler` (waiting / running / preempted
 queues over a `BatchGenerator`, `llmopt.engines.generation`), `engine.swap` (swap or recompute),
-`engine.warmup` (compiling shapes before serving), `engine.loop` (the engine thread and its
-bridge to asyncio), `engine.process` (the same in a child process), `engine.client` (the
-`EngineClient` protocol both satisfy), `api.detok` (incremental detokenization, stop strings),
+`engine.warmup` (compiling shapes before serving), `collector` (the heap frozen once warm, the
+garbage collector's pauses counted), `engine.loop` (the engine thread and its bridge to
+asyncio), `engine.process` (the same in a child process), `engine.client` (the `EngineClient`
+protocol both satisfy), `api.detok` (incremental detokenization, stop strings),
 `api.generation` (one choice as an async stream of text deltas), `api.completions` and
 `api.embeddings` (the endpoints), `metrics` (Prometheus), `api.app` (FastAPI app and the guard
 middleware), `drain` (the draining shutdown), `server` (what to load, uvicorn),

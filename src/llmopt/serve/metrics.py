@@ -7,10 +7,13 @@ is the same over the last few seconds, for a quick look without a Prometheus ser
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from typing import Any, Protocol
+
+from llmopt.serve import collector
 
 __all__ = ["ServeMetrics", "EngineStats"]
 
@@ -49,6 +52,7 @@ class EngineStats(Protocol):
     engine_time: Any  # cumulative step timings (EngineTime), or None
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of them, found cached
+    gc: Any  # the stepping process's garbage collections (`collector.GCPauses`), or None
 
     @property
     def kv_usage(self) -> float: ...
@@ -171,6 +175,35 @@ class ServeMetrics:
                 ("step_s", "step_seconds", "Seconds in engine steps (forwards, inputs, sampling)."),
             )
         }
+        # Garbage collections stop a whole process (serve/collector.py): the engine's process
+        # ("engine", the server's own where the engine runs in it) and, where the engine has a
+        # process of its own, the HTTP server's ("server")
+        gc_labels = ["process", "generation"]
+        self.gc_collections = Counter(
+            "llmopt_gc_collections",
+            "Python garbage collections since the server was ready, by process and generation.",
+            gc_labels,
+            registry=r,
+        )
+        self.gc_pause = Counter(
+            "llmopt_gc_pause_seconds",
+            "Seconds the process stood still in garbage collections, by process and generation.",
+            gc_labels,
+            registry=r,
+        )
+        self.gc_longest = Gauge(
+            "llmopt_gc_longest_pause_seconds",
+            "The longest single garbage-collection pause since the server was ready.",
+            ["process"],
+            registry=r,
+        )
+        self.gc_frozen = Gauge(
+            "llmopt_gc_frozen_objects",
+            "Objects frozen once the process was warm (out of every collection's way).",
+            ["process"],
+            registry=r,
+        )
+        self._engine_pid: int | None = None
         self._engine_seen: dict[str, float] = {}
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
@@ -198,6 +231,25 @@ class ServeMetrics:
                 value = float(getattr(st.engine_time, f))
                 counter.inc(max(0.0, value - self._engine_seen.get(f, 0.0)))
                 self._engine_seen[f] = value
+        if getattr(st, "gc", None) is not None:
+            self._engine_pid = st.gc.pid
+            self._publish_gc("engine", st.gc)
+
+    def _publish_gc(self, process: str, p: Any) -> None:
+        """Advance the GC counters of `process` to `p` (a cumulative `collector.GCPauses`)."""
+        with self._lock:  # (the engine thread and a /metrics request may both publish)
+            for gen in range(3):
+                for what, counter, value in (
+                    ("n", self.gc_collections, float(p.collections[gen])),
+                    ("s", self.gc_pause, float(p.seconds[gen])),
+                ):
+                    key = f"gc/{process}/{what}/{gen}"
+                    counter.labels(process, str(gen)).inc(
+                        max(0.0, value - self._engine_seen.get(key, 0.0))
+                    )
+                    self._engine_seen[key] = value
+            self.gc_longest.labels(process).set(p.longest_s)
+            self.gc_frozen.labels(process).set(p.frozen)
 
     def count_generated(self, n: int) -> None:
         """Called by the engine thread after each step with the tokens it produced."""
@@ -213,4 +265,6 @@ class ServeMetrics:
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
+        if self._engine_pid != os.getpid():  # the engine steps elsewhere (or there is none)
+            self._publish_gc("server", collector.pauses())
         return generate_latest(self.registry)

@@ -31,6 +31,7 @@ from llmopt.core.recipes import get_recipe
 from llmopt.engines import get_engine, load_runner, served_by_llmopt
 from llmopt.engines.generation import GeneratorSpec
 from llmopt.rundir.best import Best
+from llmopt.serve import collector
 from llmopt.serve.api.context import ServerContext
 from llmopt.serve.api.embeddings import EmbedBatcher
 from llmopt.serve.drain import Drain
@@ -348,13 +349,17 @@ def run_server(ctx: ServerContext, log_level: str = "info") -> None:
     from llmopt.serve.api.app import create_app  # heavy: fastapi
 
     s = ctx.settings
+    app = create_app(ctx)
+    # Warm from here on: what is alive now lives as long as the server (serve/collector.py)
+    collector.freeze("server ready")
+    collector.watch()
     before = sys.getswitchinterval()
     sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
     try:
         if s.http2:
-            serve_hypercorn(create_app(ctx), ctx, log_level)
+            serve_hypercorn(app, ctx, log_level)
         else:
-            _run_uvicorn(create_app(ctx), ctx, log_level)
+            _run_uvicorn(app, ctx, log_level)
     finally:
         sys.setswitchinterval(before)
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmopt.engines.generation import BatchGenerator, OutOfBlocks, SamplingParams
+from llmopt.serve import collector
 from llmopt.serve.engine.swap import swap_pays as swap_verdict
 
 __all__ = ["Sequence", "Scheduler", "SchedulerStats", "SequenceFault"]
@@ -122,6 +123,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     priority_preemptions: int = 0  # preemptions to admit a higher-priority sequence
+    # The garbage collections of the process stepping the engine (`collector.GCPauses`)
+    gc: collector.GCPauses | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -248,6 +251,7 @@ class Scheduler:
             int(pc.queries) if pc is not None else 0,
             int(pc.hits) if pc is not None else 0,
             self.priority_preemptions,
+            collector.pauses(),
         )
 
     def leaked_blocks(self) -> int:

@@ -2,7 +2,8 @@
 
 Compiles the decode shapes up to the warm-up context (where the generator compiles them: CUDA
 for the native engine) and the compiled prefill, then runs one short generation, so no request
-waits for a compile.
+waits for a compile; then freezes the heap (`collector.freeze`), so no request waits for a full
+garbage collection over the model's objects.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 
 from llmopt.engines.generation import BatchGenerator, SamplingParams
+from llmopt.serve import collector
 
 __all__ = ["warm_generator"]
 
@@ -43,3 +45,7 @@ def warm_generator(gen: BatchGenerator, warmup_tokens: int, device: str) -> None
     log.info("warm-up generation %.2f s", time.perf_counter() - t0)
     if (pc := getattr(gen, "prefix_cache", None)) is not None:  # the warm-up is not traffic
         pc.queries = pc.hits = 0
+    # The model, its compiled steps and their guards live as long as the process: out of the
+    # garbage collector's way before the first request (serve/collector.py)
+    collector.freeze("engine warm")
+    collector.watch()
