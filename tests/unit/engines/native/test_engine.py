@@ -367,6 +367,8 @@ def test_decode_benchmark_script_runs_on_cpu(tmp_path):
     )
     assert bad.returncode != 0 and "NAME=on|off" in bad.stderr
     assert all(r["tok_s"] > 0 and r["achieved_GBps"] > 0 for r in res["native"])
+    # each point's garbage collections during its timed decode (the heap frozen after warm-up)
+    assert all(len(r["gc_collections"]) == 3 and r["gc_ms"] >= 0 for r in res["native"])
     assert [h["match_prefix"] for h in res["hf"]] == [8, 8]  # same greedy tokens as HF
 
 
