@@ -182,23 +182,29 @@ def served_name(url: str) -> str:
 
 
 def engine_counters(url: str) -> dict[str, float]:
-    """The server's `llmopt_engine_*` counters (Generator.time, cumulative) from /metrics."""
+    """The server's `llmopt_engine_*` counters (Generator.time, cumulative) from /metrics, and
+    the seconds its processes stood in garbage collections (`llmopt_engine_gc_<process>_total`,
+    summed over generations)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {
-        s.name: s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name.startswith("llmopt_engine_")
-    }
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("llmopt_engine_"):
+                out[s.name] = s.value
+            elif s.name == "llmopt_gc_pause_seconds_total":
+                key = f"llmopt_engine_gc_{s.labels['process']}_seconds_total"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def attribute(before: dict, after: dict, wall_s: float) -> dict[str, float]:
     """Split the runs' wall time: prefill and decode forwards (device time plus launches), the
     rest of the engine steps (inputs, sampling), and outside the steps (scheduling, the wait
-    for requests, streaming when it holds the GIL)."""
+    for requests, streaming when it holds the GIL); beside them, the seconds garbage
+    collections stopped the engine's process (and the HTTP server's, where separate)."""
     d = {
         k.removeprefix("llmopt_engine_").removesuffix("_total"): after[k] - before.get(k, 0.0)
         for k in after
@@ -215,6 +221,8 @@ def attribute(before: dict, after: dict, wall_s: float) -> dict[str, float]:
         "prefill_tokens_per_s": d["prefill_tokens"] / pre if pre else float("nan"),
         "decode_steps": d["decode_steps"],
         "decode_ms_per_step": 1000 * dec / d["decode_steps"] if d["decode_steps"] else float("nan"),
+        "gc_engine_s": d.get("gc_engine_seconds", 0.0),
+        "gc_server_s": d.get("gc_server_seconds", 0.0),
     }
 
 
