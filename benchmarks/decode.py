@@ -394,6 +394,23 @@ def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
     return out
 
 
+def config_lines(configs: list[dict]) -> list[str]:
+    """`cuda_gemv.tuned_configs()` as printed: each timed shape's config, and every config's
+    time alone (do_bench, L2 flushed) in the table's order, '-' for one the point's switches
+    left out of the timing (`INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` off)."""
+    out = []
+    for t in configs:
+        sets = "" if "teams" not in t else f" (teams {t['teams']}, early {t['early']})"
+        out.append(
+            f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}{sets}: {t['config']}"
+        )
+        if any(u is not None for u in t["us"]):
+            out.append(
+                "  configs, us: " + " ".join("-" if u is None else f"{u:.1f}" for u in t["us"])
+            )
+    return out
+
+
 def round_summary(rows: list[dict]) -> list[dict]:
     """Per point (mode, batch and switches) over the rounds: tokens/s median and range, and its
     ratio to the first point of the same mode and round (paired: one window per round)."""
@@ -719,10 +736,8 @@ def main() -> None:
             f"{pick['cuda_us']:.1f} us, Triton {pick['triton_us']:.1f} us -> {pick['picked']}"
         )
     results["cuda_gemv_configs"] = cuda_gemv.tuned_configs()
-    for t in results["cuda_gemv_configs"]:
-        print(f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}: {t['config']}")
-        if t["us"]:  # every config alone (do_bench, L2 flushed), in the table's order
-            print("  configs, us:", " ".join(f"{u:.1f}" for u in t["us"]))
+    for line in config_lines(results["cuda_gemv_configs"]):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -490,6 +490,31 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
 
 
+def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
+    """`benchmarks/decode.py` prints `tuned_configs()`: the set a point allowed, and '-' for a
+    config it left out of the timing (not a crash on the missing time)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[4] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    monkeypatch.setattr(C, "_TUNED", {})
+    monkeypatch.setattr(C, "_TIMES", {})
+    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True)
+    C._TUNED[key] = 0
+    C._TIMES[key] = {c: 0.01 + c / 1e4 for c in C.int4_configs(teams=False)}
+    C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2  # timed under capture
+    head, times, wo8 = decode.config_lines(C.tuned_configs())
+    assert "(teams False, early True)" in head and "teams" not in wo8
+    cells = times.split(": ")[1].split()
+    assert len(cells) == len(C.INT4_CONFIGS) and cells[0] == "10.0"
+    assert [c == "-" for c in cells] == [
+        c not in C.int4_configs(teams=False) for c in range(len(C.INT4_CONFIGS))
+    ]
+
+
 @pytest.mark.parametrize("teams", [True, False])
 @pytest.mark.parametrize("early", [True, False])
 def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, early):
