@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["GCPauses", "FreezeReport", "freeze", "pauses", "watch"]
 
@@ -32,7 +32,7 @@ _lock = threading.Lock()
 _collections = [0, 0, 0]
 _seconds = [0.0, 0.0, 0.0]
 _longest = [0.0]
-_started: dict[int, float] = {}  # thread id -> when its collection started
+_started: list[float | None] = [None]  # when the running collection started (one at a time)
 _watching = [False]
 _own = [False]  # freeze()'s own collections are not serving's pauses: not counted
 
@@ -58,20 +58,20 @@ class FreezeReport:
     frozen: int
     full_collection_before_s: float
     full_collection_after_s: float
-    context: str = field(default="")
+    context: str = ""
 
 
 def _callback(phase: str, info: dict) -> None:
-    # Runs in the thread that triggered the collection, holding the GIL; the lock is for
-    # `pauses()` readers in other threads, which must see the three lists agree.
+    # Runs in the thread that triggered the collection, holding the GIL for the whole
+    # collection, so collections never overlap; the lock is for `pauses()` readers in other
+    # threads, which must see the three lists agree.
     if _own[0]:
         return
     now = time.perf_counter()
-    tid = threading.get_ident()
     if phase == "start":
-        _started[tid] = now
+        _started[0] = now
         return
-    start = _started.pop(tid, None)
+    start, _started[0] = _started[0], None
     if start is None:  # watching began mid-collection
         return
     gen, dt = int(info.get("generation", 2)), now - start

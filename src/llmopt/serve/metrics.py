@@ -203,7 +203,7 @@ class ServeMetrics:
             ["process"],
             registry=r,
         )
-        self._engine_pid: int | None = None
+        self._engine_gc: Any = None  # the engine process's last `collector.GCPauses`
         self._engine_seen: dict[str, float] = {}
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
@@ -231,8 +231,8 @@ class ServeMetrics:
                 value = float(getattr(st.engine_time, f))
                 counter.inc(max(0.0, value - self._engine_seen.get(f, 0.0)))
                 self._engine_seen[f] = value
-        if getattr(st, "gc", None) is not None:
-            self._engine_pid = st.gc.pid
+        if getattr(st, "gc", None) is not None and st.gc != self._engine_gc:  # (rarely moves)
+            self._engine_gc = st.gc
             self._publish_gc("engine", st.gc)
 
     def _publish_gc(self, process: str, p: Any) -> None:
@@ -265,6 +265,6 @@ class ServeMetrics:
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
-        if self._engine_pid != os.getpid():  # the engine steps elsewhere (or there is none)
+        if self._engine_gc is None or self._engine_gc.pid != os.getpid():  # engine elsewhere
             self._publish_gc("server", collector.pauses())
         return generate_latest(self.registry)
