@@ -25,9 +25,10 @@ f16 per scale group; the RMSNorm before it and the residual add after it, as the
 GEMV takes them): on by default (`linear.INT4_GEMV_CUDA`). It is a second extension, so that a
 failure of one leaves the other.
 
-Both kernels take `prefetch` (`linear.GEMV_L2_PREFETCH`): each block first asks the L2 for
+Both kernels take `prefetch` (`linear.GEMV_L2_PREFETCH`): 1, each block first asks the L2 for
 all of its weight rows in one bulk request per row (sm_90's `cp.async.bulk.prefetch`), so that
-a block's whole slice is in flight at once, not a loop step or two of it.
+a block's whole slice is in flight at once, not a loop step or two of it; 2, it also lets the
+next kernel launch right then (`linear.GEMV_PREFETCH_TRIGGER`); 0, neither.
 
 Each configuration (rows per block, warps, loads per step: `CONFIGS`) is timed once per weight
 shape (and prefetch setting) on first use, outside CUDA graph capture, with the L2 cache flushed between calls
@@ -79,6 +80,9 @@ INT4_CONFIGS = (
     (4, 8, 1, 8, 2, 1),
     (4, 16, 1, 8, 4, 1),
 )
+# The kernels' `prefetch` argument: none; each block asks the L2 for its rows first; that, and
+# the next kernel may launch once they are asked for (not at the block's end)
+PREFETCH_MODES = (0, 1, 2)
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -206,11 +210,11 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
             return f"the built extension has {mod.configs} configs, this module {configs}"
         for args, ref, label in cases(torch.device("cuda", index)):
             for c in range(configs):
-                for prefetch in (False, True):
+                for prefetch in PREFETCH_MODES:
                     y = getattr(mod, fn)(*args, c, False, prefetch)
                     err = float((y.float() - ref).norm() / ref.norm())
                     if err > 1e-2:
-                        what = f"{label}, config {c}" + (", L2 prefetch" if prefetch else "")
+                        what = f"{label}, config {c}" + f", prefetch {prefetch}" * bool(prefetch)
                         return f"wrong result (relative error {err:.2e}, {what})"
     except Exception as e:  # a toolkit/driver mismatch must not take the engine down
         return f"build or launch failed: {str(e)[:2000]}"
@@ -219,8 +223,8 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
 
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
-    weight dtype (int8/FP8) or scale group (int4), rows, whether the blocks prefetch their rows
-    into the L2 (`prefetch`), the configurations allowed (int4: `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
+    weight dtype (int8/FP8) or scale group (int4), rows, the blocks' L2 prefetch (`prefetch`,
+    `PREFETCH_MODES`), the configurations allowed (int4: `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
     microseconds (`us`, in the table's order; None for one not allowed, empty where not
     timed)."""
     out = []
@@ -259,7 +263,7 @@ def _tuned(key: tuple, configs: Iterable[int], run) -> int:
     return _TUNED[key]
 
 
-def _config(x, w, scale, r, eps: float, norm: bool, resid: bool, prefetch: bool) -> int:
+def _config(x, w, scale, r, eps: float, norm: bool, resid: bool, prefetch: int) -> int:
     mod = _module(_arch(x.device.index or 0))
     key = ("wo8", w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0], prefetch)
     fused = (r, eps, norm, resid)
@@ -280,12 +284,12 @@ def wo8_gemv(
     norm: bool,
     resid: bool,
     pdl: bool,
-    prefetch: bool = False,
+    prefetch: int = 0,
 ) -> torch.Tensor:
     """y (M, N) = (x (M, K) @ w (N, K)^T) * scale (N,), times rsqrt(mean(x^2) + eps) with
     `norm` (the RMSNorm folded into w's columns), plus `r` (M, N) with `resid` (else `r` is any
     tensor, unread). w int8 or float8_e4m3fn, K a multiple of 16; x bf16 or fp16; scale fp32 or
-    x's dtype. `prefetch`: each block asks the L2 for its rows first (an argument, so that each
+    x's dtype. `prefetch`: the blocks' L2 prefetch (`PREFETCH_MODES`; an argument, so that each
     compiled step keeps its own setting and timing). `available()` must be True for x's
     device."""
     x, w = _aligned(x.contiguous()), _aligned(w.contiguous())
@@ -297,7 +301,7 @@ def wo8_gemv(
 
 
 @wo8_gemv.register_fake
-def _(x, w, scale, r, eps, norm, resid, pdl, prefetch=False):
+def _(x, w, scale, r, eps, norm, resid, pdl, prefetch=0):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -342,14 +346,14 @@ def int4_gemv(
     pdl: bool,
     teams: bool = True,
     early: bool = True,
-    prefetch: bool = False,
+    prefetch: int = 0,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
     with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
     `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
     `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early`: the
     configurations with teams of warps / the second step requested early may be chosen
-    (`int4_configs`); `prefetch`: each block asks the L2 for its rows first. They are
+    (`int4_configs`); `prefetch`: the blocks' L2 prefetch (`PREFETCH_MODES`). They are
     arguments, not globals, so that each compiled step keeps its own choice (a CUDA graph
     replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
@@ -367,7 +371,7 @@ def int4_gemv(
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True, prefetch=False):
+def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True, prefetch=0):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

@@ -42,7 +42,10 @@
 // asks the L2 for all of its rows at once (CHUNKS x ROWS rows of K / 2 bytes, one bulk request
 // per row), before its own first loads and the dependency wait: a block of several groups
 // otherwise streams them a loop step or two at a time, latency-bound on the short K of the
-// small projections; its loads then find the rows in the L2.
+// small projections; its loads then find the rows in the L2. `prefetch` 2 (PREFETCH_TRIGGER)
+// also lets the next kernel launch right then, every weight of the block being requested,
+// instead of at its last group: the next GEMV's blocks may then ask for their own rows while
+// this kernel computes (they still wait for its end before reading its output).
 #ifndef LLMOPT_INT4_KERNELS_ONLY
 #include <torch/extension.h>
 
@@ -105,7 +108,7 @@ template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bo
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
-    int group_shift, bool norm, bool resid, bool prefetch) {
+    int group_shift, bool norm, bool resid, int prefetch) {
   static_assert(WARPS % SPLIT == 0 && CHUNKS % SPLIT == 0, "teams of whole warps and groups");
   constexpr int THREADS = WARPS * 32;
   constexpr int TEAM = THREADS / SPLIT;      // threads per team
@@ -150,6 +153,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     for (int i = threadIdx.x; i < rows; i += THREADS) {
       prefetch_l2(w + static_cast<size_t>(n0 + i) * words, static_cast<uint32_t>(words) * 4u);
     }
+    if (prefetch == 2) launch_dependents();
   }
   load_step(cur, 0, 0);
   uint4 nxt[UNROLL][ROWS];  // the step after `cur`'s, once requested
@@ -271,7 +275,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
       load_step(nxt, nnc, nnb);
     }
     if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
-      if (nc == TEAM_CHUNKS) launch_dependents();
+      if (nc == TEAM_CHUNKS && prefetch != 2) launch_dependents();
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
       if (lane == 0) {
@@ -328,7 +332,7 @@ constexpr int kConfigs = 20;
   template __global__ void                                                            \
   int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS>(     \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
-      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool, bool);
+      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool, int);
 #define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 1)    \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 2)    \
@@ -345,7 +349,8 @@ struct Fused {
   const at::Tensor& g;
   const at::Tensor& r;
   float eps;
-  bool norm, resid, prefetch;
+  bool norm, resid;
+  int prefetch;
 };
 
 template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int GS>
@@ -398,7 +403,7 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
 // weight in x's dtype; with `resid`, r (M, N) in x's dtype (else each any tensor, unread).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                      const at::Tensor& g, const at::Tensor& r, int64_t group, double eps,
-                     bool norm, bool resid, int64_t config, bool pdl, bool prefetch) {
+                     bool norm, bool resid, int64_t config, bool pdl, int64_t prefetch) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "int4_gemv: CUDA tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kInt,
               "int4_gemv: x (M, K) and packed int32 w (N, K / 8) expected");
@@ -422,7 +427,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   }
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
-  const Fused f{g, r, static_cast<float>(eps), norm, resid, prefetch};
+  const Fused f{g, r, static_cast<float>(eps), norm, resid, static_cast<int>(prefetch)};
   if (x.scalar_type() == at::kBFloat16) {
     dispatch<__nv_bfloat16>(config, x, w, scale, f, y, group, pdl);
   } else {
@@ -438,7 +443,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("g"),
           pybind11::arg("r"), pybind11::arg("group"), pybind11::arg("eps"), pybind11::arg("norm"),
           pybind11::arg("resid"), pybind11::arg("config"), pybind11::arg("pdl"),
-          pybind11::arg("prefetch") = false);
+          pybind11::arg("prefetch") = 0);
   mod.attr("configs") = kConfigs;
 }
 #endif  // LLMOPT_INT4_KERNELS_ONLY
