@@ -150,6 +150,36 @@ def test_int4_unfolds_only_the_norms_before_int4_projections(
     assert float((got - want).norm() / want.norm()) < 0.03
 
 
+@pytest.mark.parametrize("group", [128, 32], ids=["group-too-wide", "all-int4"])
+def test_int4_leaves_its_16_bit_projections_on_the_dense_gemv(monkeypatch, tiny_native, group):
+    """Where the one-row GEMV takes the norms (on CUDA), the projections an int4 model leaves
+    16-bit (a group wider than their inputs: SmolLM2's 576 at g128) become `DenseLinear` with
+    their norm folded, as in a 16-bit model, instead of cuBLAS after a norm kernel; the norms
+    before int4 layers stay unfolded, and the logits are those of the plain int4 model."""
+    from llmopt.engines.native import linear as L
+    from llmopt.engines.native import weights as W
+
+    monkeypatch.setattr(L, "FUSE_NORM", True)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    plain = _with_norms(tiny_native())
+    names = W.quantize_model_(plain, "int4", group=group)  # (CPU: no GEMV, nothing folded)
+    want = window_logits(plain, ids, 8, 5, torch.float32, "cpu")
+    monkeypatch.setattr(W, "_gemv_takes_norms", lambda model: True)  # as on CUDA
+    model = _with_norms(tiny_native())
+    assert W.quantize_model_(model, "int4", group=group) == names
+    for b in model.model.layers:
+        ins, outs = W._block_projections(b)
+        for lins, norm in ((ins, b.input_layernorm), (outs, b.post_attention_layernorm)):
+            int4 = [isinstance(m, L.Int4Linear) for m in lins]
+            assert norm.folded == (not any(int4)), (group, int4)
+            assert all(i or isinstance(m, L.DenseLinear) for i, m in zip(int4, lins, strict=True))
+        assert isinstance(b.mlp.down_proj, L.Int4Linear)  # (takes only the residual add)
+        assert isinstance(b.self_attn.o_proj, L.Int4Linear if group == 32 else L.DenseLinear)
+    got = window_logits(model, ids, 8, 5, torch.float32, "cpu")
+    # (the fold's rounding, then the int4 kernel's 16-bit activations)
+    assert float((got - want).norm() / want.norm()) < 2e-3, float((got - want).abs().max())
+
+
 def test_dense_gemv_folds_and_keeps_the_model(monkeypatch, tiny_native):
     """`weights.dense_gemv_` (16-bit models under FUSE_NORM): the norms folded, every block's
     projections made `DenseLinear` (lm_head left alone), the logits unchanged; on the CPU the
