@@ -409,10 +409,11 @@ INT4_GEMV_EARLY = True
 # bulk request per row (`cuda_gemv`): an int4 block of several groups of rows otherwise has a
 # loop step or two of them in flight at a time, and the small projections' kernels are short
 # enough that this latency is a large share of them (docs/benchmarks.md, the int4 profile).
-# Off until an end-to-end A/B (`benchmarks/decode.py --linear default GEMV_L2_PREFETCH=on`)
-# shows it pays; read when a step is traced (an argument of the ops, which keys their timing).
-# With `GEMV_PREFETCH_TRIGGER` too, each block lets the next kernel launch as soon as its rows
-# are asked for, so that the next GEMV's blocks request theirs while this one computes.
+# Off: end to end (`benchmarks/decode.py --linear default GEMV_L2_PREFETCH=on`, interleaved)
+# it lost 8.6% at int4 and 4.9% at FP8 on an H100 (docs/benchmarks.md). Read when a step is
+# traced (an argument of the ops, which keys their timing). With `GEMV_PREFETCH_TRIGGER` too,
+# each block lets the next kernel launch as soon as its rows are asked for, so that the next
+# GEMV's blocks request theirs while this one computes.
 GEMV_L2_PREFETCH = False
 GEMV_PREFETCH_TRIGGER = False
 
