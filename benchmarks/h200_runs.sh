@@ -16,22 +16,19 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
-#           # (the CUDA int4 GEMV's configs that request two steps before the dependency wait,
-#           # EARLY, not yet run on a GPU; the extensions' first build takes ~4 min), then
-#           MODES="int4" AB="--linear default INT4_GEMV_EARLY=off INT4_GEMV_CUDA=off" \
-#             TAG=int4cuda bash ... ab
-#           # (the CUDA int4 GEMV, default since it won x1.058 and x1.066 on H100s, with and
-#           # without its EARLY configs: each point times its own config set; its `CUDA GEMV
-#           # config` lines say which configs the shapes took, `configs, us` each config's
-#           # time alone: EARLY against its twin, same window; INT4_GEMV_TEAMS=off does the
-#           # same for the teams of warps), then `GC_FREEZE=off ... smol-decode` (its `gc ms`
-#           # column says whether garbage collections are bf16's unexplained 0.45 ms of host
-#           # time per step; `llmopt serve` freezes the heap once warm; int4 now keeps the
-#           # norms of its 16-bit projections folded), and on an H200
+#   call -1: bash ... smol-decode   # int4's 16-bit projections on the dense GEMV now (its
+#           device time against bf16's: 0.86 against 0.61 ms before), then
+#           TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
+#           # (the EARLY configs ran end to end on H100s, not in these tests yet; the
+#           # extensions' first build takes ~4 min), then
+#           MODES="int4" AB="--linear default INT4_GEMV_EARLY=off" TAG=early bash ... ab
+#           # (each point times its own config set; `configs, us` each config's time alone;
+#           # INT4_GEMV_TEAMS=off does the same for the teams of warps), and on an H200
 #           # MODES="fp8" AB="--linear default GEMV_PICK_REPLAY=on" TAG=replay ... ab: that
 #           # switch acts when layers are built, so both points share the replay's picks; the
-#           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves
+#           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves.
+#           # (GEMV_L2_PREFETCH lost 8.6% at int4 and 4.9% at FP8 on an H100: not to rerun
+#           # unless the kernels change)
 #   call 0: MODES="int4" AB="--linear FUSE_NORM=off,GEMV_PDL=off default" TAG=int4 bash ... ab
 #           # the norm/residual inside the int4 GEMV and its PDL launch, on the H200 (H100: x1.05
 #           # and x1.03 separately, Triton's GEMV); a fresh machine spends ~120-165 s compiling
