@@ -16,9 +16,7 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call -1: bash ... smol-decode   # int4's 16-bit projections on the dense GEMV now (its
-#           device time against bf16's: 0.86 against 0.61 ms before), then
-#           TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
+#   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
 #           # (the EARLY configs ran end to end on H100s, not in these tests yet; the
 #           # extensions' first build takes ~4 min), then
 #           MODES="int4" AB="--linear default INT4_GEMV_EARLY=off" TAG=early bash ... ab
