@@ -372,8 +372,6 @@ LINEAR_SWITCHES = (
     "INT4_GEMV_CUDA",
     "INT4_GEMV_TEAMS",
     "INT4_GEMV_EARLY",
-    "GEMV_L2_PREFETCH",
-    "GEMV_PREFETCH_TRIGGER",
     "GEMV_PICK",
     "GEMV_PICK_REPLAY",
 )
@@ -403,7 +401,6 @@ def config_lines(configs: list[dict]) -> list[str]:
     out = []
     for t in configs:
         sets = "" if "teams" not in t else f" (teams {t['teams']}, early {t['early']})"
-        sets += ("", " (L2 prefetch)", " (L2 prefetch, early trigger)")[t.get("prefetch", 0)]
         out.append(
             f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}{sets}: {t['config']}"
         )

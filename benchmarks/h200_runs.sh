@@ -24,9 +24,7 @@
 #           # INT4_GEMV_TEAMS=off does the same for the teams of warps), and on an H200
 #           # MODES="fp8" AB="--linear default GEMV_PICK_REPLAY=on" TAG=replay ... ab: that
 #           # switch acts when layers are built, so both points share the replay's picks; the
-#           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves.
-#           # (GEMV_L2_PREFETCH lost 8.6% at int4 and 4.9% at FP8 on an H100: not to rerun
-#           # unless the kernels change)
+#           # log's `one-row GEMV pick` lines against call 3's say whether any shape moves
 #   call 0: MODES="int4" AB="--linear FUSE_NORM=off,GEMV_PDL=off default" TAG=int4 bash ... ab
 #           # the norm/residual inside the int4 GEMV and its PDL launch, on the H200 (H100: x1.05
 #           # and x1.03 separately, Triton's GEMV); a fresh machine spends ~120-165 s compiling

@@ -25,13 +25,8 @@ f16 per scale group; the RMSNorm before it and the residual add after it, as the
 GEMV takes them): on by default (`linear.INT4_GEMV_CUDA`). It is a second extension, so that a
 failure of one leaves the other.
 
-Both kernels take `prefetch` (`linear.GEMV_L2_PREFETCH`): 1, each block first asks the L2 for
-all of its weight rows in one bulk request per row (sm_90's `cp.async.bulk.prefetch`), so that
-a block's whole slice is in flight at once, not a loop step or two of it; 2, it also lets the
-next kernel launch right then (`linear.GEMV_PREFETCH_TRIGGER`); 0, neither.
-
 Each configuration (rows per block, warps, loads per step: `CONFIGS`) is timed once per weight
-shape (and prefetch setting) on first use, outside CUDA graph capture, with the L2 cache flushed between calls
+shape on first use, outside CUDA graph capture, with the L2 cache flushed between calls
 (Triton's `do_bench`, as Triton's autotuner times the other kernels); under capture an
 untimed shape takes `DEFAULT_CONFIG`.
 """
@@ -80,16 +75,12 @@ INT4_CONFIGS = (
     (4, 8, 1, 8, 2, 1),
     (4, 16, 1, 8, 4, 1),
 )
-# The kernels' `prefetch` argument: none; each block asks the L2 for its rows first; that, and
-# the next kernel may launch once they are asked for (not at the block's end)
-PREFETCH_MODES = (0, 1, 2)
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 _REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
 _INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
-# (kernel, n, k, weight dtype or group, act. dtype, rows, prefetch[, teams, early]) -> config
-_TUNED: dict[tuple, int] = {}
+_TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
 _TIMES: dict[tuple, dict[int, float]] = {}  # the same keys -> config -> its time (ms), as timed
 
 
@@ -196,7 +187,7 @@ def _decide(reasons: dict[int, str], index: int, what: str, check: Callable[[], 
 
 def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
     """'' when the extension builds for GPU `index` and its kernel `fn` matches every case's
-    reference in every config there, with and without the L2 prefetch, else why not."""
+    reference in every config there, else why not."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if torch.cuda.get_device_capability(index) < (8, 0):
@@ -210,12 +201,10 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
             return f"the built extension has {mod.configs} configs, this module {configs}"
         for args, ref, label in cases(torch.device("cuda", index)):
             for c in range(configs):
-                for prefetch in PREFETCH_MODES:
-                    y = getattr(mod, fn)(*args, c, False, prefetch)
-                    err = float((y.float() - ref).norm() / ref.norm())
-                    if err > 1e-2:
-                        what = f"{label}, config {c}" + f", prefetch {prefetch}" * bool(prefetch)
-                        return f"wrong result (relative error {err:.2e}, {what})"
+                y = getattr(mod, fn)(*args, c, False)
+                err = float((y.float() - ref).norm() / ref.norm())
+                if err > 1e-2:
+                    return f"wrong result (relative error {err:.2e}, {label}, config {c})"
     except Exception as e:  # a toolkit/driver mismatch must not take the engine down
         return f"build or launch failed: {str(e)[:2000]}"
     return ""
@@ -223,18 +212,18 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
 
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
-    weight dtype (int8/FP8) or scale group (int4), rows, the blocks' L2 prefetch (`prefetch`,
-    `PREFETCH_MODES`), the configurations allowed (int4: `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
+    weight dtype (int8/FP8) or scale group (int4), rows, the configurations allowed (int4:
+    `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
     microseconds (`us`, in the table's order; None for one not allowed, empty where not
     timed)."""
     out = []
     for key, cfg in _TUNED.items():
-        kernel, n, k, what, act, rows, prefetch, *allowed = key
+        kernel, n, k, what, act, rows, *allowed = key
         table = INT4_CONFIGS if kernel == "int4" else CONFIGS
         times = _TIMES.get(key, {})
         out.append(
             {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
-            | {"rows": rows, "prefetch": prefetch, "config": list(table[cfg])}
+            | {"rows": rows, "config": list(table[cfg])}
             | ({"teams": allowed[0], "early": allowed[1]} if allowed else {})
             | {"us": [round(1e3 * times[c], 2) if c in times else None for c in range(len(table))]}
         )
@@ -263,12 +252,11 @@ def _tuned(key: tuple, configs: Iterable[int], run) -> int:
     return _TUNED[key]
 
 
-def _config(x, w, scale, r, eps: float, norm: bool, resid: bool, prefetch: int) -> int:
+def _config(x, w, scale, r, eps: float, norm: bool, resid: bool) -> int:
     mod = _module(_arch(x.device.index or 0))
-    key = ("wo8", w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0], prefetch)
-    fused = (r, eps, norm, resid)
+    key = ("wo8", w.shape[0], w.shape[1], w.dtype, x.dtype, x.shape[0])
     return _tuned(
-        key, range(len(CONFIGS)), lambda c: mod.wo8_gemv(x, w, scale, *fused, c, False, prefetch)
+        key, range(len(CONFIGS)), lambda c: mod.wo8_gemv(x, w, scale, r, eps, norm, resid, c, False)
     )
 
 
@@ -284,24 +272,20 @@ def wo8_gemv(
     norm: bool,
     resid: bool,
     pdl: bool,
-    prefetch: int = 0,
 ) -> torch.Tensor:
     """y (M, N) = (x (M, K) @ w (N, K)^T) * scale (N,), times rsqrt(mean(x^2) + eps) with
     `norm` (the RMSNorm folded into w's columns), plus `r` (M, N) with `resid` (else `r` is any
     tensor, unread). w int8 or float8_e4m3fn, K a multiple of 16; x bf16 or fp16; scale fp32 or
-    x's dtype. `prefetch`: the blocks' L2 prefetch (`PREFETCH_MODES`; an argument, so that each
-    compiled step keeps its own setting and timing). `available()` must be True for x's
-    device."""
+    x's dtype. `available()` must be True for x's device."""
     x, w = _aligned(x.contiguous()), _aligned(w.contiguous())
     scale = scale.reshape(-1).contiguous()
     r = r.contiguous()
-    cfg = _config(x, w, scale, r, eps, norm, resid, prefetch)
-    mod = _module(_arch(x.device.index or 0))
-    return mod.wo8_gemv(x, w, scale, r, eps, norm, resid, cfg, pdl, prefetch)
+    cfg = _config(x, w, scale, r, eps, norm, resid)
+    return _module(_arch(x.device.index or 0)).wo8_gemv(x, w, scale, r, eps, norm, resid, cfg, pdl)
 
 
 @wo8_gemv.register_fake
-def _(x, w, scale, r, eps, norm, resid, pdl, prefetch=0):
+def _(x, w, scale, r, eps, norm, resid, pdl):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -346,32 +330,27 @@ def int4_gemv(
     pdl: bool,
     teams: bool = True,
     early: bool = True,
-    prefetch: int = 0,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
     with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
     `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
     `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early`: the
     configurations with teams of warps / the second step requested early may be chosen
-    (`int4_configs`); `prefetch`: the blocks' L2 prefetch (`PREFETCH_MODES`). They are
-    arguments, not globals, so that each compiled step keeps its own choice (a CUDA graph
-    replays the config chosen when it was captured)."""
+    (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
+    choice (a CUDA graph replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
     scale, g, r = scale.contiguous(), g.contiguous(), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
-    key = ("int4", packed.shape[0], x.shape[1], group, x.dtype, x.shape[0], prefetch)
-    key += (teams, early)
+    key = ("int4", packed.shape[0], x.shape[1], group, x.dtype, x.shape[0], teams, early)
     fused = (g, r, group, eps, norm, resid)
-
-    def run(c):
-        return mod.int4_gemv(x, packed, scale, *fused, c, False, prefetch)
-
-    cfg = _tuned(key, int4_configs(teams, early), run)
-    return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl, prefetch)
+    cfg = _tuned(
+        key, int4_configs(teams, early), lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False)
+    )
+    return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl)
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True, prefetch=0):
+def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 

@@ -68,8 +68,6 @@ __all__ = [
     "INT4_GEMV_CUDA",
     "INT4_GEMV_TEAMS",
     "INT4_GEMV_EARLY",
-    "GEMV_L2_PREFETCH",
-    "GEMV_PREFETCH_TRIGGER",
     "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
@@ -405,24 +403,6 @@ INT4_GEMV_CUDA = True
 # read when a step is traced, each compiled step times and keeps its own set.
 INT4_GEMV_TEAMS = True
 INT4_GEMV_EARLY = True
-# The CUDA GEMVs' blocks (int4 and 1-byte) first ask the L2 for all of their weight rows, one
-# bulk request per row (`cuda_gemv`): an int4 block of several groups of rows otherwise has a
-# loop step or two of them in flight at a time, and the small projections' kernels are short
-# enough that this latency is a large share of them (docs/benchmarks.md, the int4 profile).
-# Off: end to end (`benchmarks/decode.py --linear default GEMV_L2_PREFETCH=on`, interleaved)
-# it lost 8.6% at int4 and 4.9% at FP8 on an H100 (docs/benchmarks.md). Read when a step is
-# traced (an argument of the ops, which keys their timing). With `GEMV_PREFETCH_TRIGGER` too,
-# each block lets the next kernel launch as soon as its rows are asked for, so that the next
-# GEMV's blocks request theirs while this one computes.
-GEMV_L2_PREFETCH = False
-GEMV_PREFETCH_TRIGGER = False
-
-
-def _prefetch_mode() -> int:
-    # the CUDA GEMVs' `prefetch` argument (`cuda_gemv.PREFETCH_MODES`)
-    return 0 if not GEMV_L2_PREFETCH else 2 if GEMV_PREFETCH_TRIGGER else 1
-
-
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
@@ -574,8 +554,9 @@ def wo_mm(
         eps = 0.0 if norm_eps is None else float(norm_eps)
         r = x if residual is None else residual.reshape(m, n)
         pdl = GEMV_PDL and pdl_supported(x.device.index or 0)
-        fused = (norm_eps is not None, residual is not None)
-        return cuda_gemv.wo8_gemv(x, w, scale, r, eps, *fused, pdl, _prefetch_mode())
+        return cuda_gemv.wo8_gemv(
+            x, w, scale, r, eps, norm_eps is not None, residual is not None, pdl
+        )
     if kernel == "gemv":
         # int8 is read as int32 words of four bytes (`triton_kernels._bytes_as_float`)
         words = w.dtype == torch.int8 and k % 4 == 0
@@ -1030,7 +1011,7 @@ def int4_mm(
             if norm is not None:
                 g = g.to(x.dtype)
             fused_args = (norm is not None, residual is not None, pdl)
-            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY, _prefetch_mode())
+            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY)
             return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args, *configs)
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)

@@ -177,7 +177,7 @@ def test_wo_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
         configs = len(C.CONFIGS)
 
         def wo8_gemv(self, *args):
-            calls.append(args[8])  # (x, w, scale, r, eps, norm, resid, config, pdl, prefetch)
+            calls.append(args[-1])
             return real(*args)
 
     monkeypatch.setattr(C, "_module", lambda arch: Spy())
@@ -442,47 +442,6 @@ def test_int4_cuda_gemv_stages_massive_activations_scaled_down_on_gpu(adtype):
                 assert err < 1e-2, (zeroed, fused, c, err)
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.usefixtures("built", "built_int4")
-def test_l2_prefetch_changes_no_output_and_is_timed_apart_on_gpu(monkeypatch):
-    """`GEMV_L2_PREFETCH` (and `GEMV_PREFETCH_TRIGGER`): both CUDA GEMVs give, with their
-    blocks' rows asked of the L2 first, exactly the outputs they give without (a prefetch is a
-    hint: same loads, same sums; the early trigger only lets the next kernel launch, which
-    still waits for this one's end), in every config, N not a multiple of any block's rows
-    (the last block asks for fewer); and `wo_mm` / `int4_mm` time the shape again under each
-    setting (its own key)."""
-    g = torch.Generator(device="cuda").manual_seed(6)
-    n, k = 1000, 4096
-    x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
-    q8, s8 = L.quantize_int8(torch.randn(n, k, device="cuda", generator=g) * 0.05)
-    s8 = s8.float().contiguous()
-    q4, s4 = L.quantize_int4(torch.randn(n, k, device="cuda", generator=g) * 0.05, 128)
-    p4, s4 = L.pack_int4_planar(q4), s4.to(torch.bfloat16).contiguous()
-    wo8, int4 = C._module(C._arch(0)), C._int4_module(C._arch(0))
-    pdl = L.pdl_supported(0)  # (as dependents where the GPU launches them: the trigger acts)
-    for c in range(len(C.CONFIGS)):
-        ys = [wo8.wo8_gemv(x, q8, s8, x, 0.0, False, False, c, pdl, pf) for pf in (0, 1, 2)]
-        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), c
-    for c in range(len(C.INT4_CONFIGS)):
-        args = (x, p4, s4, x, x, 128, 0.0, False, False, c, pdl)
-        ys = [int4.int4_gemv(*args, pf) for pf in (0, 1, 2)]
-        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), c
-    monkeypatch.setattr(L, "GEMV_PICK", False)
-    monkeypatch.setattr(L, "INT4_GEMV_CUDA", True)
-    monkeypatch.setattr(L, "GEMV_CUDA", True)
-    out = {}
-    for pf, trigger in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(L, "GEMV_L2_PREFETCH", pf)
-        monkeypatch.setattr(L, "GEMV_PREFETCH_TRIGGER", trigger)
-        out[pf + trigger] = (L.wo_mm(x, q8, s8, "gemv"), L.int4_mm(x, p4, s4, None, 128, "gemv"))
-    for mode in (1, 2):
-        for a, b in zip(out[0], out[mode], strict=True):  # (each may take another config)
-            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
-    timed = {(t["kernel"], t["prefetch"]) for t in C.tuned_configs() if t["n"] == n}
-    assert timed >= {(kernel, mode) for kernel in ("wo8", "int4") for mode in (0, 1, 2)}
-
-
 @pytest.mark.parametrize(
     "cuda_ms, triton_ms, picked",
     [(1.0, 1.0, True), (1.0, 0.99, True), (1.0, 0.95, False), (0.9, 1.0, True)],
@@ -520,16 +479,12 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, 0, True, False)] = 6
-    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, 0, True, False)] = {
-        0: 0.0123,
-        6: 0.0101,
-    }
-    C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1, 1)] = 2
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = {0: 0.0123, 6: 0.0101}
+    C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
     assert (int4["teams"], int4["early"]) == (True, False) and "teams" not in wo8
-    assert int4["prefetch"] == 0 and wo8["prefetch"] == 1
     assert int4["us"][0] == 12.3 and int4["us"][6] == 10.1 and int4["us"][1] is None
     assert len(int4["us"]) == len(C.INT4_CONFIGS) and wo8["us"] == [None] * len(C.CONFIGS)
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
@@ -547,13 +502,12 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
     spec.loader.exec_module(decode)
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, 2, False, True)
+    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True)
     C._TUNED[key] = 0
     C._TIMES[key] = {c: 0.01 + c / 1e4 for c in C.int4_configs(teams=False)}
-    C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1, 1)] = 2  # under capture
+    C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2  # timed under capture
     head, times, wo8 = decode.config_lines(C.tuned_configs())
     assert "(teams False, early True)" in head and "teams" not in wo8
-    assert "(L2 prefetch)" in wo8 and "(L2 prefetch, early trigger)" in head
     cells = times.split(": ")[1].split()
     assert len(cells) == len(C.INT4_CONFIGS) and cells[0] == "10.0"
     assert [c == "-" for c in cells] == [
@@ -584,7 +538,7 @@ def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
     allowed = C.int4_configs(teams, early)
-    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, 0, teams, early)
+    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early)
     got = C._tuned(key, allowed, lambda c: c)
     assert sorted(ran) == allowed
     assert all(C.INT4_CONFIGS[c][4] == 1 or teams for c in ran)

@@ -34,15 +34,6 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
-// Asks the L2 for `bytes` (a multiple of 16, from a 16-byte aligned `p`) in one instruction
-// (sm_90's bulk prefetch; nothing before it): a hint that puts a block's whole weight slice in
-// flight at once, where its own loads keep only a loop step or two of it in flight.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 template <typename T>
 __device__ __forceinline__ float to_float(T v);
 template <>

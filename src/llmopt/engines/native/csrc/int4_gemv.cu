@@ -37,15 +37,6 @@
 // wait, so that two steps of weights are in flight while the block waits for the kernel before
 // and stages its activations (a team with two steps, as at K = 4,096 with two groups per team,
 // then has all its weights requested before it reads x); later steps as without it.
-//
-// With `prefetch` (a launch argument, not a config: `linear.GEMV_L2_PREFETCH`) the block first
-// asks the L2 for all of its rows at once (CHUNKS x ROWS rows of K / 2 bytes, one bulk request
-// per row), before its own first loads and the dependency wait: a block of several groups
-// otherwise streams them a loop step or two at a time, latency-bound on the short K of the
-// small projections; its loads then find the rows in the L2. `prefetch` 2 (PREFETCH_TRIGGER)
-// also lets the next kernel launch right then, every weight of the block being requested,
-// instead of at its last group: the next GEMV's blocks may then ask for their own rows while
-// this kernel computes (they still wait for its end before reading its output).
 #ifndef LLMOPT_INT4_KERNELS_ONLY
 #include <torch/extension.h>
 
@@ -108,7 +99,7 @@ template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bo
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
-    int group_shift, bool norm, bool resid, int prefetch) {
+    int group_shift, bool norm, bool resid) {
   static_assert(WARPS % SPLIT == 0 && CHUNKS % SPLIT == 0, "teams of whole warps and groups");
   constexpr int THREADS = WARPS * 32;
   constexpr int TEAM = THREADS / SPLIT;      // threads per team
@@ -148,13 +139,6 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   // Weights and scales do not depend on the kernel before (a programmatic dependent launch
   // may start this block while it drains): the first step's weights (two steps' with EARLY)
   // and every scale of the block's rows are requested before waiting, the activations after.
-  if (prefetch) {  // (rows past n are not the block's: n - 1 is the last one asked for)
-    const int rows = min(CHUNKS * ROWS, n - n0);
-    for (int i = threadIdx.x; i < rows; i += THREADS) {
-      prefetch_l2(w + static_cast<size_t>(n0 + i) * words, static_cast<uint32_t>(words) * 4u);
-    }
-    if (prefetch == 2) launch_dependents();
-  }
   load_step(cur, 0, 0);
   uint4 nxt[UNROLL][ROWS];  // the step after `cur`'s, once requested
   if constexpr (EARLY) {
@@ -275,7 +259,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
       load_step(nxt, nnc, nnb);
     }
     if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
-      if (nc == TEAM_CHUNKS && prefetch != 2) launch_dependents();
+      if (nc == TEAM_CHUNKS) launch_dependents();
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
       if (lane == 0) {
@@ -332,7 +316,7 @@ constexpr int kConfigs = 20;
   template __global__ void                                                            \
   int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS>(     \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
-      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool, int);
+      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
 #define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 1)    \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 2)    \
@@ -350,7 +334,6 @@ struct Fused {
   const at::Tensor& r;
   float eps;
   bool norm, resid;
-  int prefetch;
 };
 
 template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int GS>
@@ -369,7 +352,7 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, c
       reinterpret_cast<const uint32_t*>(w.data_ptr()),
       reinterpret_cast<const T*>(scale.data_ptr()), reinterpret_cast<const T*>(f.g.data_ptr()),
       reinterpret_cast<const T*>(f.r.data_ptr()), f.eps, reinterpret_cast<T*>(y.data_ptr()), n, k,
-      __builtin_ctzll(group), f.norm, f.resid, f.prefetch));
+      __builtin_ctzll(group), f.norm, f.resid));
 }
 
 template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY>
@@ -403,7 +386,7 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
 // weight in x's dtype; with `resid`, r (M, N) in x's dtype (else each any tensor, unread).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                      const at::Tensor& g, const at::Tensor& r, int64_t group, double eps,
-                     bool norm, bool resid, int64_t config, bool pdl, int64_t prefetch) {
+                     bool norm, bool resid, int64_t config, bool pdl) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "int4_gemv: CUDA tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kInt,
               "int4_gemv: x (M, K) and packed int32 w (N, K / 8) expected");
@@ -427,7 +410,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   }
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
-  const Fused f{g, r, static_cast<float>(eps), norm, resid, static_cast<int>(prefetch)};
+  const Fused f{g, r, static_cast<float>(eps), norm, resid};
   if (x.scalar_type() == at::kBFloat16) {
     dispatch<__nv_bfloat16>(config, x, w, scale, f, y, group, pdl);
   } else {
@@ -438,12 +421,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  // (`prefetch` has a default: the checks and tests that predate it call without it)
-  mod.def("int4_gemv", &int4_gemv, "One-row GEMV, int4 planar weights (see int4_gemv.cu)",
-          pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("g"),
-          pybind11::arg("r"), pybind11::arg("group"), pybind11::arg("eps"), pybind11::arg("norm"),
-          pybind11::arg("resid"), pybind11::arg("config"), pybind11::arg("pdl"),
-          pybind11::arg("prefetch") = 0);
+  mod.def("int4_gemv", &int4_gemv, "One-row GEMV, int4 planar weights (see int4_gemv.cu)");
   mod.attr("configs") = kConfigs;
 }
 #endif  // LLMOPT_INT4_KERNELS_ONLY

@@ -7,11 +7,7 @@
 // take K in 16-byte pieces (one 128-bit load per row), thread t the pieces t, t + THREADS, ...,
 // so that a warp reads 512 contiguous bytes of each row per step. Each step issues UNROLL x ROWS
 // weight loads at once and the next step's before the current step's products, so that a
-// thread keeps 2 x UNROLL x ROWS x 16 bytes in flight whatever the occupancy. With `prefetch`
-// (`linear.GEMV_L2_PREFETCH`) the block first asks the L2 for its whole rows, one bulk request
-// per row: at K = 4,096 the first two steps already cover a row, at 14,336 (the 8B model's
-// down projection) they cover 4 of its 14 KB. `prefetch` 2 also lets the next kernel launch
-// right then (int4_gemv.cu says why).
+// thread keeps 2 x UNROLL x ROWS x 16 bytes in flight whatever the occupancy.
 //
 // LLMOPT_WO8_KERNELS_ONLY compiles the kernels alone, without PyTorch's headers (a CPU-only
 // PyTorch has no CUDA headers): tests/unit/engines/native/test_cuda_gemv.py checks with it that
@@ -81,7 +77,7 @@ template <typename T, bool FP8, int ROWS, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) wo8_gemv_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ w, const void* __restrict__ scale,
     bool scale_f32, T* __restrict__ y, const T* __restrict__ r, float eps, int n, int k,
-    bool norm, bool resid, int prefetch) {
+    bool norm, bool resid) {
   constexpr int THREADS = WARPS * 32;
   constexpr int STEP = THREADS * UNROLL;  // 16-byte pieces per row per loop step
   const int m = blockIdx.y;
@@ -116,12 +112,6 @@ __global__ void __launch_bounds__(WARPS * 32) wo8_gemv_kernel(
   // Launched as a programmatic dependent, this block may start while the kernel before it
   // drains: the weights do not depend on it, so the first step's are requested before waiting;
   // the activations and the residual only after.
-  if (prefetch) {
-    if (threadIdx.x < ROWS && n0 + static_cast<int>(threadIdx.x) < n) {
-      prefetch_l2(w + static_cast<size_t>(n0 + threadIdx.x) * k, static_cast<uint32_t>(k));
-    }
-    if (prefetch == 2) launch_dependents();
-  }
   load_step(cur, threadIdx.x);
   grid_dependency_wait();
   for (int p0 = threadIdx.x; p0 < pieces; p0 += STEP) {
@@ -164,7 +154,7 @@ __global__ void __launch_bounds__(WARPS * 32) wo8_gemv_kernel(
     }
   }
   // every weight load issued: the next dependent kernel may start loading its own
-  if (prefetch != 2) launch_dependents();
+  launch_dependents();
 
   __shared__ float partial[WARPS][ROWS + 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -212,10 +202,10 @@ constexpr int kConfigs = 8;
 #define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL)                                         \
   template __global__ void wo8_gemv_kernel<__nv_bfloat16, false, ROWS, WARPS, UNROLL>(    \
       const __nv_bfloat16*, const uint8_t*, const void*, bool, __nv_bfloat16*,            \
-      const __nv_bfloat16*, float, int, int, bool, bool, int);                            \
+      const __nv_bfloat16*, float, int, int, bool, bool);                                 \
   template __global__ void wo8_gemv_kernel<__nv_bfloat16, true, ROWS, WARPS, UNROLL>(     \
       const __nv_bfloat16*, const uint8_t*, const void*, bool, __nv_bfloat16*,            \
-      const __nv_bfloat16*, float, int, int, bool, bool, int);
+      const __nv_bfloat16*, float, int, int, bool, bool);
 LLMOPT_WO8_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 }  // namespace
@@ -223,7 +213,7 @@ LLMOPT_WO8_CONFIGS(LLMOPT_INSTANTIATE)
 
 template <typename T, bool FP8, int ROWS, int WARPS, int UNROLL>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y,
-            const at::Tensor& r, double eps, bool norm, bool resid, bool pdl, int prefetch) {
+            const at::Tensor& r, double eps, bool norm, bool resid, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
   Launch l(dim3((n + ROWS - 1) / ROWS, m), dim3(WARPS * 32), 0, pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
@@ -231,17 +221,16 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, a
       reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const uint8_t*>(w.data_ptr()),
       static_cast<const void*>(scale.data_ptr()), scale.scalar_type() == at::kFloat,
       reinterpret_cast<T*>(y.data_ptr()), reinterpret_cast<const T*>(r.data_ptr()),
-      static_cast<float>(eps), n, k, norm, resid, prefetch));
+      static_cast<float>(eps), n, k, norm, resid));
 }
 
 template <typename T, bool FP8>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-              at::Tensor& y, const at::Tensor& r, double eps, bool norm, bool resid, bool pdl,
-              int prefetch) {
+              at::Tensor& y, const at::Tensor& r, double eps, bool norm, bool resid, bool pdl) {
   switch (config) {
 #define LLMOPT_CASE(I, ROWS, WARPS, UNROLL)                                          \
   case I:                                                                            \
-    launch<T, FP8, ROWS, WARPS, UNROLL>(x, w, scale, y, r, eps, norm, resid, pdl, prefetch); \
+    launch<T, FP8, ROWS, WARPS, UNROLL>(x, w, scale, y, r, eps, norm, resid, pdl); \
     break;
     LLMOPT_WO8_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
@@ -256,7 +245,7 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
 // scale (N,) fp32 or x's dtype; r (M, N) x's dtype when `resid` (else any tensor, unread).
 at::Tensor wo8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                     const at::Tensor& r, double eps, bool norm, bool resid, int64_t config,
-                    bool pdl, int64_t prefetch) {
+                    bool pdl) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && scale.is_cuda(), "wo8_gemv: CUDA tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "wo8_gemv: x (M, K) and w (N, K) expected");
@@ -275,24 +264,19 @@ at::Tensor wo8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(fp8 || w.scalar_type() == at::kChar, "wo8_gemv: int8 or float8_e4m3fn weights");
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
-  const int pf = static_cast<int>(prefetch);
   if (x.scalar_type() == at::kBFloat16) {
-    if (fp8) dispatch<__nv_bfloat16, true>(config, x, w, scale, y, r, eps, norm, resid, pdl, pf);
-    else dispatch<__nv_bfloat16, false>(config, x, w, scale, y, r, eps, norm, resid, pdl, pf);
+    if (fp8) dispatch<__nv_bfloat16, true>(config, x, w, scale, y, r, eps, norm, resid, pdl);
+    else dispatch<__nv_bfloat16, false>(config, x, w, scale, y, r, eps, norm, resid, pdl);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kHalf, "wo8_gemv: bf16 or fp16 activations");
-    if (fp8) dispatch<__half, true>(config, x, w, scale, y, r, eps, norm, resid, pdl, pf);
-    else dispatch<__half, false>(config, x, w, scale, y, r, eps, norm, resid, pdl, pf);
+    if (fp8) dispatch<__half, true>(config, x, w, scale, y, r, eps, norm, resid, pdl);
+    else dispatch<__half, false>(config, x, w, scale, y, r, eps, norm, resid, pdl);
   }
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  // (`prefetch` has a default: the checks and tests that predate it call without it)
-  mod.def("wo8_gemv", &wo8_gemv, "One-row GEMV, 1-byte weights (see wo8_gemv.cu)",
-          pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("r"),
-          pybind11::arg("eps"), pybind11::arg("norm"), pybind11::arg("resid"),
-          pybind11::arg("config"), pybind11::arg("pdl"), pybind11::arg("prefetch") = 0);
+  mod.def("wo8_gemv", &wo8_gemv, "One-row GEMV, 1-byte weights (see wo8_gemv.cu)");
   mod.attr("configs") = kConfigs;
 }
 #endif  // LLMOPT_WO8_KERNELS_ONLY
