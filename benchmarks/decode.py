@@ -412,8 +412,10 @@ def config_lines(configs: list[dict]) -> list[str]:
 
 
 def round_summary(rows: list[dict]) -> list[dict]:
-    """Per point (mode, batch and switches) over the rounds: tokens/s median and range, and its
-    ratio to the first point of the same mode and round (paired: one window per round)."""
+    """Per point (mode, batch and switches) over the rounds: tokens/s median and range, its
+    ratio to the first point of the same mode, batch and round (paired: one window per round), and
+    its ratio to the round's first point of the same batch whatever its mode (`vs_mode`: one
+    format against another, e.g. int4 against bf16, paired the same way)."""
 
     def point(r: dict) -> str:
         head = "" if r["lm_head"] == "dense" else f" lm_head={r['lm_head']}"
@@ -423,16 +425,20 @@ def round_summary(rows: list[dict]) -> list[dict]:
             + (" inductor-pdl" if r["inductor_pdl"] else "")
         )
 
-    firsts = {}  # (mode, round) -> the round's first tokens/s
+    firsts = {}  # (mode, batch, round) -> the round's first tokens/s
+    across = {}  # (batch, round) -> the round's first point at that batch, any mode
     for r in rows:
-        firsts.setdefault((r["mode"], r["round"]), r["tok_s"])
+        firsts.setdefault((r["mode"], r["batch"], r["round"]), r["tok_s"])
+        across.setdefault((r["batch"], r["round"]), r)
     by_point: dict[str, list[dict]] = {}
     for r in rows:
         by_point.setdefault(point(r), []).append(r)
     out = []
     for name, rs in by_point.items():
         tok = sorted(r["tok_s"] for r in rs)
-        ratio = sorted(r["tok_s"] / firsts[r["mode"], r["round"]] for r in rs)
+        ratio = sorted(r["tok_s"] / firsts[r["mode"], r["batch"], r["round"]] for r in rs)
+        base = [across[r["batch"], r["round"]] for r in rs]
+        vs = sorted(r["tok_s"] / b["tok_s"] for r, b in zip(rs, base, strict=True))
         out.append(
             {
                 "point": name,
@@ -441,10 +447,16 @@ def round_summary(rows: list[dict]) -> list[dict]:
                 "tok_s_median": statistics.median(tok),
                 "tok_s_min": tok[0],
                 "tok_s_max": tok[-1],
-                "ratio_to_first": [r["tok_s"] / firsts[r["mode"], r["round"]] for r in rs],
+                "ratio_to_first": [
+                    r["tok_s"] / firsts[r["mode"], r["batch"], r["round"]] for r in rs
+                ],
                 "ratio_median": statistics.median(ratio),
                 "ratio_min": ratio[0],
                 "ratio_max": ratio[-1],
+                "vs_mode": base[0]["mode"],
+                "vs_mode_median": statistics.median(vs),
+                "vs_mode_min": vs[0],
+                "vs_mode_max": vs[-1],
             }
         )
     return out
@@ -722,12 +734,22 @@ def main() -> None:
             )
     if args.rounds > 1:
         results["rounds"] = round_summary(results["native"])
-        print(f"\nover {args.rounds} rounds (median [range]; ratio to the round's first point)")
+        print(
+            f"\nover {args.rounds} rounds (median [range]; ratio to the round's first point of the"
+            " format; `vs`: to the round's first format at that batch)"
+        )
+        modes = len({r["mode"] for r in results["native"]}) > 1
         for x in results["rounds"]:
             print(
                 f"{x['point']:60s} {x['tok_s_median']:9.1f} [{x['tok_s_min']:.1f}-"
                 f"{x['tok_s_max']:.1f}]  x{x['ratio_median']:.3f} [{x['ratio_min']:.3f}-"
                 f"{x['ratio_max']:.3f}]"
+                + (
+                    f"  vs {x['vs_mode']} x{x['vs_mode_median']:.3f} [{x['vs_mode_min']:.3f}-"
+                    f"{x['vs_mode_max']:.3f}]"
+                    if modes
+                    else ""
+                )
             )
     results["gemv_picks"] = L.gemv_picks()
     for pick in results["gemv_picks"]:
