@@ -17,9 +17,10 @@ launched before this one's tokens are read back; the CUDA default) and without i
 reports ms per step as timed in the decode loop (wall), the same step replayed back to back
 (device-only: the host out of the loop) and their difference (host ms: what the host adds per
 step). `--rounds N` runs the whole list of points N times in turn (A B A B: the second round
-reuses the compiled steps) and ends with each point's median and range, and its ratio to the
-first point of the same round, so a comparison has its spread. Results go to stdout (a table
-at the end) and `--json`.
+reuses the compiled steps) and ends with each point's median and range, its ratio to the
+first point of its format and batch in the same round (switches), and with several formats its
+ratio to the round's first format at that batch (`vs`: int4 against bf16), so a comparison has
+its spread. Results go to stdout (a table at the end) and `--json`.
 """
 
 from __future__ import annotations
