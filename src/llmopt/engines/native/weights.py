@@ -112,17 +112,16 @@ def fold_multipliers_(model: Transformer) -> None:
             model.model.norm.weight.div_(s)
 
 
-def fold_norms_(model: Transformer, which: Callable[[list], bool] | None = None) -> int:
+def fold_norms_(model: Transformer, per_norm: bool = False) -> int:
     """Fold each block's two RMSNorm weights into the columns of the dense projections that read
     their outputs (q/k/v, gate/up), in place, and set the norms' weights to ones: the block then
     passes the norm along with the raw residual stream (`Block.norms_folded`), so that at batch 1
     the int8/FP8 GEMV normalizes what it reads (`linear.FUSE_NORM`). Same function: norm(x) W^T
     = (x r) (W diag(g))^T. Before quantizing (the fold changes what each row's scale covers).
     Blocks of other shapes (sandwich or post norms, Gemma's 1 + w, already-quantized
-    projections) are left as they are. `which(projections)`: fold each norm on its own, where
-    its projections are all dense and `which` accepts them (int4 models, whose int4 layers take
-    their norm unfolded); by default both norms of a block or neither. Returns the number of
-    blocks folded."""
+    projections) are left as they are. `per_norm`: fold each norm on its own, where its
+    projections are all dense (int4 models, whose int4 layers take their norm unfolded); by
+    default both norms of a block or neither. Returns the number of blocks folded."""
     done = 0
     with torch.no_grad():
         for b in model.model.layers:
@@ -131,10 +130,7 @@ def fold_norms_(model: Transformer, which: Callable[[list], bool] | None = None)
             ins, outs = _block_projections(b)
             pairs = ((ins, b.input_layernorm), (outs, b.post_attention_layernorm))
             dense = [all(type(m) is nn.Linear for m in lins) for lins, _ in pairs]
-            if which is None:
-                take = [all(dense)] * 2
-            else:
-                take = [d and which(lins) for d, (lins, _) in zip(dense, pairs, strict=True)]
+            take = dense if per_norm else [all(dense)] * 2
             if not any(take):
                 continue
             gains = []
@@ -269,18 +265,17 @@ def quantize_model_(
         # the projections left 16-bit (ignored, or a group that does not divide their width:
         # SmolLM2's 576-wide inputs at int4 g128) take the dense GEMV with their norm and
         # residual add, as a 16-bit model's do, rather than cuBLAS after a norm kernel
-        dense_gemv_(model, which=lambda lins: True)
+        dense_gemv_(model, per_norm=True)
     return names
 
 
-def dense_gemv_(model: Transformer, which: Callable[[list], bool] | None = None) -> list[str]:
+def dense_gemv_(model: Transformer, per_norm: bool = False) -> list[str]:
     """For a 16-bit model under `linear.FUSE_NORM`: fold the norms (`fold_norms_`) and make each
     folded block's dense projections `linear.DenseLinear`, so that at batch 1 the one-row GEMV
     runs the RMSNorm before them and the residual add after them, as for int8/FP8 (the same
-    weights: cuBLAS still serves every other row count). `which`: as `fold_norms_`'s (each norm
-    on its own; for the projections a quantized model leaves dense). Returns the names
-    swapped."""
-    fold_norms_(model, which)
+    weights: cuBLAS still serves every other row count). `per_norm`: as `fold_norms_`'s (for the
+    projections a quantized model leaves dense). Returns the names swapped."""
+    fold_norms_(model, per_norm)
     done = []
     for i, b in enumerate(model.model.layers):
         if not b.norms_folded:
