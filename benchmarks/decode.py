@@ -398,10 +398,12 @@ def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
 def config_lines(configs: list[dict]) -> list[str]:
     """`cuda_gemv.tuned_configs()` as printed: each timed shape's config, and every config's
     time alone (do_bench, L2 flushed) in the table's order, '-' for one the point's switches
-    left out of the timing (`INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` off)."""
+    left out of the timing (`INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` / `INT4_GEMV_BULK` off, or a
+    config the GPU cannot run at that K)."""
     out = []
     for t in configs:
-        sets = "" if "teams" not in t else f" (teams {t['teams']}, early {t['early']})"
+        allowed = [f"{d} {t[d]}" for d in ("teams", "early", "bulk") if d in t]
+        sets = f" ({', '.join(allowed)})" if allowed else ""
         out.append(
             f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}{sets}: {t['config']}"
         )

@@ -282,17 +282,32 @@ def test_pick_times_each_shape_once_and_routes_by_it(monkeypatch, replay):
     assert len(calls) > before
 
 
+def _table(text: str, macro: str) -> list[tuple[int, ...]]:
+    body = text.split(f"#define {macro}(X)", 1)[1].split("\n\n", 1)[0]
+    return [
+        tuple(int(v) for v in row.split(", ")) for row in re.findall(r"X\((\d+(?:, \d+)+)\)", body)
+    ]
+
+
 @pytest.mark.parametrize("which", ["wo8", "int4"])
 def test_configs_match_the_kernel_table(which):
-    """`CONFIGS` (`INT4_CONFIGS`) index the .cu file's config list by position: they must
-    agree."""
-    source, configs = (C.SOURCE, C.CONFIGS) if which == "wo8" else (C.INT4_SOURCE, C.INT4_CONFIGS)
-    rows = [
-        tuple(int(v) for v in row.split(", "))
-        for row in re.findall(r"^\s*X\((\d+(?:, \d+)+)\)", source.read_text(), re.M)
-    ]
+    """`CONFIGS` (`INT4_CONFIGS`) index the .cu file's config lists by position: they must
+    agree (int4: the register kernel's list, then the bulk kernel's, whose rows lack the
+    loads-per-step and early columns: 1 and 0 in `INT4_CONFIGS`)."""
+    if which == "wo8":
+        rows = _table(C.SOURCE.read_text(), "LLMOPT_WO8_CONFIGS")
+        configs = tuple(tuple(cfg) for _, *cfg in rows)
+        assert configs == C.CONFIGS
+    else:
+        text = C.INT4_SOURCE.read_text()
+        plain = _table(text, "LLMOPT_INT4_CONFIGS")
+        bulk = _table(text, "LLMOPT_INT4_BULK_CONFIGS")
+        rows = plain + bulk
+        configs = tuple((*cfg, 0) for _, *cfg in plain)
+        configs += tuple((r, w, 1, c, s, 0, b) for _, r, w, c, s, b in bulk)
+        assert configs == C.INT4_CONFIGS
+        assert f"constexpr int kConfigs = {len(rows)};" in text
     assert [i for i, *_ in rows] == list(range(len(rows)))
-    assert tuple(tuple(cfg) for _, *cfg in rows) == configs
     assert 0 <= C.DEFAULT_CONFIG < len(configs)
 
 
@@ -325,10 +340,13 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
             q, s = L.quantize_int4(w, group)
             deq = (q.float().reshape(n, -1, group) * s[..., None]).reshape(n, k)
             packed, sc = L.pack_int4_planar(q), s.to(adtype).contiguous()
+            runnable = C.int4_runnable(0, k, group)
+            # (sm_90: the bulk-copy configs run, those that fit the shared memory at this K)
+            assert C.bulk_copies(0) == any(C.INT4_CONFIGS[c][6] for c in runnable)
             for m in (1, 3):
                 x = torch.randn(m, k, device="cuda", generator=g).to(adtype)
                 want = x.float() @ deq.t()
-                for c in range(len(C.INT4_CONFIGS)):
+                for c in runnable:
                     got = mod.int4_gemv(x, packed, sc, x, x, group, 0.0, False, False, c, False)
                     err = float((got.float() - want).norm() / want.norm())
                     assert err < 1e-2, (n, k, group, m, c, err)
@@ -357,12 +375,14 @@ def test_int4_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
     # neither teams nor the early step: the shape is timed again, among the rest only
     monkeypatch.setattr(L, "INT4_GEMV_TEAMS", False)
     monkeypatch.setattr(L, "INT4_GEMV_EARLY", False)
+    monkeypatch.setattr(L, "INT4_GEMV_BULK", False)
     got = L.int4_mm(x, packed, sc, None, 128, "gemv")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    plain = [t for t in C.tuned_configs() if t["n"] == n and not t["teams"] and not t["early"]]
-    assert len(plain) == 1 and plain[0]["config"][4:] == [1, 0]
+    plain = [t for t in C.tuned_configs() if t["n"] == n and not (t["teams"] or t["early"])]
+    plain = [t for t in plain if not t["bulk"]]
+    assert len(plain) == 1 and plain[0]["config"][4:] == [1, 0, 0]
     assert [u is None for u in plain[0]["us"]] == [
-        c not in C.int4_configs(False, False) for c in range(len(C.INT4_CONFIGS))
+        c not in C.int4_configs(False, False, False) for c in range(len(C.INT4_CONFIGS))
     ]
     zero = torch.zeros_like(sc)
     before = len(C._TUNED)
@@ -392,7 +412,7 @@ def test_int4_cuda_gemv_fuses_the_norm_and_residual_as_triton_does_on_gpu(monkey
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(adtype)
         want = (normed * gw).float() @ deq.t() + r.float()
-        for c in range(len(C.INT4_CONFIGS)):
+        for c in C.int4_runnable(0, k, 64):
             got = mod.int4_gemv(x, packed, sc, gw, r, 64, eps, True, True, c, False)
             err = float((got.float() - want).norm() / want.norm())
             assert err < 1e-2, (m, c, err)
@@ -435,7 +455,7 @@ def test_int4_cuda_gemv_stages_massive_activations_scaled_down_on_gpu(adtype):
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * gw.float()
         for fused, want in ((False, xf @ deq.t()), (True, normed @ deq.t())):
-            for c in range(len(C.INT4_CONFIGS)):
+            for c in C.int4_runnable(0, k, 128):
                 got = mod.int4_gemv(x, packed, sc, gw, x, 128, eps, fused, False, c, False)
                 assert torch.isfinite(got).all(), (zeroed, fused, c)
                 err = float((got.float() - want).norm() / want.norm())
@@ -479,12 +499,16 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = 6
-    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = {0: 0.0123, 6: 0.0101}
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = {
+        0: 0.0123,
+        6: 0.0101,
+    }
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
-    assert (int4["teams"], int4["early"]) == (True, False) and "teams" not in wo8
+    assert (int4["teams"], int4["early"], int4["bulk"]) == (True, False, True)
+    assert "teams" not in wo8
     assert int4["us"][0] == 12.3 and int4["us"][6] == 10.1 and int4["us"][1] is None
     assert len(int4["us"]) == len(C.INT4_CONFIGS) and wo8["us"] == [None] * len(C.CONFIGS)
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
@@ -502,12 +526,12 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
     spec.loader.exec_module(decode)
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True)
+    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True, True)
     C._TUNED[key] = 0
     C._TIMES[key] = {c: 0.01 + c / 1e4 for c in C.int4_configs(teams=False)}
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2  # timed under capture
     head, times, wo8 = decode.config_lines(C.tuned_configs())
-    assert "(teams False, early True)" in head and "teams" not in wo8
+    assert "(teams False, early True, bulk True)" in head and "teams" not in wo8
     cells = times.split(": ")[1].split()
     assert len(cells) == len(C.INT4_CONFIGS) and cells[0] == "10.0"
     assert [c == "-" for c in cells] == [
@@ -517,34 +541,38 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
 
 @pytest.mark.parametrize("teams", [True, False])
 @pytest.mark.parametrize("early", [True, False])
-def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, early):
-    """`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` off: the per-shape timing runs and may choose
-    only configs without teams of warps / without the early second step, and a shape timed
-    under one set is timed again under another (the set is part of the key), so that each
-    point of an end-to-end A/B gets its own choice. The fastest config is made a team one with
-    an early step, so that excluding either must change the choice."""
+@pytest.mark.parametrize("bulk", [True, False])
+def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, early, bulk):
+    """`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` / `INT4_GEMV_BULK` off: the per-shape timing
+    runs and may choose only configs without teams of warps / without the early second step /
+    without bulk copies, and a shape timed under one set is timed again under another (the set
+    is part of the key), so that each point of an end-to-end A/B gets its own choice. The
+    fastest config is a bulk one with teams, the next a team one with an early step, so that
+    excluding any must change the choice."""
     import triton.testing
 
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1))
+    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 0, 2))
+    second = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1, 0))
     ran = []
 
     def fake_bench(fn, **kw):
         c = fn()
         ran.append(c)
-        return 1.0 if c == fastest else 2.0 + c / 100  # then the lowest index wins
+        return {fastest: 0.5, second: 1.0}.get(c, 2.0 + c / 100)  # then the lowest index wins
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
-    allowed = C.int4_configs(teams, early)
-    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early)
+    allowed = C.int4_configs(teams, early, bulk)
+    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early, bulk)
     got = C._tuned(key, allowed, lambda c: c)
     assert sorted(ran) == allowed
     assert all(C.INT4_CONFIGS[c][4] == 1 or teams for c in ran)
     assert all(C.INT4_CONFIGS[c][5] == 0 or early for c in ran)
-    assert got == (fastest if teams and early else 0)
-    other = key[:-2] + (not teams, early)
-    C._tuned(other, C.int4_configs(not teams, early), lambda c: c)
+    assert all(C.INT4_CONFIGS[c][6] == 0 or bulk for c in ran)
+    assert got == (fastest if teams and bulk else second if teams and early else 0)
+    other = key[:-3] + (not teams, early, bulk)
+    C._tuned(other, C.int4_configs(not teams, early, bulk), lambda c: c)
     assert len(C._TUNED) == 2
     assert C._tuned(key, allowed, lambda c: pytest.fail("timed twice")) == got

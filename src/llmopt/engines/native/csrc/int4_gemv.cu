@@ -43,7 +43,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -90,6 +92,140 @@ __device__ __forceinline__ void word_as_pairs(uint32_t word, half2 (&q)[4]) {
   q[1] = __hfma2(as_half2(and_xor(word, 0x00f000f0u, 0x64806480u)), hi_mul, hi_add);
   q[2] = __hfma2(as_half2(and_xor(w8, 0x000f000fu, 0x64086408u)), lo_mul, lo_add);
   q[3] = __hfma2(as_half2(and_xor(w8, 0x00f000f0u, 0x64806480u)), hi_mul, hi_add);
+}
+
+// Stages the activations x_r (K,) once per block as xs' f16 pairs (x[k0], x[k0 + 128]) (tile t,
+// nibble position s, word j), with `norm` first normalized (see NORM above); returns `up`, the
+// power of two the staged row was divided by (1 unless its largest |value| is above kStageMax).
+// Ends with a block barrier.
+template <typename T, int WARPS>
+__device__ __forceinline__ float stage_row(const T* __restrict__ xr, const T* __restrict__ g,
+                                           float eps, int k, bool norm, half2* xs) {
+  constexpr int THREADS = WARPS * 32;
+  __shared__ float red[WARPS];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float inv_rms = 1.0f;
+  if (norm) {  // the row's sum of squares, before anything is staged
+    float sq = 0.0f;
+    for (int idx = threadIdx.x; idx < k; idx += THREADS) {
+      const float v = to_float<T>(xr[idx]);
+      sq = fmaf(v, v, sq);
+    }
+    sq = warp_sum(sq);
+    if (lane == 0) red[warp] = sq;
+    __syncthreads();
+    sq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < WARPS; ++j) sq += red[j];
+    inv_rms = rsqrtf(sq / k + eps);
+  }
+  // The value staged at position k0 (before any scaling down): x, or the norm's output.
+  auto value = [&](int k0) {
+    const float v = to_float<T>(xr[k0]);
+    return norm ? v * inv_rms * to_float<T>(g[k0]) : v;
+  };
+  auto pair_k0 = [](int idx) { return 256 * (idx >> 7) + 32 * ((idx >> 5) & 3) + (idx & 31); };
+  // Staged as it is, the row's largest |value| found on the way; a row above kStageMax (rare:
+  // a few massive activations) is staged again, scaled down (each thread rewrites its own).
+  __shared__ float peak[WARPS];
+  float amax = 0.0f;
+  for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
+    const int k0 = pair_k0(idx);
+    const float lo = value(k0), hi = value(k0 + 128);
+    amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
+    xs[idx] = __floats2half2_rn(lo, hi);
+  }
+  amax = warp_max(amax);
+  if (lane == 0) peak[warp] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < WARPS; ++j) amax = fmaxf(amax, peak[j]);
+  float up = 1.0f;
+  // (a NaN or infinite row stays as it is: the output is then not finite, as the reference's)
+  if (amax > kStageMax && amax <= 3.0e38f) {  // (the same on every thread of the block)
+    up = exp2f(ceilf(log2f(amax / kStageMax)));
+    const float down = 1.0f / up;  // (a power of two: exact)
+    for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
+      const int k0 = pair_k0(idx);
+      xs[idx] = __floats2half2_rn(value(k0) * down, value(k0 + 128) * down);
+    }
+  }
+  __syncthreads();
+  return up;
+}
+
+// One piece (16 bytes: 32 codes of four words) of ROWS rows against the staged activations:
+// acc[i] += the piece's products with row i's codes, scaled per group. `wp(i)` is row i's
+// piece (from registers or shared memory), `scr` the rows' scales (ROWS, groups) as fp32.
+template <int ROWS, int GS, typename Piece>
+__device__ __forceinline__ void piece_products(const half2* xs, int p, Piece wp,
+                                               const float* scr, int groups, int group_shift,
+                                               float (&acc)[ROWS]) {
+  const int t = p >> 3, j0 = (p & 7) * 4;  // the tile and the piece's first word in it
+  half2 xp[4][4];                             // [s][word]: x pairs of this piece
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint4 v = *reinterpret_cast<const uint4*>(xs + t * 128 + s * 32 + j0);
+    xp[s][0] = as_half2(v.x);
+    xp[s][1] = as_half2(v.y);
+    xp[s][2] = as_half2(v.z);
+    xp[s][3] = as_half2(v.w);
+  }
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const uint4 piece = wp(i);
+    const uint32_t ww[4] = {piece.x, piece.y, piece.z, piece.w};
+    half2 part[GS];
+#pragma unroll
+    for (int a = 0; a < GS; ++a) part[a] = __float2half2_rn(0.0f);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      half2 q[4];
+      word_as_pairs(ww[b], q);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) part[s * GS / 4] = __hfma2(q[s], xp[s][b], part[s * GS / 4]);
+    }
+#pragma unroll
+    for (int a = 0; a < GS; ++a) {
+      const float2 f = __half22float2(part[a]);
+      const int kx = 256 * t + 32 * (a * 4 / GS);  // the first code of the pair's low half
+      acc[i] = fmaf(f.x, scr[i * groups + (kx >> group_shift)], acc[i]);
+      acc[i] = fmaf(f.y, scr[i * groups + ((kx + 128) >> group_shift)], acc[i]);
+    }
+  }
+}
+
+// The end of a step of SPLIT groups of ROWS rows (group t of team t, rows first, first + ROWS,
+// ...): each team's sums to y (times 16 up: codes as q / 16, x staged as x / up), the residual
+// added with `resid`, and acc cleared. Starts with a block barrier; with `again` ends with one
+// (`partial` read before the next step writes it).
+template <typename T, int ROWS, int WARPS, int SPLIT>
+__device__ __forceinline__ void write_rows(float (&acc)[ROWS], float (*partial)[ROWS],
+                                           int first, float up, const T* __restrict__ r,
+                                           T* __restrict__ y, int m, int n, bool resid,
+                                           bool again) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) partial[warp][i] = acc[i];
+  }
+  __syncthreads();
+  constexpr int TEAM_WARPS = WARPS / SPLIT;
+  const int ot = threadIdx.x / ROWS, oi = threadIdx.x % ROWS;  // output: team, row in its group
+  const int row = first + ot * ROWS + oi;
+  if (threadIdx.x < SPLIT * ROWS && row < n) {
+    float v = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TEAM_WARPS; ++j) v += partial[ot * TEAM_WARPS + j][oi];
+    v *= 16.0f * up;
+    if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + row]);
+    y[static_cast<size_t>(m) * n + row] = from_float<T>(v);
+  }
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
+  if (again) __syncthreads();
 }
 
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
@@ -153,55 +289,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   grid_dependency_wait();
   const T* xr = x + static_cast<size_t>(m) * k;
   __shared__ float partial[WARPS][ROWS];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float inv_rms = 1.0f;
-  if (norm) {  // the row's sum of squares, before anything is staged (see NORM above)
-    float sq = 0.0f;
-    for (int idx = threadIdx.x; idx < k; idx += THREADS) {
-      const float v = to_float<T>(xr[idx]);
-      sq = fmaf(v, v, sq);
-    }
-    sq = warp_sum(sq);
-    if (lane == 0) partial[warp][0] = sq;
-    __syncthreads();
-    sq = 0.0f;
-#pragma unroll
-    for (int j = 0; j < WARPS; ++j) sq += partial[j][0];
-    inv_rms = rsqrtf(sq / k + eps);
-  }
-  // The value staged at position k0 (before any scaling down): x, or the norm's output.
-  auto value = [&](int k0) {
-    const float v = to_float<T>(xr[k0]);
-    return norm ? v * inv_rms * to_float<T>(g[k0]) : v;
-  };
-  // Staged pair idx holds (x[k0], x[k0 + 128]): tile t, nibble position s, word j.
-  auto pair_k0 = [](int idx) { return 256 * (idx >> 7) + 32 * ((idx >> 5) & 3) + (idx & 31); };
-  // Staged as it is, the row's largest |value| found on the way; a row above kStageMax (rare:
-  // a few massive activations) is staged again, scaled down (each thread rewrites its own).
-  __shared__ float peak[WARPS];
-  float amax = 0.0f;
-  for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
-    const int k0 = pair_k0(idx);
-    const float lo = value(k0), hi = value(k0 + 128);
-    amax = fmaxf(amax, fmaxf(fabsf(lo), fabsf(hi)));
-    xs[idx] = __floats2half2_rn(lo, hi);
-  }
-  amax = warp_max(amax);
-  if (lane == 0) peak[warp] = amax;
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < WARPS; ++j) amax = fmaxf(amax, peak[j]);
-  float up = 1.0f;
-  // (a NaN or infinite row stays as it is: the output is then not finite, as the reference's)
-  if (amax > kStageMax && amax <= 3.0e38f) {  // (the same on every thread of the block)
-    up = exp2f(ceilf(log2f(amax / kStageMax)));
-    const float down = 1.0f / up;  // (a power of two: exact)
-    for (int idx = threadIdx.x; idx < k / 2; idx += THREADS) {
-      const int k0 = pair_k0(idx);
-      xs[idx] = __floats2half2_rn(value(k0) * down, value(k0 + 128) * down);
-    }
-  }
-  __syncthreads();  // (also: every warp has read `partial` before the epilogue writes it)
+  const float up = stage_row<T, WARPS>(xr, g, eps, k, norm, xs);
 
   float acc[ROWS];
 #pragma unroll
@@ -216,37 +304,8 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     for (int u = 0; u < UNROLL; ++u) {
       const int p = b + tid + u * TEAM;
       if (p >= pieces) break;
-      const int t = p >> 3, j0 = (p & 7) * 4;  // the tile and the piece's first word in it
-      half2 xp[4][4];                             // [s][word]: x pairs of this piece
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint4 v = *reinterpret_cast<const uint4*>(xs + t * 128 + s * 32 + j0);
-        xp[s][0] = as_half2(v.x);
-        xp[s][1] = as_half2(v.y);
-        xp[s][2] = as_half2(v.z);
-        xp[s][3] = as_half2(v.w);
-      }
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i) {
-        const uint32_t ww[4] = {cur[u][i].x, cur[u][i].y, cur[u][i].z, cur[u][i].w};
-        half2 part[GS];
-#pragma unroll
-        for (int a = 0; a < GS; ++a) part[a] = __float2half2_rn(0.0f);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          half2 q[4];
-          word_as_pairs(ww[b], q);
-#pragma unroll
-          for (int s = 0; s < 4; ++s) part[s * GS / 4] = __hfma2(q[s], xp[s][b], part[s * GS / 4]);
-        }
-#pragma unroll
-        for (int a = 0; a < GS; ++a) {
-          const float2 f = __half22float2(part[a]);
-          const int kx = 256 * t + 32 * (a * 4 / GS);  // the first code of the pair's low half
-          acc[i] = fmaf(f.x, scr[i * groups + (kx >> group_shift)], acc[i]);
-          acc[i] = fmaf(f.y, scr[i * groups + ((kx + 128) >> group_shift)], acc[i]);
-        }
-      }
+      piece_products<ROWS, GS>(xs, p, [&](int i) { return cur[u][i]; }, scr, groups,
+                               group_shift, acc);
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -260,30 +319,144 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     }
     if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
       if (nc == TEAM_CHUNKS) launch_dependents();
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i) acc[i] = warp_sum(acc[i]);
-      if (lane == 0) {
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) partial[warp][i] = acc[i];
-      }
-      __syncthreads();
-      constexpr int TEAM_WARPS = WARPS / SPLIT;
-      const int ot = threadIdx.x / ROWS, oi = threadIdx.x % ROWS;  // output: team, row in chunk
-      const int row = n0 + (c * SPLIT + ot) * ROWS + oi;
-      if (threadIdx.x < SPLIT * ROWS && row < n) {
-        float v = 0.0f;
-#pragma unroll
-        for (int j = 0; j < TEAM_WARPS; ++j) v += partial[ot * TEAM_WARPS + j][oi];
-        v *= 16.0f * up;  // (codes as q / 16, x staged as x / up)
-        if (resid) v += to_float<T>(r[static_cast<size_t>(m) * n + row]);
-        y[static_cast<size_t>(m) * n + row] = from_float<T>(v);
-      }
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-      if (TEAM_CHUNKS > 1) __syncthreads();  // (`partial` read before the next chunk writes it)
+      write_rows<T, ROWS, WARPS, SPLIT>(acc, partial, n0 + c * SPLIT * ROWS, up, r, y, m, n,
+                                        resid, TEAM_CHUNKS > 1);
     }
     c = nc, b = nb;
   }
+}
+
+// sm_90's bulk copies (the TMA without a tensor map): one thread asks for a contiguous range of
+// global memory to be written into shared memory, and an mbarrier completes when its bytes have
+// arrived (PTX ISA: cp.async.bulk, mbarrier).
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(bar)) : "memory");
+}
+
+// The barriers' initialization visible to the bulk copies (the async proxy) that complete them.
+__device__ __forceinline__ void barrier_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from src to dst, completing `bar`'s
+// current phase on arrival.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_address(dst)),
+      "l"(src), "r"(bytes), "r"(smem_address(bar))
+      : "memory");
+#endif
+}
+
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// The same GEMV with the weights streamed into shared memory by bulk copies (sm_90), for
+// BULK configs: a block's rows are CHUNKS groups of ROWS rows, dealt to SPLIT teams of warps as
+// in the kernel above, and a step (SPLIT groups side by side: SPLIT x ROWS consecutive rows,
+// one contiguous range of the packed weights) is one bulk copy into one of STAGES buffers.
+// Thread 0 requests the first STAGES steps before the dependency wait and each later step as
+// soon as every thread has read the buffer it reuses. Where the kernel above keeps one or two
+// loop steps of 16-byte loads in flight per thread (bounded by its registers), a block here has
+// up to STAGES x SPLIT x ROWS rows of weights in flight (at K = 4,096 and the small
+// projections, all of its weights) from its first instruction, and its threads hold none of
+// them in registers.
+template <typename T, int ROWS, int WARPS, int CHUNKS, int SPLIT, int STAGES, int GS>
+__global__ void __launch_bounds__(WARPS * 32) int4_gemv_bulk_kernel(
+    const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
+    const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
+    int group_shift, bool norm, bool resid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(WARPS % SPLIT == 0 && CHUNKS % SPLIT == 0, "teams of whole warps and groups");
+  constexpr int THREADS = WARPS * 32;
+  constexpr int TEAM = THREADS / SPLIT;
+  constexpr int STEPS = CHUNKS / SPLIT;
+  constexpr int RING = STEPS < STAGES ? STEPS : STAGES;  // buffers in use
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int m = blockIdx.y;
+  const int n0 = blockIdx.x * ROWS * CHUNKS;
+  const int words = k / 8, pieces = words / 4;
+  const int groups = k >> group_shift;
+  const size_t row_bytes = static_cast<size_t>(k) / 2;
+  const size_t stage_bytes = SPLIT * ROWS * row_bytes;  // (a multiple of 128: K % 256 == 0)
+  unsigned char* ring = smem;
+  half2* xs = reinterpret_cast<half2*>(smem + RING * stage_bytes);
+  float* sc = reinterpret_cast<float*>(smem + RING * stage_bytes + 2 * static_cast<size_t>(k));
+  __shared__ uint64_t full[RING];
+  auto request = [&](int s) {  // step s's rows into buffer s % RING (thread 0)
+    const int first = n0 + s * SPLIT * ROWS;
+    const int rows = min(SPLIT * ROWS, n - first);
+    if (rows > 0) {
+      bulk_load(ring + (s % RING) * stage_bytes, w + static_cast<size_t>(first) * words,
+                static_cast<uint32_t>(rows * row_bytes), &full[s % RING]);
+    } else {
+      barrier_arrive(&full[s % RING]);  // (past the last row: nothing to wait for)
+    }
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < RING; ++s) barrier_init(&full[s]);
+    barrier_init_fence();
+#pragma unroll
+    for (int s = 0; s < RING; ++s) request(s);
+  }
+  for (int idx = threadIdx.x; idx < CHUNKS * ROWS * groups; idx += THREADS) {
+    const int i = idx / groups, g = idx % groups;
+    sc[idx] = to_float<T>(scale[static_cast<size_t>(min(n0 + i, n - 1)) * groups + g]);
+  }
+  grid_dependency_wait();
+  __shared__ float partial[WARPS][ROWS];
+  // (its closing barrier also makes the mbarriers' initialization visible to every thread)
+  const float up = stage_row<T, WARPS>(x + static_cast<size_t>(m) * k, g, eps, k, norm, xs);
+
+  const int team = threadIdx.x / TEAM, tid = threadIdx.x % TEAM;
+  float acc[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
+  for (int s = 0; s < STEPS; ++s) {
+    barrier_wait(&full[s % RING], (s / RING) & 1);
+    // this team's ROWS rows of the buffer, and their scales
+    const uint4* rows = reinterpret_cast<const uint4*>(ring + (s % RING) * stage_bytes) +
+                        static_cast<size_t>(team) * ROWS * pieces;
+    const float* scr = sc + (s * SPLIT + team) * ROWS * groups;
+    for (int p = tid; p < pieces; p += TEAM) {
+      piece_products<ROWS, GS>(xs, p, [&](int i) { return rows[i * pieces + p]; }, scr, groups,
+                               group_shift, acc);
+    }
+    if (s == STEPS - 1) launch_dependents();
+    // write_rows' first barrier: every thread is done with the buffer, which thread 0 refills
+    write_rows<T, ROWS, WARPS, SPLIT>(acc, partial, n0 + s * SPLIT * ROWS, up, r, y, m, n,
+                                      resid, STEPS > 1);
+    if (threadIdx.x == 0 && s + RING < STEPS) request(s + RING);
+  }
+#else
+  __trap();  // (`int4_gemv` refuses bulk configs below sm_90)
+#endif
 }
 
 // (ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY): `cuda_gemv.INT4_CONFIGS`, same order.
@@ -309,7 +482,18 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   X(18, 4, 8, 1, 8, 2, 1)  \
   X(19, 4, 16, 1, 8, 4, 1)
 
-constexpr int kConfigs = 20;
+// (ROWS, WARPS, CHUNKS, SPLIT, STAGES) of int4_gemv_bulk_kernel: the same table's last rows.
+#define LLMOPT_INT4_BULK_CONFIGS(X) \
+  X(20, 4, 4, 4, 1, 4)              \
+  X(21, 4, 4, 8, 1, 4)              \
+  X(22, 4, 4, 16, 1, 4)             \
+  X(23, 4, 8, 8, 2, 4)              \
+  X(24, 4, 8, 32, 2, 4)             \
+  X(25, 8, 8, 8, 2, 2)              \
+  X(26, 4, 16, 8, 4, 2)             \
+  X(27, 2, 4, 8, 1, 4)
+
+constexpr int kConfigs = 28;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
 #define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS)       \
@@ -324,6 +508,18 @@ constexpr int kConfigs = 20;
 LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 #undef LLMOPT_INSTANTIATE_GS
+#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, GS)                     \
+  template __global__ void int4_gemv_bulk_kernel<__nv_bfloat16, ROWS, WARPS, CHUNKS, SPLIT,   \
+                                                 STAGES, GS>(                              \
+      const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
+      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
+#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, CHUNKS, SPLIT, STAGES) \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, 1)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, 2)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, 4)
+LLMOPT_INT4_BULK_CONFIGS(LLMOPT_INSTANTIATE)
+#undef LLMOPT_INSTANTIATE
+#undef LLMOPT_INSTANTIATE_GS
 }  // namespace
 #else
 
@@ -336,17 +532,39 @@ struct Fused {
   bool norm, resid;
 };
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int GS>
-void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
-            at::Tensor& y, int64_t group, bool pdl) {
+// Shared memory of a config at K and G: the staged activations (2 K bytes), the block's scales
+// as fp32, and a bulk config's buffers (STAGES, or fewer where the block has fewer steps).
+size_t smem_for(int rows, int chunks, int split, int stages, int64_t k, int64_t group) {
+  const int64_t buffers = std::min<int64_t>(stages, chunks / split);
+  return static_cast<size_t>(buffers * split * rows * (k / 2) + 2 * k +
+                             static_cast<int64_t>(sizeof(float)) * chunks * rows * (k / group));
+}
+
+// GS, accumulators per pair position: 4 for groups of 32, 2 for 64, 1 for 128 and more.
+template <typename F>
+void with_gs(int64_t group, F&& f) {
+  if (group == 32) f(std::integral_constant<int, 4>{});
+  else if (group == 64) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
+// One launch of either kernel: a block of `warps` warps per `rows` output rows of each x row.
+template <typename T, typename Kernel>
+void launch(Kernel kernel, int warps, int rows, size_t smem, const at::Tensor& x,
+            const at::Tensor& w, const at::Tensor& scale, const Fused& f, at::Tensor& y,
+            int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
-  const size_t smem = 2 * static_cast<size_t>(k) + sizeof(float) * CHUNKS * ROWS * (k / group);
-  auto kernel = int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS>;
   if (smem > 48 * 1024) {
+    int limit = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                          x.device().index()));
+    TORCH_CHECK(smem <= static_cast<size_t>(limit), "int4_gemv: this config needs ", smem,
+                " bytes of shared memory at K = ", k, ", the GPU allows ", limit,
+                " (cuda_gemv.int4_configs leaves it out)");
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  Launch l(dim3((n + CHUNKS * ROWS - 1) / (CHUNKS * ROWS), m), dim3(WARPS * 32), smem, pdl);
+  Launch l(dim3((n + rows - 1) / rows, m), dim3(warps * 32), smem, pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &l.cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
       reinterpret_cast<const uint32_t*>(w.data_ptr()),
@@ -355,27 +573,60 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, c
       __builtin_ctzll(group), f.norm, f.resid));
 }
 
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY>
-void by_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const Fused& f,
-              at::Tensor& y, int64_t group, bool pdl) {
-  // GS, accumulators per pair position: 4 for groups of 32, 2 for 64, 1 for 128 and more
-  if (group == 32) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 4>(x, w, scale, f, y, group, pdl);
-  else if (group == 64) launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 2>(x, w, scale, f, y, group, pdl);
-  else launch<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 1>(x, w, scale, f, y, group, pdl);
+int major(const at::Tensor& x) {
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, x.device().index()));
+  return v;
 }
 
 template <typename T>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
               const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
+  const int64_t k = x.size(1);
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY)                       \
-  case I:                                                                               \
-    by_group<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY>(x, w, scale, f, y, group, pdl); \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY)                          \
+  case I:                                                                                  \
+    with_gs(group, [&](auto gs) {                                                           \
+      launch<T>(int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, gs.value>,    \
+                WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, SPLIT, 0, k, group), x, w, scale, \
+                f, y, group, pdl);                                                         \
+    });                                                                                    \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
+#define LLMOPT_CASE(I, ROWS, WARPS, CHUNKS, SPLIT, STAGES)                                  \
+  case I:                                                                                  \
+    TORCH_CHECK(major(x) >= 9, "int4_gemv: config ", I,                                    \
+                " (bulk copies) needs compute capability 9.0");                             \
+    with_gs(group, [&](auto gs) {                                                           \
+      launch<T>(int4_gemv_bulk_kernel<T, ROWS, WARPS, CHUNKS, SPLIT, STAGES, gs.value>,      \
+                WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, SPLIT, STAGES, k, group), x, w,   \
+                scale, f, y, group, pdl);                                                  \
+    });                                                                                    \
+    break;
+    LLMOPT_INT4_BULK_CONFIGS(LLMOPT_CASE)
+#undef LLMOPT_CASE
     default:
       TORCH_CHECK(false, "int4_gemv: config ", config, " out of range 0..", kConfigs - 1);
+  }
+}
+
+// The shared memory config `config` needs at K and G (`cuda_gemv.int4_configs` leaves out what
+// the GPU cannot give one block).
+int64_t int4_smem(int64_t config, int64_t k, int64_t group) {
+  switch (config) {
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
+  case I:                                                         \
+    return smem_for(ROWS, CHUNKS, SPLIT, 0, k, group);
+    LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
+#undef LLMOPT_CASE
+#define LLMOPT_CASE(I, ROWS, WARPS, CHUNKS, SPLIT, STAGES) \
+  case I:                                                  \
+    return smem_for(ROWS, CHUNKS, SPLIT, STAGES, k, group);
+    LLMOPT_INT4_BULK_CONFIGS(LLMOPT_CASE)
+#undef LLMOPT_CASE
+    default:
+      TORCH_CHECK(false, "int4_smem: config ", config, " out of range 0..", kConfigs - 1);
   }
 }
 
@@ -422,6 +673,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_gemv", &int4_gemv, "One-row GEMV, int4 planar weights (see int4_gemv.cu)");
+  mod.def("int4_smem", &int4_smem, "Shared memory (bytes) of a config at K and G");
   mod.attr("configs") = kConfigs;
 }
 #endif  // LLMOPT_INT4_KERNELS_ONLY
