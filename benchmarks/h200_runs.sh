@@ -181,6 +181,11 @@ for step in "$@"; do
       python3 benchmarks/decode.py --shape llama-3.1-8b --modes bf16 --batches ${BATCHES:-1 64} \
         --attention triton --overlap off on ${PROFILE:---profile} --json "$OUT/overlap.json" \
         > "$OUT/overlap.log" 2>&1; grep -v "^ " "$OUT/overlap.log" | tail -12 ;;
+    int4-configs)  # issue 24: every config of the CUDA int4 GEMV alone per 8B shape (us, GB/s;
+      # a config that fails to launch is named with its error)
+      CUDA_LAUNCH_BLOCKING=${BLOCKING:-0} python3 benchmarks/int4_gemv_configs.py \
+        --shape llama-3.1-8b --rounds ${ROUNDS:-3} --json "$OUT/int4-configs.json" \
+        2>&1 | tee "$OUT/int4-configs.log" | tail -60 ;;
     attention)  # issue 24: decode attention alone, kernel vs gather, against the copy rate
       python3 benchmarks/decode_attention.py --json "$OUT/attention.json" 2>&1 | tail -12 ;;
     kernels)  # weight-only linears alone: GB/s per shape and kernel against the copy rate

@@ -1,0 +1,106 @@
+"""Every configuration of the CUDA int4 GEMV alone, per linear shape of a model: microseconds
+per call and GB/s of weights and scales read, each config timed in ROUNDS interleaved rounds
+(Triton's `do_bench`, the L2 flushed between calls; median and range), so that a design's
+configs (`cuda_gemv.INT4_CONFIGS`: register streaming, teams of warps, the early step, the
+bulk-copy buffers) can be compared shape by shape. A config that fails to launch at a shape is
+reported with its error and left out (run with CUDA_LAUNCH_BLOCKING=1 to pin the failure to
+its launch).
+
+    python benchmarks/int4_gemv_configs.py --shape llama-3.1-8b --rounds 3 --json out.json
+
+Needs a CUDA GPU with nvcc and ninja (the extension builds on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import SHAPES  # noqa: E402
+
+from llmopt.engines.native import cuda_gemv as C  # noqa: E402
+from llmopt.engines.native import linear as L  # noqa: E402
+
+
+def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of a decoder layer's four projections, q/k/v and gate/up fused as the engine
+    fuses them."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim", h // heads)
+    return {
+        "qkv": ((heads + 2 * kv) * d, h),
+        "o": (h, heads * d),
+        "gate_up": (2 * i, h),
+        "down": (h, i),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    reason = L.prepare_cuda_gemv("cuda", int4=True)
+    if reason:
+        raise SystemExit(f"the CUDA int4 GEMV does not run here: {reason}")
+    from triton.testing import do_bench
+
+    mod = C._int4_module(C._arch(0))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    print(f"{torch.cuda.get_device_name(0)}, {args.shape}, group {args.group}, one activation row")
+    for name, (n, k) in linear_shapes(SHAPES[args.shape]).items():
+        if k % 256 or k % args.group:
+            print(f"{name} {n}x{k}: not a shape the kernel takes")
+            continue
+        q, s = L.quantize_int4(torch.randn(n, k, device="cuda", generator=g) * 0.05, args.group)
+        packed, sc = L.pack_int4_planar(q), s.to(torch.bfloat16).contiguous()
+        x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        nbytes = packed.numel() * 4 + sc.numel() * 2
+
+        def run(c, x=x, packed=packed, sc=sc):
+            return mod.int4_gemv(x, packed, sc, x, x, args.group, 0.0, False, False, c, False)
+
+        configs, failed = [], {}
+        for c in C.int4_runnable(0, k, args.group):
+            try:
+                run(c)
+                torch.cuda.synchronize()
+                configs.append(c)
+            except RuntimeError as e:
+                failed[c] = str(e).splitlines()[0][:200]
+        times = {c: [] for c in configs}
+        for _ in range(args.rounds):
+            for c in configs:
+                times[c].append(do_bench(lambda c=c: run(c), warmup=5, rep=25) * 1e3)
+        for c, msg in failed.items():
+            print(f"{name} {n}x{k} config {c} {C.INT4_CONFIGS[c]}: FAILED {msg}")
+        for c in sorted(configs, key=lambda c: statistics.median(times[c])):
+            us = statistics.median(times[c])
+            row = {"shape": name, "n": n, "k": k, "config": c, "tuple": C.INT4_CONFIGS[c]}
+            row |= {"us": us, "us_range": [min(times[c]), max(times[c])], "gbps": nbytes / us / 1e3}
+            rows.append(row)
+            print(
+                f"{name} {n}x{k} config {c:2d} {C.INT4_CONFIGS[c]}: {us:7.2f} us "
+                f"[{min(times[c]):.2f}-{max(times[c]):.2f}] {row['gbps']:7.1f} GB/s"
+            )
+        rows += [
+            {"shape": name, "n": n, "k": k, "config": c, "failed": m} for c, m in failed.items()
+        ]
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
