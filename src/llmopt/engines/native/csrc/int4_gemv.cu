@@ -540,6 +540,11 @@ size_t smem_for(int rows, int chunks, int split, int stages, int64_t k, int64_t 
                              static_cast<int64_t>(sizeof(float)) * chunks * rows * (k / group));
 }
 
+// A bound on either kernel's static shared memory (the partial sums, the reductions' slots, the
+// mbarriers: under 1 KB in every config). A launch whose dynamic and static shared memory
+// together pass 48 KB must opt in first, however little of it is static.
+constexpr size_t kStaticSmem = 2048;
+
 // GS, accumulators per pair position: 4 for groups of 32, 2 for 64, 1 for 128 and more.
 template <typename F>
 void with_gs(int64_t group, F&& f) {
@@ -554,13 +559,13 @@ void launch(Kernel kernel, int warps, int rows, size_t smem, const at::Tensor& x
             const at::Tensor& w, const at::Tensor& scale, const Fused& f, at::Tensor& y,
             int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
-  if (smem > 48 * 1024) {
+  if (smem + kStaticSmem > 48 * 1024) {
     int limit = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                           x.device().index()));
-    TORCH_CHECK(smem <= static_cast<size_t>(limit), "int4_gemv: this config needs ", smem,
-                " bytes of shared memory at K = ", k, ", the GPU allows ", limit,
-                " (cuda_gemv.int4_configs leaves it out)");
+    TORCH_CHECK(smem + kStaticSmem <= static_cast<size_t>(limit), "int4_gemv: this config needs ",
+                smem + kStaticSmem, " bytes of shared memory at K = ", k, ", the GPU allows ",
+                limit, " (cuda_gemv.int4_runnable leaves it out)");
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
@@ -611,9 +616,8 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
   }
 }
 
-// The shared memory config `config` needs at K and G (`cuda_gemv.int4_configs` leaves out what
-// the GPU cannot give one block).
-int64_t int4_smem(int64_t config, int64_t k, int64_t group) {
+// The dynamic shared memory of config `config` at K and G.
+size_t dynamic_smem(int64_t config, int64_t k, int64_t group) {
   switch (config) {
 #define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
   case I:                                                         \
@@ -628,6 +632,12 @@ int64_t int4_smem(int64_t config, int64_t k, int64_t group) {
     default:
       TORCH_CHECK(false, "int4_smem: config ", config, " out of range 0..", kConfigs - 1);
   }
+}
+
+// The shared memory config `config` needs at K and G, static included (`cuda_gemv.int4_runnable`
+// leaves out what the GPU cannot give one block).
+int64_t int4_smem(int64_t config, int64_t k, int64_t group) {
+  return static_cast<int64_t>(kStaticSmem + dynamic_smem(config, k, group));
 }
 
 }  // namespace
