@@ -422,7 +422,7 @@ def int4_configs(teams: bool = True, early: bool = True, bulk: bool = True) -> l
     the GPU gives a block).
 
     >>> len(int4_configs()), len(int4_configs(teams=False)), len(int4_configs(early=False))
-    (28, 19, 23)
+    (28, 17, 23)
     >>> len(int4_configs(bulk=False)), DEFAULT_CONFIG in int4_configs(False, False, False)
     (20, True)
     """
