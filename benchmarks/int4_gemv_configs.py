@@ -4,7 +4,7 @@ per call and GB/s of weights and scales read, each config timed in ROUNDS interl
 configs (`cuda_gemv.INT4_CONFIGS`: register streaming, teams of warps, the early step, the
 bulk-copy buffers) can be compared shape by shape. A config that fails to launch at a shape is
 reported with its error and left out (run with CUDA_LAUNCH_BLOCKING=1 to pin the failure to
-its launch).
+its launch), as is one whose output is not the fp32 reference's (relative error above 1e-2).
 
     python benchmarks/int4_gemv_configs.py --shape llama-3.1-8b --rounds 3 --json out.json
 
@@ -72,14 +72,20 @@ def main() -> None:
         def run(c, x=x, packed=packed, sc=sc):
             return mod.int4_gemv(x, packed, sc, x, x, args.group, 0.0, False, False, c, False)
 
+        deq = (q.float().reshape(n, -1, args.group) * s[..., None]).reshape(n, k)
+        want = x.float() @ deq.t()
         configs, failed = [], {}
         for c in C.int4_runnable(0, k, args.group):
             try:
-                run(c)
+                err = float((run(c).float() - want).norm() / want.norm())
                 torch.cuda.synchronize()
-                configs.append(c)
             except RuntimeError as e:
                 failed[c] = str(e).splitlines()[0][:200]
+                continue
+            if err > 1e-2:
+                failed[c] = f"wrong result (relative error {err:.2e} against fp32)"
+            else:
+                configs.append(c)
         times = {c: [] for c in configs}
         for _ in range(args.rounds):
             for c in configs:

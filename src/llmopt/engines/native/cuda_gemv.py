@@ -91,6 +91,7 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 _REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
 _INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
+_BULK_REASON: dict[int, str] = {}  # the same for its bulk-copy configs (checked apart)
 _TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
 _TIMES: dict[tuple, dict[int, float]] = {}  # the same keys -> config -> its time (ms), as timed
 
@@ -168,16 +169,28 @@ def unavailable_reason(index: int, cases: Cases) -> str:
 
 
 def int4_available(index: int, cases: Cases) -> bool:
-    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`)."""
-    check = functools.partial(
-        _check,
-        index,
-        _int4_module,
-        "int4_gemv",
-        len(INT4_CONFIGS),
-        cases,
-        lambda: int4_configs(bulk=bulk_copies(index)),
-    )
+    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`). The bulk-copy configs are
+    checked apart: where they fail (or the GPU is older than sm_90) they are left out
+    (`bulk_copies`) and the register configs still run."""
+
+    def check() -> str:
+        check = functools.partial(_check, index, _int4_module, "int4_gemv", len(INT4_CONFIGS))
+        reason = check(cases, lambda: int4_configs(bulk=False))
+        if reason:
+            return reason
+        if int(_arch(index)) >= 90:
+            bulk = [c for c, cfg in enumerate(INT4_CONFIGS) if cfg[6]]
+            _BULK_REASON[index] = check(cases, lambda: bulk)
+        else:
+            _BULK_REASON[index] = "needs compute capability 9.0 (bulk copies)"
+        if _BULK_REASON[index] and not _BULK_REASON[index].startswith("needs"):
+            log.warning(
+                "the CUDA int4 GEMV's bulk-copy configs do not run on GPU %d (%s): left out",
+                index,
+                _BULK_REASON[index],
+            )
+        return ""
+
     return _decide(_INT4_REASON, index, "the CUDA int4 GEMV", check)
 
 
@@ -383,10 +396,10 @@ def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=Tr
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@functools.cache
 def bulk_copies(index: int) -> bool:
-    """GPU `index` has sm_90's bulk copies (the TMA), which the int4 GEMV's bulk configs use."""
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    """The int4 GEMV's bulk-copy configs run on GPU `index`: it has sm_90's bulk copies (the
+    TMA) and they passed their check (`int4_available`; False before it ran)."""
+    return _BULK_REASON.get(index) == ""
 
 
 @functools.cache
