@@ -19,7 +19,7 @@
 #   call -2: bash ... int4-configs   # the int4 GEMV's bulk-copy configs (sm_90 bulk copies into
 #           # shared memory) beside the register ones, each config alone per 8B shape, each
 #           # output checked against fp32 (~2 min with the extension's build); then
-#           MODES="int4" AB="--linear default INT4_GEMV_BULK=off" TAG=bulk bash ... ab
+#           MODES="int4" AB="--linear default INT4_GEMV_BULK=on" TAG=bulk bash ... ab
 #           # end to end (each point times its own config set; a fresh machine compiles each
 #           # point for ~2 min: give it the whole 600), then
 #           TESTS_K="int4 and cuda" bash ... native-tests  # (~5+ min with the build)

@@ -407,8 +407,9 @@ INT4_GEMV_EARLY = True
 # And those that stream a block's weights into shared memory with sm_90's bulk copies (the TMA)
 # instead of loading them into registers (`INT4_GEMV_BULK`): a block then has up to all of its
 # weights in flight from its first instruction, where the register kernel keeps one or two
-# loop steps (csrc/int4_gemv.cu, int4_gemv_bulk_kernel). Below sm_90 they are never timed.
-INT4_GEMV_BULK = True
+# loop steps (csrc/int4_gemv.cu, int4_gemv_bulk_kernel). Below sm_90 they are never timed. Off
+# until an end-to-end A/B (`decode.py --linear default INT4_GEMV_BULK=on`) shows they pay.
+INT4_GEMV_BULK = False
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
