@@ -16,13 +16,9 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call -2: bash ... int4-configs   # the int4 GEMV's bulk-copy configs (sm_90 bulk copies into
-#           # shared memory) beside the register ones, each config alone per 8B shape, each
-#           # output checked against fp32 (~2 min with the extension's build); then
-#           MODES="int4" AB="--linear default INT4_GEMV_BULK=on" TAG=bulk bash ... ab
-#           # end to end (each point times its own config set; a fresh machine compiles each
-#           # point for ~2 min: give it the whole 600), then
-#           TESTS_K="int4 and cuda" bash ... native-tests  # (~5+ min with the build)
+#   call -2: bash ... int4-configs   # every int4 GEMV config alone per 8B shape, each output
+#           # checked against fp32 (~2 min with the extension's build): the baseline for a
+#           # change to the kernel's fixed cost per block (staging x, the per-group barriers)
 #   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
 #           # (the EARLY configs ran end to end on H100s, not in these tests yet; the
 #           # extensions' first build takes ~4 min), then

@@ -1,8 +1,8 @@
 """Every configuration of the CUDA int4 GEMV alone, per linear shape of a model: microseconds
 per call and GB/s of weights and scales read, each config timed in ROUNDS interleaved rounds
 (Triton's `do_bench`, the L2 flushed between calls; median and range), so that a design's
-configs (`cuda_gemv.INT4_CONFIGS`: register streaming, teams of warps, the early step, the
-bulk-copy buffers) can be compared shape by shape. A config that fails to launch at a shape is
+configs (`cuda_gemv.INT4_CONFIGS`: rows per group, warps, groups per block, teams of warps,
+the early step) can be compared shape by shape. A config that fails to launch at a shape is
 reported with its error and left out (run with CUDA_LAUNCH_BLOCKING=1 to pin the failure to
 its launch), as is one whose output is not the fp32 reference's (relative error above 1e-2).
 

@@ -51,47 +51,35 @@ INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cu"
 CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
 DEFAULT_CONFIG = 2
 # (rows per group, warps, loads per row per step, groups of rows per block, teams of warps the
-# groups are dealt to, second step requested before the dependency wait, shared-memory buffers
-# of the bulk-copy kernel): csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS then LLMOPT_INT4_BULK_CONFIGS,
-# in their order. The bulk configs (buffers > 0) stream the weights into shared memory with
-# sm_90's bulk copies instead of 16-byte loads into registers (their loads-per-step column is
-# unused, 1).
+# groups are dealt to, second step requested before the dependency wait): csrc/int4_gemv.cu's
+# LLMOPT_INT4_CONFIGS, in its order
 INT4_CONFIGS = (
-    (2, 4, 2, 1, 1, 0, 0),
-    (4, 4, 1, 1, 1, 0, 0),
-    (4, 4, 2, 1, 1, 0, 0),
-    (8, 4, 1, 1, 1, 0, 0),
-    (2, 8, 1, 1, 1, 0, 0),
-    (2, 8, 2, 1, 1, 0, 0),
-    (4, 4, 1, 4, 1, 0, 0),
-    (8, 4, 1, 4, 1, 0, 0),
-    (4, 8, 1, 4, 1, 0, 0),
-    (4, 4, 1, 8, 1, 0, 0),
-    (4, 8, 1, 8, 1, 0, 0),
-    (4, 8, 1, 4, 2, 0, 0),
-    (4, 8, 1, 8, 2, 0, 0),
-    (8, 8, 1, 4, 2, 0, 0),
-    (4, 16, 1, 8, 4, 0, 0),
-    (4, 4, 1, 4, 1, 1, 0),
-    (4, 8, 1, 4, 1, 1, 0),
-    (4, 8, 1, 4, 2, 1, 0),
-    (4, 8, 1, 8, 2, 1, 0),
-    (4, 16, 1, 8, 4, 1, 0),
-    (4, 4, 1, 4, 1, 0, 4),
-    (4, 4, 1, 8, 1, 0, 4),
-    (4, 4, 1, 16, 1, 0, 4),
-    (4, 8, 1, 8, 2, 0, 4),
-    (4, 8, 1, 32, 2, 0, 4),
-    (8, 8, 1, 8, 2, 0, 2),
-    (4, 16, 1, 8, 4, 0, 2),
-    (2, 4, 1, 8, 1, 0, 4),
+    (2, 4, 2, 1, 1, 0),
+    (4, 4, 1, 1, 1, 0),
+    (4, 4, 2, 1, 1, 0),
+    (8, 4, 1, 1, 1, 0),
+    (2, 8, 1, 1, 1, 0),
+    (2, 8, 2, 1, 1, 0),
+    (4, 4, 1, 4, 1, 0),
+    (8, 4, 1, 4, 1, 0),
+    (4, 8, 1, 4, 1, 0),
+    (4, 4, 1, 8, 1, 0),
+    (4, 8, 1, 8, 1, 0),
+    (4, 8, 1, 4, 2, 0),
+    (4, 8, 1, 8, 2, 0),
+    (8, 8, 1, 4, 2, 0),
+    (4, 16, 1, 8, 4, 0),
+    (4, 4, 1, 4, 1, 1),
+    (4, 8, 1, 4, 1, 1),
+    (4, 8, 1, 4, 2, 1),
+    (4, 8, 1, 8, 2, 1),
+    (4, 16, 1, 8, 4, 1),
 )
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 _REASON: dict[int, str] = {}  # device index -> why the kernel is not available there
 _INT4_REASON: dict[int, str] = {}  # the same for the int4 kernel
-_BULK_REASON: dict[int, str] = {}  # the same for its bulk-copy configs (checked apart)
 _TUNED: dict[tuple, int] = {}  # (kernel, n, k, weight dtype or group, act. dtype, rows) -> config
 _TIMES: dict[tuple, dict[int, float]] = {}  # the same keys -> config -> its time (ms), as timed
 
@@ -169,28 +157,8 @@ def unavailable_reason(index: int, cases: Cases) -> str:
 
 
 def int4_available(index: int, cases: Cases) -> bool:
-    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`). The bulk-copy configs are
-    checked apart: where they fail (or the GPU is older than sm_90) they are left out
-    (`bulk_copies`) and the register configs still run."""
-
-    def check() -> str:
-        check = functools.partial(_check, index, _int4_module, "int4_gemv", len(INT4_CONFIGS))
-        reason = check(cases, lambda: int4_configs(bulk=False))
-        if reason:
-            return reason
-        if int(_arch(index)) >= 90:
-            bulk = [c for c, cfg in enumerate(INT4_CONFIGS) if cfg[6]]
-            _BULK_REASON[index] = check(cases, lambda: bulk)
-        else:
-            _BULK_REASON[index] = "needs compute capability 9.0 (bulk copies)"
-        if _BULK_REASON[index] and not _BULK_REASON[index].startswith("needs"):
-            log.warning(
-                "the CUDA int4 GEMV's bulk-copy configs do not run on GPU %d (%s): left out",
-                index,
-                _BULK_REASON[index],
-            )
-        return ""
-
+    """`available` for the int4 GEMV (`linear.INT4_GEMV_CUDA`)."""
+    check = functools.partial(_check, index, _int4_module, "int4_gemv", len(INT4_CONFIGS), cases)
     return _decide(_INT4_REASON, index, "the CUDA int4 GEMV", check)
 
 
@@ -217,16 +185,9 @@ def _decide(reasons: dict[int, str], index: int, what: str, check: Callable[[], 
     return reasons[index] == ""
 
 
-def _check(
-    index: int,
-    module,
-    fn: str,
-    configs: int,
-    cases: Cases,
-    usable: Callable[[], Iterable[int]] | None = None,
-) -> str:
+def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
     """'' when the extension builds for GPU `index` and its kernel `fn` matches every case's
-    reference in every config there (every one of `usable()`, default all), else why not."""
+    reference in every config there, else why not."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if torch.cuda.get_device_capability(index) < (8, 0):
@@ -239,7 +200,7 @@ def _check(
         if mod.configs != configs:
             return f"the built extension has {mod.configs} configs, this module {configs}"
         for args, ref, label in cases(torch.device("cuda", index)):
-            for c in range(configs) if usable is None else usable():
+            for c in range(configs):
                 y = getattr(mod, fn)(*args, c, False)
                 err = float((y.float() - ref).norm() / ref.norm())
                 if err > 1e-2:
@@ -252,7 +213,7 @@ def _check(
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
     weight dtype (int8/FP8) or scale group (int4), rows, the configurations allowed (int4:
-    `teams`, `early`, `bulk`), the chosen configuration's tuple, and every configuration's time in
+    `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
     microseconds (`us`, in the table's order; None for one not allowed, empty where not
     timed)."""
     out = []
@@ -263,7 +224,7 @@ def tuned_configs() -> list[dict]:
         out.append(
             {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
             | {"rows": rows, "config": list(table[cfg])}
-            | dict(zip(("teams", "early", "bulk"), allowed, strict=False))
+            | ({"teams": allowed[0], "early": allowed[1]} if allowed else {})
             | {"us": [round(1e3 * times[c], 2) if c in times else None for c in range(len(table))]}
         )
     return out
@@ -369,37 +330,29 @@ def int4_gemv(
     pdl: bool,
     teams: bool = True,
     early: bool = True,
-    bulk: bool = True,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
     with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
     `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
-    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early` /
-    `bulk`: the configurations with teams of warps / the second step requested early / the
-    weights streamed by bulk copies may be chosen (`int4_configs`); they are arguments, not
-    globals, so that each compiled step keeps its own choice (a CUDA graph replays the config
-    chosen when it was captured)."""
+    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early`: the
+    configurations with teams of warps / the second step requested early may be chosen
+    (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
+    choice (a CUDA graph replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
     scale, g, r = scale.contiguous(), g.contiguous(), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
     index = x.device.index or 0
     k = x.shape[1]
-    key = ("int4", packed.shape[0], k, group, x.dtype, x.shape[0], teams, early, bulk)
+    key = ("int4", packed.shape[0], k, group, x.dtype, x.shape[0], teams, early)
     fused = (g, r, group, eps, norm, resid)
-    configs = int4_runnable(index, k, group, int4_configs(teams, early, bulk))
+    configs = int4_runnable(index, k, group, int4_configs(teams, early))
     cfg = _tuned(key, configs, lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False))
     return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl)
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True, bulk=True):
+def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True):
     return x.new_empty(x.shape[0], packed.shape[0])
-
-
-def bulk_copies(index: int) -> bool:
-    """The int4 GEMV's bulk-copy configs run on GPU `index`: it has sm_90's bulk copies (the
-    TMA) and they passed their check (`int4_available`; False before it ran)."""
-    return _BULK_REASON.get(index) == ""
 
 
 @functools.cache
@@ -413,34 +366,32 @@ def int4_runnable(
     index: int, k: int, group: int, configs: Iterable[int] | None = None
 ) -> list[int]:
     """Of `configs` (indices of `INT4_CONFIGS`, default all), those GPU `index` runs at this K
-    and group: the bulk configs only with `bulk_copies`, and none that needs more shared
-    memory (the staged activations, the scales, a bulk config's buffers) than a block gets.
-    Builds the extension if it is not yet built."""
+    and group: none that needs more shared memory (the staged activations and the block's
+    scales, which grow with K) than a block gets. Builds the extension if it is not yet
+    built."""
     mod = _int4_module(_arch(index))
-    limit, bulk = _smem_limit(index), bulk_copies(index)
+    limit = _smem_limit(index)
     return [
         c
         for c in (range(len(INT4_CONFIGS)) if configs is None else configs)
-        if (bulk or not INT4_CONFIGS[c][6]) and mod.int4_smem(c, k, group) <= limit
+        if mod.int4_smem(c, k, group) <= limit
     ]
 
 
-def int4_configs(teams: bool = True, early: bool = True, bulk: bool = True) -> list[int]:
+def int4_configs(teams: bool = True, early: bool = True) -> list[int]:
     """The indices of `INT4_CONFIGS` the per-shape timing may choose from: all of them, less
     those with several teams of warps unless `teams`, less those that request their second
-    step before the dependency wait unless `early`, less those that stream the weights by bulk
-    copies unless `bulk` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` / `INT4_GEMV_BULK`: an
-    end-to-end A/B of each design, each point timing its own set; `int4_gemv` also leaves out
-    the bulk configs below sm_90 and any config that needs more shared memory at its K than
-    the GPU gives a block).
+    step before the dependency wait unless `early` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY`:
+    an end-to-end A/B of either design, each point timing its own set; `int4_gemv` also leaves
+    out any config that needs more shared memory at its K than the GPU gives a block).
 
     >>> len(int4_configs()), len(int4_configs(teams=False)), len(int4_configs(early=False))
-    (28, 17, 23)
-    >>> len(int4_configs(bulk=False)), DEFAULT_CONFIG in int4_configs(False, False, False)
-    (20, True)
+    (20, 13, 15)
+    >>> DEFAULT_CONFIG in int4_configs(False, False)
+    True
     """
     return [
         c
-        for c, (*_, split, ahead, buffers) in enumerate(INT4_CONFIGS)
-        if (teams or split == 1) and (early or not ahead) and (bulk or not buffers)
+        for c, (*_, split, ahead) in enumerate(INT4_CONFIGS)
+        if (teams or split == 1) and (early or not ahead)
     ]

@@ -68,7 +68,6 @@ __all__ = [
     "INT4_GEMV_CUDA",
     "INT4_GEMV_TEAMS",
     "INT4_GEMV_EARLY",
-    "INT4_GEMV_BULK",
     "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
@@ -404,12 +403,6 @@ INT4_GEMV_CUDA = True
 # read when a step is traced, each compiled step times and keeps its own set.
 INT4_GEMV_TEAMS = True
 INT4_GEMV_EARLY = True
-# And those that stream a block's weights into shared memory with sm_90's bulk copies (the TMA)
-# instead of loading them into registers (`INT4_GEMV_BULK`): a block then has up to all of its
-# weights in flight from its first instruction, where the register kernel keeps one or two
-# loop steps (csrc/int4_gemv.cu, int4_gemv_bulk_kernel). Below sm_90 they are never timed. Off
-# until an end-to-end A/B (`decode.py --linear default INT4_GEMV_BULK=on`) shows they pay.
-INT4_GEMV_BULK = False
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
@@ -1018,7 +1011,7 @@ def int4_mm(
             if norm is not None:
                 g = g.to(x.dtype)
             fused_args = (norm is not None, residual is not None, pdl)
-            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY, INT4_GEMV_BULK)
+            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY)
             return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args, *configs)
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)

@@ -291,22 +291,17 @@ def _table(text: str, macro: str) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("which", ["wo8", "int4"])
 def test_configs_match_the_kernel_table(which):
-    """`CONFIGS` (`INT4_CONFIGS`) index the .cu file's config lists by position: they must
-    agree (int4: the register kernel's list, then the bulk kernel's, whose rows lack the
-    loads-per-step and early columns: 1 and 0 in `INT4_CONFIGS`)."""
-    if which == "wo8":
-        rows = _table(C.SOURCE.read_text(), "LLMOPT_WO8_CONFIGS")
-        configs = tuple(tuple(cfg) for _, *cfg in rows)
-        assert configs == C.CONFIGS
-    else:
-        text = C.INT4_SOURCE.read_text()
-        plain = _table(text, "LLMOPT_INT4_CONFIGS")
-        bulk = _table(text, "LLMOPT_INT4_BULK_CONFIGS")
-        rows = plain + bulk
-        configs = tuple((*cfg, 0) for _, *cfg in plain)
-        configs += tuple((r, w, 1, c, s, 0, b) for _, r, w, c, s, b in bulk)
-        assert configs == C.INT4_CONFIGS
-        assert f"constexpr int kConfigs = {len(rows)};" in text
+    """`CONFIGS` (`INT4_CONFIGS`) index the .cu file's config list by position: they must
+    agree, and the kernel's count with them."""
+    source, configs, macro = (
+        (C.SOURCE, C.CONFIGS, "LLMOPT_WO8_CONFIGS")
+        if which == "wo8"
+        else (C.INT4_SOURCE, C.INT4_CONFIGS, "LLMOPT_INT4_CONFIGS")
+    )
+    text = source.read_text()
+    rows = _table(text, macro)
+    assert tuple(tuple(cfg) for _, *cfg in rows) == configs
+    assert f"kConfigs = {len(rows)};" in text
     assert [i for i, *_ in rows] == list(range(len(rows)))
     assert 0 <= C.DEFAULT_CONFIG < len(configs)
 
@@ -332,9 +327,6 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
     many, one and three rows: within f16/bf16 rounding of the fp32 product of the dequantized
     weights, and codes reaching -8 and 7."""
     mod = C._int4_module(C._arch(0))
-    # sm_90 and newer: the bulk-copy configs passed their own check too (else left out)
-    sm90 = torch.cuda.get_device_capability(0) >= (9, 0)
-    assert C.bulk_copies(0) == sm90, C._BULK_REASON
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((1000, 2048), (37, 256), (4096, 14336)):
         w = torch.randn(n, k, device="cuda", generator=g) * 0.05
@@ -344,8 +336,7 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
             deq = (q.float().reshape(n, -1, group) * s[..., None]).reshape(n, k)
             packed, sc = L.pack_int4_planar(q), s.to(adtype).contiguous()
             runnable = C.int4_runnable(0, k, group)
-            # (sm_90: the bulk-copy configs run, those that fit the shared memory at this K)
-            assert C.bulk_copies(0) == any(C.INT4_CONFIGS[c][6] for c in runnable)
+            assert runnable == list(range(len(C.INT4_CONFIGS)))  # (all fit at these K)
             for m in (1, 3):
                 x = torch.randn(m, k, device="cuda", generator=g).to(adtype)
                 want = x.float() @ deq.t()
@@ -378,14 +369,12 @@ def test_int4_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
     # neither teams nor the early step: the shape is timed again, among the rest only
     monkeypatch.setattr(L, "INT4_GEMV_TEAMS", False)
     monkeypatch.setattr(L, "INT4_GEMV_EARLY", False)
-    monkeypatch.setattr(L, "INT4_GEMV_BULK", False)
     got = L.int4_mm(x, packed, sc, None, 128, "gemv")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     plain = [t for t in C.tuned_configs() if t["n"] == n and not (t["teams"] or t["early"])]
-    plain = [t for t in plain if not t["bulk"]]
-    assert len(plain) == 1 and plain[0]["config"][4:] == [1, 0, 0]
+    assert len(plain) == 1 and plain[0]["config"][4:] == [1, 0]
     assert [u is None for u in plain[0]["us"]] == [
-        c not in C.int4_configs(False, False, False) for c in range(len(C.INT4_CONFIGS))
+        c not in C.int4_configs(False, False) for c in range(len(C.INT4_CONFIGS))
     ]
     zero = torch.zeros_like(sc)
     before = len(C._TUNED)
@@ -502,16 +491,12 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = 6
-    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = {
-        0: 0.0123,
-        6: 0.0101,
-    }
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = {0: 0.0123, 6: 0.0101}
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
-    assert (int4["teams"], int4["early"], int4["bulk"]) == (True, False, True)
-    assert "teams" not in wo8
+    assert (int4["teams"], int4["early"]) == (True, False) and "teams" not in wo8
     assert int4["us"][0] == 12.3 and int4["us"][6] == 10.1 and int4["us"][1] is None
     assert len(int4["us"]) == len(C.INT4_CONFIGS) and wo8["us"] == [None] * len(C.CONFIGS)
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
@@ -529,12 +514,12 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
     spec.loader.exec_module(decode)
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True, True)
+    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True)
     C._TUNED[key] = 0
     C._TIMES[key] = {c: 0.01 + c / 1e4 for c in C.int4_configs(teams=False)}
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2  # timed under capture
     head, times, wo8 = decode.config_lines(C.tuned_configs())
-    assert "(teams False, early True, bulk True)" in head and "teams" not in wo8
+    assert "(teams False, early True)" in head and "teams" not in wo8
     cells = times.split(": ")[1].split()
     assert len(cells) == len(C.INT4_CONFIGS) and cells[0] == "10.0"
     assert [c == "-" for c in cells] == [
@@ -544,38 +529,34 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
 
 @pytest.mark.parametrize("teams", [True, False])
 @pytest.mark.parametrize("early", [True, False])
-@pytest.mark.parametrize("bulk", [True, False])
-def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, early, bulk):
-    """`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` / `INT4_GEMV_BULK` off: the per-shape timing
-    runs and may choose only configs without teams of warps / without the early second step /
-    without bulk copies, and a shape timed under one set is timed again under another (the set
-    is part of the key), so that each point of an end-to-end A/B gets its own choice. The
-    fastest config is a bulk one with teams, the next a team one with an early step, so that
-    excluding any must change the choice."""
+def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, early):
+    """`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` off: the per-shape timing runs and may choose
+    only configs without teams of warps / without the early second step, and a shape timed
+    under one set is timed again under another (the set is part of the key), so that each
+    point of an end-to-end A/B gets its own choice. The fastest config is made a team one with
+    an early step, so that excluding either must change the choice."""
     import triton.testing
 
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 0, 2))
-    second = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1, 0))
+    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1))
     ran = []
 
     def fake_bench(fn, **kw):
         c = fn()
         ran.append(c)
-        return {fastest: 0.5, second: 1.0}.get(c, 2.0 + c / 100)  # then the lowest index wins
+        return 1.0 if c == fastest else 2.0 + c / 100  # then the lowest index wins
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
-    allowed = C.int4_configs(teams, early, bulk)
-    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early, bulk)
+    allowed = C.int4_configs(teams, early)
+    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early)
     got = C._tuned(key, allowed, lambda c: c)
     assert sorted(ran) == allowed
     assert all(C.INT4_CONFIGS[c][4] == 1 or teams for c in ran)
     assert all(C.INT4_CONFIGS[c][5] == 0 or early for c in ran)
-    assert all(C.INT4_CONFIGS[c][6] == 0 or bulk for c in ran)
-    assert got == (fastest if teams and bulk else second if teams and early else 0)
-    other = key[:-3] + (not teams, early, bulk)
-    C._tuned(other, C.int4_configs(not teams, early, bulk), lambda c: c)
+    assert got == (fastest if teams and early else 0)
+    other = key[:-2] + (not teams, early)
+    C._tuned(other, C.int4_configs(not teams, early), lambda c: c)
     assert len(C._TUNED) == 2
     assert C._tuned(key, allowed, lambda c: pytest.fail("timed twice")) == got

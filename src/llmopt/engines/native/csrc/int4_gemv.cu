@@ -156,7 +156,7 @@ __device__ __forceinline__ float stage_row(const T* __restrict__ xr, const T* __
 
 // One piece (16 bytes: 32 codes of four words) of ROWS rows against the staged activations:
 // acc[i] += the piece's products with row i's codes, scaled per group. `wp(i)` is row i's
-// piece (from registers or shared memory), `scr` the rows' scales (ROWS, groups) as fp32.
+// piece, `scr` the rows' scales (ROWS, groups) as fp32.
 template <int ROWS, int GS, typename Piece>
 __device__ __forceinline__ void piece_products(const half2* xs, int p, Piece wp,
                                                const float* scr, int groups, int group_shift,
@@ -326,139 +326,6 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   }
 }
 
-// sm_90's bulk copies (the TMA without a tensor map): one thread asks for a contiguous range of
-// global memory to be written into shared memory, and an mbarrier completes when its bytes have
-// arrived (PTX ISA: cp.async.bulk, mbarrier).
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(bar)) : "memory");
-}
-
-// The barriers' initialization visible to the bulk copies (the async proxy) that complete them.
-__device__ __forceinline__ void barrier_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from src to dst, completing `bar`'s
-// current phase on arrival.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
-                                          uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_address(dst)),
-      "l"(src), "r"(bytes), "r"(smem_address(bar))
-      : "memory");
-#endif
-}
-
-__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-
-__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// The same GEMV with the weights streamed into shared memory by bulk copies (sm_90), for
-// BULK configs: a block's rows are CHUNKS groups of ROWS rows, dealt to SPLIT teams of warps as
-// in the kernel above, and a step (SPLIT groups side by side: SPLIT x ROWS consecutive rows,
-// one contiguous range of the packed weights) is one bulk copy into one of STAGES buffers.
-// Thread 0 requests the first STAGES steps before the dependency wait and each later step as
-// soon as every thread has read the buffer it reuses. Where the kernel above keeps one or two
-// loop steps of 16-byte loads in flight per thread (bounded by its registers), a block here has
-// up to STAGES x SPLIT x ROWS rows of weights in flight (at K = 4,096 and the small
-// projections, all of its weights) from its first instruction, and its threads hold none of
-// them in registers.
-template <typename T, int ROWS, int WARPS, int CHUNKS, int SPLIT, int STAGES, int GS>
-__global__ void __launch_bounds__(WARPS * 32) int4_gemv_bulk_kernel(
-    const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
-    const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
-    int group_shift, bool norm, bool resid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(WARPS % SPLIT == 0 && CHUNKS % SPLIT == 0, "teams of whole warps and groups");
-  constexpr int THREADS = WARPS * 32;
-  constexpr int TEAM = THREADS / SPLIT;
-  constexpr int STEPS = CHUNKS / SPLIT;
-  constexpr int RING = STEPS < STAGES ? STEPS : STAGES;  // buffers in use
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int m = blockIdx.y;
-  const int n0 = blockIdx.x * ROWS * CHUNKS;
-  const int words = k / 8, pieces = words / 4;
-  const int groups = k >> group_shift;
-  const size_t row_bytes = static_cast<size_t>(k) / 2;
-  const size_t stage_bytes = SPLIT * ROWS * row_bytes;  // (a multiple of 128: K % 256 == 0)
-  unsigned char* ring = smem;
-  half2* xs = reinterpret_cast<half2*>(smem + RING * stage_bytes);
-  float* sc = reinterpret_cast<float*>(smem + RING * stage_bytes + 2 * static_cast<size_t>(k));
-  __shared__ uint64_t full[RING];
-  auto request = [&](int s) {  // step s's rows into buffer s % RING (thread 0)
-    const int first = n0 + s * SPLIT * ROWS;
-    const int rows = min(SPLIT * ROWS, n - first);
-    if (rows > 0) {
-      bulk_load(ring + (s % RING) * stage_bytes, w + static_cast<size_t>(first) * words,
-                static_cast<uint32_t>(rows * row_bytes), &full[s % RING]);
-    } else {
-      barrier_arrive(&full[s % RING]);  // (past the last row: nothing to wait for)
-    }
-  };
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < RING; ++s) barrier_init(&full[s]);
-    barrier_init_fence();
-#pragma unroll
-    for (int s = 0; s < RING; ++s) request(s);
-  }
-  for (int idx = threadIdx.x; idx < CHUNKS * ROWS * groups; idx += THREADS) {
-    const int i = idx / groups, g = idx % groups;
-    sc[idx] = to_float<T>(scale[static_cast<size_t>(min(n0 + i, n - 1)) * groups + g]);
-  }
-  grid_dependency_wait();
-  __shared__ float partial[WARPS][ROWS];
-  // (its closing barrier also makes the mbarriers' initialization visible to every thread)
-  const float up = stage_row<T, WARPS>(x + static_cast<size_t>(m) * k, g, eps, k, norm, xs);
-
-  const int team = threadIdx.x / TEAM, tid = threadIdx.x % TEAM;
-  float acc[ROWS];
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
-  for (int s = 0; s < STEPS; ++s) {
-    barrier_wait(&full[s % RING], (s / RING) & 1);
-    // this team's ROWS rows of the buffer, and their scales
-    const uint4* rows = reinterpret_cast<const uint4*>(ring + (s % RING) * stage_bytes) +
-                        static_cast<size_t>(team) * ROWS * pieces;
-    const float* scr = sc + (s * SPLIT + team) * ROWS * groups;
-    for (int p = tid; p < pieces; p += TEAM) {
-      piece_products<ROWS, GS>(xs, p, [&](int i) { return rows[i * pieces + p]; }, scr, groups,
-                               group_shift, acc);
-    }
-    if (s == STEPS - 1) launch_dependents();
-    // write_rows' first barrier: every thread is done with the buffer, which thread 0 refills
-    write_rows<T, ROWS, WARPS, SPLIT>(acc, partial, n0 + s * SPLIT * ROWS, up, r, y, m, n,
-                                      resid, STEPS > 1);
-    if (threadIdx.x == 0 && s + RING < STEPS) request(s + RING);
-  }
-#else
-  __trap();  // (`int4_gemv` refuses bulk configs below sm_90)
-#endif
-}
-
 // (ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY): `cuda_gemv.INT4_CONFIGS`, same order.
 #define LLMOPT_INT4_CONFIGS(X)\
   X(0, 2, 4, 2, 1, 1, 0)   \
@@ -482,18 +349,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_bulk_kernel(
   X(18, 4, 8, 1, 8, 2, 1)  \
   X(19, 4, 16, 1, 8, 4, 1)
 
-// (ROWS, WARPS, CHUNKS, SPLIT, STAGES) of int4_gemv_bulk_kernel: the same table's last rows.
-#define LLMOPT_INT4_BULK_CONFIGS(X) \
-  X(20, 4, 4, 4, 1, 4)              \
-  X(21, 4, 4, 8, 1, 4)              \
-  X(22, 4, 4, 16, 1, 4)             \
-  X(23, 4, 8, 8, 2, 4)              \
-  X(24, 4, 8, 32, 2, 4)             \
-  X(25, 8, 8, 8, 2, 2)              \
-  X(26, 4, 16, 8, 4, 2)             \
-  X(27, 2, 4, 8, 1, 4)
-
-constexpr int kConfigs = 28;
+constexpr int kConfigs = 20;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
 #define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS)       \
@@ -508,18 +364,6 @@ constexpr int kConfigs = 28;
 LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 #undef LLMOPT_INSTANTIATE_GS
-#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, GS)                     \
-  template __global__ void int4_gemv_bulk_kernel<__nv_bfloat16, ROWS, WARPS, CHUNKS, SPLIT,   \
-                                                 STAGES, GS>(                              \
-      const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
-      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
-#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, CHUNKS, SPLIT, STAGES) \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, 1)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, 2)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, CHUNKS, SPLIT, STAGES, 4)
-LLMOPT_INT4_BULK_CONFIGS(LLMOPT_INSTANTIATE)
-#undef LLMOPT_INSTANTIATE
-#undef LLMOPT_INSTANTIATE_GS
 }  // namespace
 #else
 
@@ -532,17 +376,15 @@ struct Fused {
   bool norm, resid;
 };
 
-// Shared memory of a config at K and G: the staged activations (2 K bytes), the block's scales
-// as fp32, and a bulk config's buffers (STAGES, or fewer where the block has fewer steps).
-size_t smem_for(int rows, int chunks, int split, int stages, int64_t k, int64_t group) {
-  const int64_t buffers = std::min<int64_t>(stages, chunks / split);
-  return static_cast<size_t>(buffers * split * rows * (k / 2) + 2 * k +
-                             static_cast<int64_t>(sizeof(float)) * chunks * rows * (k / group));
+// Dynamic shared memory of a config at K and G: the staged activations (2 K bytes) and the
+// block's scales as fp32.
+size_t smem_for(int rows, int chunks, int64_t k, int64_t group) {
+  return static_cast<size_t>(2 * k + static_cast<int64_t>(sizeof(float)) * chunks * rows * (k / group));
 }
 
-// A bound on either kernel's static shared memory (the partial sums, the reductions' slots, the
-// mbarriers: under 1 KB in every config). A launch whose dynamic and static shared memory
-// together pass 48 KB must opt in first, however little of it is static.
+// A bound on the kernel's static shared memory (the partial sums, the reductions' slots: under
+// 1 KB in every config). A launch whose dynamic and static shared memory together pass 48 KB
+// must opt in first, however little of it is static.
 constexpr size_t kStaticSmem = 2048;
 
 // GS, accumulators per pair position: 4 for groups of 32, 2 for 64, 1 for 128 and more.
@@ -553,7 +395,7 @@ void with_gs(int64_t group, F&& f) {
   else f(std::integral_constant<int, 1>{});
 }
 
-// One launch of either kernel: a block of `warps` warps per `rows` output rows of each x row.
+// One launch: a block of `warps` warps per `rows` output rows of each x row.
 template <typename T, typename Kernel>
 void launch(Kernel kernel, int warps, int rows, size_t smem, const at::Tensor& x,
             const at::Tensor& w, const at::Tensor& scale, const Fused& f, at::Tensor& y,
@@ -578,12 +420,6 @@ void launch(Kernel kernel, int warps, int rows, size_t smem, const at::Tensor& x
       __builtin_ctzll(group), f.norm, f.resid));
 }
 
-int major(const at::Tensor& x) {
-  int v = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, x.device().index()));
-  return v;
-}
-
 template <typename T>
 void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
               const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
@@ -593,23 +429,11 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
   case I:                                                                                  \
     with_gs(group, [&](auto gs) {                                                           \
       launch<T>(int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, gs.value>,    \
-                WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, SPLIT, 0, k, group), x, w, scale, \
+                WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, k, group), x, w, scale, \
                 f, y, group, pdl);                                                         \
     });                                                                                    \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
-#undef LLMOPT_CASE
-#define LLMOPT_CASE(I, ROWS, WARPS, CHUNKS, SPLIT, STAGES)                                  \
-  case I:                                                                                  \
-    TORCH_CHECK(major(x) >= 9, "int4_gemv: config ", I,                                    \
-                " (bulk copies) needs compute capability 9.0");                             \
-    with_gs(group, [&](auto gs) {                                                           \
-      launch<T>(int4_gemv_bulk_kernel<T, ROWS, WARPS, CHUNKS, SPLIT, STAGES, gs.value>,      \
-                WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, SPLIT, STAGES, k, group), x, w,   \
-                scale, f, y, group, pdl);                                                  \
-    });                                                                                    \
-    break;
-    LLMOPT_INT4_BULK_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
     default:
       TORCH_CHECK(false, "int4_gemv: config ", config, " out of range 0..", kConfigs - 1);
@@ -621,13 +445,8 @@ size_t dynamic_smem(int64_t config, int64_t k, int64_t group) {
   switch (config) {
 #define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
   case I:                                                         \
-    return smem_for(ROWS, CHUNKS, SPLIT, 0, k, group);
+    return smem_for(ROWS, CHUNKS, k, group);
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
-#undef LLMOPT_CASE
-#define LLMOPT_CASE(I, ROWS, WARPS, CHUNKS, SPLIT, STAGES) \
-  case I:                                                  \
-    return smem_for(ROWS, CHUNKS, SPLIT, STAGES, k, group);
-    LLMOPT_INT4_BULK_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
     default:
       TORCH_CHECK(false, "int4_smem: config ", config, " out of range 0..", kConfigs - 1);
