@@ -51,29 +51,38 @@ INT4_SOURCE = Path(__file__).parent / "csrc" / "int4_gemv.cu"
 CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1, 8, 2), (2, 4, 4))
 DEFAULT_CONFIG = 2
 # (rows per group, warps, loads per row per step, groups of rows per block, teams of warps the
-# groups are dealt to, second step requested before the dependency wait): csrc/int4_gemv.cu's
-# LLMOPT_INT4_CONFIGS, in its order
+# groups are dealt to, second step requested before the dependency wait, variant bits: 1 the
+# activations staged with 16-byte loads, 2 one block barrier per group of rows):
+# csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS, in its order
 INT4_CONFIGS = (
-    (2, 4, 2, 1, 1, 0),
-    (4, 4, 1, 1, 1, 0),
-    (4, 4, 2, 1, 1, 0),
-    (8, 4, 1, 1, 1, 0),
-    (2, 8, 1, 1, 1, 0),
-    (2, 8, 2, 1, 1, 0),
-    (4, 4, 1, 4, 1, 0),
-    (8, 4, 1, 4, 1, 0),
-    (4, 8, 1, 4, 1, 0),
-    (4, 4, 1, 8, 1, 0),
-    (4, 8, 1, 8, 1, 0),
-    (4, 8, 1, 4, 2, 0),
-    (4, 8, 1, 8, 2, 0),
-    (8, 8, 1, 4, 2, 0),
-    (4, 16, 1, 8, 4, 0),
-    (4, 4, 1, 4, 1, 1),
-    (4, 8, 1, 4, 1, 1),
-    (4, 8, 1, 4, 2, 1),
-    (4, 8, 1, 8, 2, 1),
-    (4, 16, 1, 8, 4, 1),
+    (2, 4, 2, 1, 1, 0, 0),
+    (4, 4, 1, 1, 1, 0, 0),
+    (4, 4, 2, 1, 1, 0, 0),
+    (8, 4, 1, 1, 1, 0, 0),
+    (2, 8, 1, 1, 1, 0, 0),
+    (2, 8, 2, 1, 1, 0, 0),
+    (4, 4, 1, 4, 1, 0, 0),
+    (8, 4, 1, 4, 1, 0, 0),
+    (4, 8, 1, 4, 1, 0, 0),
+    (4, 4, 1, 8, 1, 0, 0),
+    (4, 8, 1, 8, 1, 0, 0),
+    (4, 8, 1, 4, 2, 0, 0),
+    (4, 8, 1, 8, 2, 0, 0),
+    (8, 8, 1, 4, 2, 0, 0),
+    (4, 16, 1, 8, 4, 0, 0),
+    (4, 4, 1, 4, 1, 1, 0),
+    (4, 8, 1, 4, 1, 1, 0),
+    (4, 8, 1, 4, 2, 1, 0),
+    (4, 8, 1, 8, 2, 1, 0),
+    (4, 16, 1, 8, 4, 1, 0),
+    (4, 4, 1, 8, 1, 0, 1),
+    (4, 8, 1, 4, 2, 0, 1),
+    (4, 16, 1, 8, 4, 0, 1),
+    (4, 4, 1, 8, 1, 0, 3),
+    (4, 8, 1, 4, 2, 0, 3),
+    (4, 16, 1, 8, 4, 0, 3),
+    (4, 8, 1, 4, 2, 1, 3),
+    (4, 16, 1, 8, 4, 1, 3),
 )
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -231,7 +240,8 @@ def tuned_configs() -> list[dict]:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # the kernel reads x and w in 16-byte vectors: a view at an odd offset is copied
+    # the kernels read x, w (and the int4 norm's weight) in 16-byte vectors: a view at an odd
+    # offset is copied
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
@@ -339,7 +349,7 @@ def int4_gemv(
     (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
     choice (a CUDA graph replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
-    scale, g, r = scale.contiguous(), g.contiguous(), r.contiguous()
+    scale, g, r = scale.contiguous(), _aligned(g.contiguous()), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
     index = x.device.index or 0
     k = x.shape[1]
@@ -387,12 +397,12 @@ def int4_configs(teams: bool = True, early: bool = True) -> list[int]:
     out any config that needs more shared memory at its K than the GPU gives a block).
 
     >>> len(int4_configs()), len(int4_configs(teams=False)), len(int4_configs(early=False))
-    (20, 13, 15)
+    (28, 15, 21)
     >>> DEFAULT_CONFIG in int4_configs(False, False)
     True
     """
     return [
         c
-        for c, (*_, split, ahead) in enumerate(INT4_CONFIGS)
+        for c, (*_, split, ahead, _variant) in enumerate(INT4_CONFIGS)
         if (teams or split == 1) and (early or not ahead)
     ]

@@ -539,7 +539,7 @@ def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, 
 
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1))
+    fastest = C.INT4_CONFIGS.index((4, 16, 1, 8, 4, 1, 0))
     ran = []
 
     def fake_bench(fn, **kw):

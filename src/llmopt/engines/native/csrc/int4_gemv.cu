@@ -58,6 +58,10 @@ using namespace llmopt_gemv;
 // The largest staged |x|: products (codes as q / 16) at most 2,048, f16 sums of 16 at most 32,768.
 constexpr float kStageMax = 4096.0f;
 
+// Variant bits of a config (its V): the activations staged with 16-byte loads (stage_row_vec),
+// one block barrier per group of rows instead of two (partial sums double-buffered).
+constexpr int kVecStage = 1, kOneBarrier = 2;
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -154,6 +158,116 @@ __device__ __forceinline__ float stage_row(const T* __restrict__ xr, const T* __
   return up;
 }
 
+// stage_row with 16-byte loads (variant kVecStage): a unit is 8 consecutive values at k0 and
+// the 8 at k0 + 128, whose pairs are xs[8 u .. 8 u + 7] (u = k0's unit index: tile, position
+// s and word j0 give 128 t + 32 s + j0 = 8 u), written as two 16-byte stores. A thread holds
+// up to kHeld units (x, and g with `norm`) in registers, requested together before any is used:
+// where the row fits (K <= 16 kHeld THREADS) x is read once, the row's sum of squares and its
+// largest |x g| (or |x|) are reduced together behind one barrier, and the row is staged from
+// the registers already scaled, instead of the 2-byte loads used one after the other, a second
+// pass over x for the norm and a third barrier for the peak. A longer row reads its units
+// again for the second pass, a batch of kHeld at a time.
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const T* h = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = to_float<T>(h[e]);
+}
+
+template <typename T, int WARPS>
+__device__ __forceinline__ float stage_row_vec(const T* __restrict__ xr, const T* __restrict__ g,
+                                               float eps, int k, bool norm, half2* xs) {
+  constexpr int THREADS = WARPS * 32;
+  // (the whole of a 4,096 row at 4 warps or more; 32 registers with `norm` at 4 warps, where
+  // more made ptxas take twice the registers, halving the blocks an SM holds)
+  constexpr int kHeld = WARPS >= 8 ? 1 : 8 / WARPS;
+  __shared__ float2 red[WARPS];  // (sum of squares, largest |value|) per warp
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int units = k / 16;
+  auto unit_k0 = [](int u) { return 256 * (u >> 4) + 32 * ((u >> 2) & 3) + 8 * (u & 3); };
+  uint4 xv[kHeld][2], gv[kHeld][2];
+  auto load = [&](int u0) {
+#pragma unroll
+    for (int v = 0; v < kHeld; ++v) {
+      const int u = u0 + v * THREADS;
+      if (u < units) {
+        const int k0 = unit_k0(u);
+        xv[v][0] = *reinterpret_cast<const uint4*>(xr + k0);
+        xv[v][1] = *reinterpret_cast<const uint4*>(xr + k0 + 128);
+        if (norm) {
+          gv[v][0] = *reinterpret_cast<const uint4*>(g + k0);
+          gv[v][1] = *reinterpret_cast<const uint4*>(g + k0 + 128);
+        }
+      }
+    }
+  };
+  // unit v of the batch in registers as floats: x (lo, hi), and x g with `norm`
+  auto values = [&](int v, float (&lo)[8], float (&hi)[8]) {
+    unpack8<T>(xv[v][0], lo);
+    unpack8<T>(xv[v][1], hi);
+    if (norm) {
+      float gl[8], gh[8];
+      unpack8<T>(gv[v][0], gl);
+      unpack8<T>(gv[v][1], gh);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) lo[e] *= gl[e], hi[e] *= gh[e];
+    }
+  };
+  const int stride = kHeld * THREADS;
+  float sq = 0.0f, amax = 0.0f;
+  for (int u0 = threadIdx.x; u0 < units; u0 += stride) {
+    load(u0);
+#pragma unroll
+    for (int v = 0; v < kHeld; ++v) {
+      if (u0 + v * THREADS >= units) break;
+      float lo[8], hi[8], xl[8], xh[8];
+      unpack8<T>(xv[v][0], xl);
+      unpack8<T>(xv[v][1], xh);
+      values(v, lo, hi);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        sq = fmaf(xl[e], xl[e], fmaf(xh[e], xh[e], sq));
+        amax = fmaxf(amax, fmaxf(fabsf(lo[e]), fabsf(hi[e])));
+      }
+    }
+  }
+  sq = warp_sum(sq);
+  amax = warp_max(amax);
+  if (lane == 0) red[warp] = make_float2(sq, amax);
+  __syncthreads();
+  sq = 0.0f, amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < WARPS; ++j) sq += red[j].x, amax = fmaxf(amax, red[j].y);
+  const float inv_rms = norm ? rsqrtf(sq / k + eps) : 1.0f;
+  amax *= inv_rms;
+  float up = 1.0f;
+  // (a NaN or infinite row stays as it is: the output is then not finite, as the reference's)
+  if (amax > kStageMax && amax <= 3.0e38f) up = exp2f(ceilf(log2f(amax / kStageMax)));
+  const float mul = inv_rms / up;  // (up a power of two: dividing by it is exact)
+  const bool held = units <= stride;  // (then the loop above left the one batch in registers)
+  for (int u0 = threadIdx.x; u0 < units; u0 += stride) {
+    if (!held) load(u0);
+#pragma unroll
+    for (int v = 0; v < kHeld; ++v) {
+      const int u = u0 + v * THREADS;
+      if (u >= units) break;
+      float lo[8], hi[8];
+      values(v, lo, hi);
+      uint32_t pr[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const half2 h = __floats2half2_rn(lo[e] * mul, hi[e] * mul);
+        pr[e] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(xs + 8 * u);
+      dst[0] = make_uint4(pr[0], pr[1], pr[2], pr[3]);
+      dst[1] = make_uint4(pr[4], pr[5], pr[6], pr[7]);
+    }
+  }
+  __syncthreads();
+  return up;
+}
+
 // One piece (16 bytes: 32 codes of four words) of ROWS rows against the staged activations:
 // acc[i] += the piece's products with row i's codes, scaled per group. `wp(i)` is row i's
 // piece, `scr` the rows' scales (ROWS, groups) as fp32.
@@ -231,7 +345,8 @@ __device__ __forceinline__ void write_rows(float (&acc)[ROWS], float (*partial)[
 // GS: f16 accumulators per pair position, 128 / min(G, 128) (each sums the pairs s of one
 // scale group: G = 32 -> 4, 64 -> 2, 128 or more -> 1). G is a power of two (group_shift =
 // log2 G), so that the scale index is a shift.
-template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int GS>
+template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bool EARLY, int V,
+          int GS>
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
@@ -288,8 +403,12 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   }
   grid_dependency_wait();
   const T* xr = x + static_cast<size_t>(m) * k;
-  __shared__ float partial[WARPS][ROWS];
-  const float up = stage_row<T, WARPS>(xr, g, eps, k, norm, xs);
+  // with kOneBarrier, chunk c's sums go to partial[c % 2]: the next chunk's writes cannot
+  // reach a slot still being read, so write_rows needs no barrier at its end
+  constexpr bool kOne = (V & kOneBarrier) != 0;
+  __shared__ float partial[kOne ? 2 : 1][WARPS][ROWS];
+  const float up = (V & kVecStage) ? stage_row_vec<T, WARPS>(xr, g, eps, k, norm, xs)
+                                   : stage_row<T, WARPS>(xr, g, eps, k, norm, xs);
 
   float acc[ROWS];
 #pragma unroll
@@ -319,48 +438,56 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     }
     if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
       if (nc == TEAM_CHUNKS) launch_dependents();
-      write_rows<T, ROWS, WARPS, SPLIT>(acc, partial, n0 + c * SPLIT * ROWS, up, r, y, m, n,
-                                        resid, TEAM_CHUNKS > 1);
+      write_rows<T, ROWS, WARPS, SPLIT>(acc, partial[kOne ? c & 1 : 0], n0 + c * SPLIT * ROWS,
+                                        up, r, y, m, n, resid, TEAM_CHUNKS > 1 && !kOne);
     }
     c = nc, b = nb;
   }
 }
 
-// (ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY): `cuda_gemv.INT4_CONFIGS`, same order.
+// (ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V): `cuda_gemv.INT4_CONFIGS`, same order.
 #define LLMOPT_INT4_CONFIGS(X)\
-  X(0, 2, 4, 2, 1, 1, 0)   \
-  X(1, 4, 4, 1, 1, 1, 0)   \
-  X(2, 4, 4, 2, 1, 1, 0)   \
-  X(3, 8, 4, 1, 1, 1, 0)   \
-  X(4, 2, 8, 1, 1, 1, 0)   \
-  X(5, 2, 8, 2, 1, 1, 0)   \
-  X(6, 4, 4, 1, 4, 1, 0)   \
-  X(7, 8, 4, 1, 4, 1, 0)   \
-  X(8, 4, 8, 1, 4, 1, 0)   \
-  X(9, 4, 4, 1, 8, 1, 0)   \
-  X(10, 4, 8, 1, 8, 1, 0)  \
-  X(11, 4, 8, 1, 4, 2, 0)  \
-  X(12, 4, 8, 1, 8, 2, 0)  \
-  X(13, 8, 8, 1, 4, 2, 0)  \
-  X(14, 4, 16, 1, 8, 4, 0) \
-  X(15, 4, 4, 1, 4, 1, 1)  \
-  X(16, 4, 8, 1, 4, 1, 1)  \
-  X(17, 4, 8, 1, 4, 2, 1)  \
-  X(18, 4, 8, 1, 8, 2, 1)  \
-  X(19, 4, 16, 1, 8, 4, 1)
+  X(0, 2, 4, 2, 1, 1, 0, 0)   \
+  X(1, 4, 4, 1, 1, 1, 0, 0)   \
+  X(2, 4, 4, 2, 1, 1, 0, 0)   \
+  X(3, 8, 4, 1, 1, 1, 0, 0)   \
+  X(4, 2, 8, 1, 1, 1, 0, 0)   \
+  X(5, 2, 8, 2, 1, 1, 0, 0)   \
+  X(6, 4, 4, 1, 4, 1, 0, 0)   \
+  X(7, 8, 4, 1, 4, 1, 0, 0)   \
+  X(8, 4, 8, 1, 4, 1, 0, 0)   \
+  X(9, 4, 4, 1, 8, 1, 0, 0)   \
+  X(10, 4, 8, 1, 8, 1, 0, 0)  \
+  X(11, 4, 8, 1, 4, 2, 0, 0)  \
+  X(12, 4, 8, 1, 8, 2, 0, 0)  \
+  X(13, 8, 8, 1, 4, 2, 0, 0)  \
+  X(14, 4, 16, 1, 8, 4, 0, 0) \
+  X(15, 4, 4, 1, 4, 1, 1, 0)  \
+  X(16, 4, 8, 1, 4, 1, 1, 0)  \
+  X(17, 4, 8, 1, 4, 2, 1, 0)  \
+  X(18, 4, 8, 1, 8, 2, 1, 0)  \
+  X(19, 4, 16, 1, 8, 4, 1, 0) \
+  X(20, 4, 4, 1, 8, 1, 0, 1)  \
+  X(21, 4, 8, 1, 4, 2, 0, 1)  \
+  X(22, 4, 16, 1, 8, 4, 0, 1) \
+  X(23, 4, 4, 1, 8, 1, 0, 3)  \
+  X(24, 4, 8, 1, 4, 2, 0, 3)  \
+  X(25, 4, 16, 1, 8, 4, 0, 3) \
+  X(26, 4, 8, 1, 4, 2, 1, 3)  \
+  X(27, 4, 16, 1, 8, 4, 1, 3)
 
-constexpr int kConfigs = 20;
+constexpr int kConfigs = 28;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
-#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS)       \
+#define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, GS)    \
   template __global__ void                                                            \
-  int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, GS>(     \
+  int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, GS>(  \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
       const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
-#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 1)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 2)    \
-  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, 4)
+#define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V) \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, 1)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, 2)    \
+  LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, 4)
 LLMOPT_INT4_CONFIGS(LLMOPT_INSTANTIATE)
 #undef LLMOPT_INSTANTIATE
 #undef LLMOPT_INSTANTIATE_GS
@@ -425,10 +552,10 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
               const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
   const int64_t k = x.size(1);
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY)                          \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V)                       \
   case I:                                                                                  \
     with_gs(group, [&](auto gs) {                                                           \
-      launch<T>(int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, gs.value>,    \
+      launch<T>(int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, gs.value>, \
                 WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, k, group), x, w, scale, \
                 f, y, group, pdl);                                                         \
     });                                                                                    \
@@ -443,8 +570,8 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
 // The dynamic shared memory of config `config` at K and G.
 size_t dynamic_smem(int64_t config, int64_t k, int64_t group) {
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY) \
-  case I:                                                         \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V) \
+  case I:                                                            \
     return smem_for(ROWS, CHUNKS, k, group);
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
@@ -478,10 +605,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               "int4_gemv: scale (N, K / G) in the activations' dtype expected");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scale.is_contiguous(),
               "int4_gemv: contiguous tensors expected");
+  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  TORCH_CHECK(aligned(x) && aligned(w), "int4_gemv: x and w must start on 16 bytes (copy a view)");
   if (norm) {
     TORCH_CHECK(g.is_cuda() && g.is_contiguous() && g.numel() == k &&
-                    g.scalar_type() == x.scalar_type(),
-                "int4_gemv: norm weight (K,) in the activations' dtype expected");
+                    g.scalar_type() == x.scalar_type() && aligned(g),
+                "int4_gemv: norm weight (K,) in the activations' dtype, on 16 bytes, expected");
   }
   if (resid) {
     TORCH_CHECK(r.is_cuda() && r.is_contiguous() && r.numel() == x.size(0) * w.size(0) &&
