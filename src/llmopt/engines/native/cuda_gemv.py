@@ -222,7 +222,7 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
     weight dtype (int8/FP8) or scale group (int4), rows, the configurations allowed (int4:
-    `teams`, `early`), the chosen configuration's tuple, and every configuration's time in
+    `teams`, `early`, `variants`), the chosen configuration's tuple, and every configuration's time in
     microseconds (`us`, in the table's order; None for one not allowed, empty where not
     timed)."""
     out = []
@@ -233,7 +233,7 @@ def tuned_configs() -> list[dict]:
         out.append(
             {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
             | {"rows": rows, "config": list(table[cfg])}
-            | ({"teams": allowed[0], "early": allowed[1]} if allowed else {})
+            | (dict(zip(("teams", "early", "variants"), allowed, strict=True)) if allowed else {})
             | {"us": [round(1e3 * times[c], 2) if c in times else None for c in range(len(table))]}
         )
     return out
@@ -340,29 +340,31 @@ def int4_gemv(
     pdl: bool,
     teams: bool = True,
     early: bool = True,
+    variants: bool = True,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
     with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
     `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
-    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early`: the
-    configurations with teams of warps / the second step requested early may be chosen
-    (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
+    `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early` /
+    `variants`: the configurations with teams of warps / the second step requested early / a
+    variant bit may be chosen (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
     choice (a CUDA graph replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
     scale, g, r = scale.contiguous(), _aligned(g.contiguous()), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
     index = x.device.index or 0
     k = x.shape[1]
-    key = ("int4", packed.shape[0], k, group, x.dtype, x.shape[0], teams, early)
+    key = ("int4", packed.shape[0], k, group, x.dtype, x.shape[0], teams, early, variants)
     fused = (g, r, group, eps, norm, resid)
     # (the filter only where the shape is still to be timed: an eager step calls this per layer)
-    configs = [] if key in _TUNED else int4_runnable(index, k, group, int4_configs(teams, early))
+    allowed = int4_configs(teams, early, variants)
+    configs = [] if key in _TUNED else int4_runnable(index, k, group, allowed)
     cfg = _tuned(key, configs, lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False))
     return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl)
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True):
+def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True, variants=True):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
@@ -389,20 +391,23 @@ def int4_runnable(
     ]
 
 
-def int4_configs(teams: bool = True, early: bool = True) -> list[int]:
+def int4_configs(teams: bool = True, early: bool = True, variants: bool = True) -> list[int]:
     """The indices of `INT4_CONFIGS` the per-shape timing may choose from: all of them, less
     those with several teams of warps unless `teams`, less those that request their second
-    step before the dependency wait unless `early` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY`:
-    an end-to-end A/B of either design, each point timing its own set; `int4_gemv` also leaves
-    out any config that needs more shared memory at its K than the GPU gives a block).
+    step before the dependency wait unless `early`, less those with variant bits (csrc/int4_gemv.cu)
+    unless `variants` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` / `INT4_GEMV_VARIANTS`: an
+    end-to-end A/B of either design, each point timing its own set; `int4_gemv` also leaves out
+    any config that needs more shared memory at its K than the GPU gives a block).
 
     >>> len(int4_configs()), len(int4_configs(teams=False)), len(int4_configs(early=False))
     (28, 15, 21)
+    >>> len(int4_configs(variants=False))
+    20
     >>> DEFAULT_CONFIG in int4_configs(False, False)
     True
     """
     return [
         c
-        for c, (*_, split, ahead, _variant) in enumerate(INT4_CONFIGS)
-        if (teams or split == 1) and (early or not ahead)
+        for c, (*_, split, ahead, variant) in enumerate(INT4_CONFIGS)
+        if (teams or split == 1) and (early or not ahead) and (variants or not variant)
     ]

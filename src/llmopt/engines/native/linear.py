@@ -68,6 +68,7 @@ __all__ = [
     "INT4_GEMV_CUDA",
     "INT4_GEMV_TEAMS",
     "INT4_GEMV_EARLY",
+    "INT4_GEMV_VARIANTS",
     "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
@@ -403,6 +404,10 @@ INT4_GEMV_CUDA = True
 # read when a step is traced, each compiled step times and keeps its own set.
 INT4_GEMV_TEAMS = True
 INT4_GEMV_EARLY = True
+# And those with variant bits (csrc/int4_gemv.cu: the activations staged with 16-byte loads in
+# one pass where the row fits; one block barrier per group of rows): on; off keeps the timing
+# to the configurations without them (`--linear default INT4_GEMV_VARIANTS=off`).
+INT4_GEMV_VARIANTS = True
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
@@ -1011,7 +1016,7 @@ def int4_mm(
             if norm is not None:
                 g = g.to(x.dtype)
             fused_args = (norm is not None, residual is not None, pdl)
-            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY)
+            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY, INT4_GEMV_VARIANTS)
             return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args, *configs)
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)

@@ -324,13 +324,16 @@ def test_int4_supports_only_what_the_kernel_reads():
 @pytest.mark.usefixtures("built_int4")
 def test_int4_every_config_matches_reference_on_gpu(adtype):
     """Each configuration and group size, N not a multiple of any block's rows, K one tile and
-    many, one and three rows: within f16/bf16 rounding of the fp32 product of the dequantized
-    weights, and codes reaching -8 and 7."""
+    many (a row its threads hold in registers and one they read in batches), one and three
+    rows, plain and (group 128) normalized / residual: within f16/bf16 rounding of the fp32
+    product of the dequantized weights, and codes reaching -8 and 7."""
     mod = C._int4_module(C._arch(0))
     g = torch.Generator(device="cuda").manual_seed(0)
+    eps = 1e-5
     for n, k in ((1000, 2048), (37, 256), (4096, 14336)):
         w = torch.randn(n, k, device="cuda", generator=g) * 0.05
         w[0, :16] = torch.linspace(-1, 1, 16, device="cuda")
+        gw = (1 + 0.5 * torch.randn(k, device="cuda", generator=g)).to(adtype)
         for group in (32, 64, 128, 256):
             q, s = L.quantize_int4(w, group)
             deq = (q.float().reshape(n, -1, group) * s[..., None]).reshape(n, k)
@@ -338,12 +341,18 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
             runnable = C.int4_runnable(0, k, group)
             assert runnable == list(range(len(C.INT4_CONFIGS)))  # (all fit at these K)
             for m in (1, 3):
-                x = torch.randn(m, k, device="cuda", generator=g).to(adtype)
-                want = x.float() @ deq.t()
-                for c in runnable:
-                    got = mod.int4_gemv(x, packed, sc, x, x, group, 0.0, False, False, c, False)
-                    err = float((got.float() - want).norm() / want.norm())
-                    assert err < 1e-2, (n, k, group, m, c, err)
+                x = 20 * torch.randn(m, k, device="cuda", generator=g).to(adtype)
+                r = torch.randn(m, n, device="cuda", generator=g).to(adtype)
+                xf = x.float()
+                normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gw.float()
+                cases = [(False, False, xf @ deq.t())]
+                if group == 128:
+                    cases += [(True, False, normed @ deq.t()), (False, True, xf @ deq.t() + r)]
+                for norm, resid, want in cases:
+                    for c in runnable:
+                        got = mod.int4_gemv(x, packed, sc, gw, r, group, eps, norm, resid, c, False)
+                        err = float((got.float() - want).norm() / want.norm())
+                        assert err < 1e-2, (n, k, group, m, norm, resid, c, err)
 
 
 @pytest.mark.gpu
@@ -372,7 +381,7 @@ def test_int4_mm_routes_to_cuda_and_matches_triton_on_gpu(monkeypatch):
     got = L.int4_mm(x, packed, sc, None, 128, "gemv")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     plain = [t for t in C.tuned_configs() if t["n"] == n and not (t["teams"] or t["early"])]
-    assert len(plain) == 1 and plain[0]["config"][4:] == [1, 0]
+    assert len(plain) == 1 and plain[0]["config"][4:6] == [1, 0]
     assert [u is None for u in plain[0]["us"]] == [
         c not in C.int4_configs(False, False) for c in range(len(C.INT4_CONFIGS))
     ]
@@ -491,12 +500,16 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = 6
-    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False)] = {0: 0.0123, 6: 0.0101}
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = {
+        0: 0.0123,
+        6: 0.0101,
+    }
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
-    assert (int4["teams"], int4["early"]) == (True, False) and "teams" not in wo8
+    assert (int4["teams"], int4["early"], int4["variants"]) == (True, False, True)
+    assert "teams" not in wo8
     assert int4["us"][0] == 12.3 and int4["us"][6] == 10.1 and int4["us"][1] is None
     assert len(int4["us"]) == len(C.INT4_CONFIGS) and wo8["us"] == [None] * len(C.CONFIGS)
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
@@ -514,12 +527,12 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
     spec.loader.exec_module(decode)
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True)
+    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True, True)
     C._TUNED[key] = 0
     C._TIMES[key] = {c: 0.01 + c / 1e4 for c in C.int4_configs(teams=False)}
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2  # timed under capture
     head, times, wo8 = decode.config_lines(C.tuned_configs())
-    assert "(teams False, early True)" in head and "teams" not in wo8
+    assert "(teams False, early True, variants True)" in head and "teams" not in wo8
     cells = times.split(": ")[1].split()
     assert len(cells) == len(C.INT4_CONFIGS) and cells[0] == "10.0"
     assert [c == "-" for c in cells] == [
@@ -550,13 +563,13 @@ def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
     allowed = C.int4_configs(teams, early)
-    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early)
+    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early, True)
     got = C._tuned(key, allowed, lambda c: c)
     assert sorted(ran) == allowed
     assert all(C.INT4_CONFIGS[c][4] == 1 or teams for c in ran)
     assert all(C.INT4_CONFIGS[c][5] == 0 or early for c in ran)
     assert got == (fastest if teams and early else 0)
-    other = key[:-2] + (not teams, early)
+    other = key[:-3] + (not teams, early, True)
     C._tuned(other, C.int4_configs(not teams, early), lambda c: c)
     assert len(C._TUNED) == 2
     assert C._tuned(key, allowed, lambda c: pytest.fail("timed twice")) == got
