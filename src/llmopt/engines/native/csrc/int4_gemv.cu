@@ -167,13 +167,6 @@ __device__ __forceinline__ float stage_row(const T* __restrict__ xr, const T* __
 // the registers already scaled, instead of the 2-byte loads used one after the other, a second
 // pass over x for the norm and a third barrier for the peak. A longer row reads its units
 // again for the second pass, a batch of kHeld at a time.
-template <typename T>
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
-  const T* h = reinterpret_cast<const T*>(&v);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = to_float<T>(h[e]);
-}
-
 template <typename T, int WARPS>
 __device__ __forceinline__ float stage_row_vec(const T* __restrict__ xr, const T* __restrict__ g,
                                                float eps, int k, bool norm, half2* xs) {
@@ -201,17 +194,13 @@ __device__ __forceinline__ float stage_row_vec(const T* __restrict__ xr, const T
       }
     }
   };
-  // unit v of the batch in registers as floats: x (lo, hi), and x g with `norm`
-  auto values = [&](int v, float (&lo)[8], float (&hi)[8]) {
-    unpack8<T>(xv[v][0], lo);
-    unpack8<T>(xv[v][1], hi);
-    if (norm) {
-      float gl[8], gh[8];
-      unpack8<T>(gv[v][0], gl);
-      unpack8<T>(gv[v][1], gh);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) lo[e] *= gl[e], hi[e] *= gh[e];
-    }
+  // element e of half h (0: k0 + e, 1: k0 + 128 + e) of unit v held: x, and x g with `norm`
+  auto raw = [&](int v, int h, int e) {
+    return to_float<T>(reinterpret_cast<const T*>(&xv[v][h])[e]);
+  };
+  auto value = [&](int v, int h, int e) {
+    const float x0 = raw(v, h, e);
+    return norm ? x0 * to_float<T>(reinterpret_cast<const T*>(&gv[v][h])[e]) : x0;
   };
   const int stride = kHeld * THREADS;
   float sq = 0.0f, amax = 0.0f;
@@ -220,14 +209,14 @@ __device__ __forceinline__ float stage_row_vec(const T* __restrict__ xr, const T
 #pragma unroll
     for (int v = 0; v < kHeld; ++v) {
       if (u0 + v * THREADS >= units) break;
-      float lo[8], hi[8], xl[8], xh[8];
-      unpack8<T>(xv[v][0], xl);
-      unpack8<T>(xv[v][1], xh);
-      values(v, lo, hi);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        sq = fmaf(xl[e], xl[e], fmaf(xh[e], xh[e], sq));
-        amax = fmaxf(amax, fmaxf(fabsf(lo[e]), fabsf(hi[e])));
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float x0 = raw(v, h, e);
+          sq = fmaf(x0, x0, sq);
+          amax = fmaxf(amax, fabsf(value(v, h, e)));
+        }
       }
     }
   }
@@ -251,12 +240,10 @@ __device__ __forceinline__ float stage_row_vec(const T* __restrict__ xr, const T
     for (int v = 0; v < kHeld; ++v) {
       const int u = u0 + v * THREADS;
       if (u >= units) break;
-      float lo[8], hi[8];
-      values(v, lo, hi);
       uint32_t pr[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const half2 h = __floats2half2_rn(lo[e] * mul, hi[e] * mul);
+        const half2 h = __floats2half2_rn(value(v, 0, e) * mul, value(v, 1, e) * mul);
         pr[e] = *reinterpret_cast<const uint32_t*>(&h);
       }
       uint4* dst = reinterpret_cast<uint4*>(xs + 8 * u);
