@@ -16,9 +16,11 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call -2: bash ... int4-configs   # every int4 GEMV config alone per 8B shape, each output
-#           # checked against fp32 (~2 min with the extension's build): the baseline for a
-#           # change to the kernel's fixed cost per block (staging x, the per-group barriers)
+#   call -2: TESTS_K="(every_config and int4) or massive" bash ... native-tests int4-configs,
+#           then MODES="int4" AB="--linear default INT4_GEMV_VARIANTS=off" TAG=variants ... ab
+#           # the int4 GEMV's variant configs (16-byte staging, one barrier per group of rows):
+#           # right against fp32, alone per 8B shape plain and fused (~2 min with the build),
+#           # and end to end (two compiles: give it the rest of the 600 s)
 #   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
 #           # (the EARLY configs ran end to end on H100s, not in these tests yet; the
 #           # extensions' first build takes ~4 min), then
