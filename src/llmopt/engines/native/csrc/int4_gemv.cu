@@ -171,8 +171,8 @@ template <typename T, int WARPS>
 __device__ __forceinline__ float stage_row_vec(const T* __restrict__ xr, const T* __restrict__ g,
                                                float eps, int k, bool norm, half2* xs) {
   constexpr int THREADS = WARPS * 32;
-  // (the whole of a 4,096 row at 4 warps or more; 32 registers with `norm` at 4 warps, where
-  // more made ptxas take twice the registers, halving the blocks an SM holds)
+  // (the whole of a 4,096 row at 4 warps or more, in 32 registers with `norm` at 4 warps: more
+  // units per thread cost registers, and registers cost blocks per SM)
   constexpr int kHeld = WARPS >= 8 ? 1 : 8 / WARPS;
   __shared__ float2 red[WARPS];  // (sum of squares, largest |value|) per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
