@@ -50,8 +50,6 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 def time_configs(run, want, name, n, k, group, fusion, nbytes, rounds) -> list[dict]:
     """Every runnable config checked against `want`, then timed in `rounds` interleaved rounds;
     printed fastest first; the rows the JSON records."""
-    from triton.testing import do_bench
-
     configs, failed, rows = [], {}, []
     for c in C.int4_runnable(0, k, group):
         try:
@@ -64,10 +62,8 @@ def time_configs(run, want, name, n, k, group, fusion, nbytes, rounds) -> list[d
             failed[c] = f"wrong result (relative error {err:.2e} against fp32)"
         else:
             configs.append(c)
-    times = {c: [] for c in configs}
-    for _ in range(rounds):
-        for c in configs:
-            times[c].append(do_bench(lambda c=c: run(c), warmup=5, rep=25) * 1e3)
+    ms = C.interleaved_times(run, configs, rounds, warmup=5, rep=25)
+    times = {c: [t * 1e3 for t in ts] for c, ts in ms.items()}
     tag = f"{name} {n}x{k} {fusion}"
     for c, msg in failed.items():
         print(f"{tag} config {c} {C.INT4_CONFIGS[c]}: FAILED {msg}")

@@ -252,6 +252,19 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 TUNE_ROUNDS = 3
 
 
+def interleaved_times(run, configs: Iterable[int], rounds: int, **bench) -> dict[int, list[float]]:
+    """Each config's times (ms) by `run(config)` over `rounds` rounds, every round timing every
+    config in turn (Triton's `do_bench`, the L2 flushed between calls; `bench` its warmup and
+    rep), so that a drift in clocks or load falls on all of them alike."""
+    from triton.testing import do_bench
+
+    out: dict[int, list[float]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for c in out:
+            out[c].append(do_bench(lambda c=c: run(c), **bench))
+    return out
+
+
 def _tuned(key: tuple, configs: Iterable[int], run) -> int:
     """The fastest of the configurations `configs` (indices into the table) for `key`: each
     timed by `run(config)` with the L2 flushed between calls, in `TUNE_ROUNDS` interleaved
@@ -261,13 +274,7 @@ def _tuned(key: tuple, configs: Iterable[int], run) -> int:
         return _TUNED[key]
     if torch.cuda.is_current_stream_capturing():
         return DEFAULT_CONFIG  # (not stored: the next eager call times it)
-    from triton.testing import do_bench
-
-    configs = list(configs)
-    rounds: dict[int, list[float]] = {c: [] for c in configs}
-    for _ in range(TUNE_ROUNDS):
-        for c in configs:
-            rounds[c].append(do_bench(lambda c=c: run(c), warmup=2, rep=10))
+    rounds = interleaved_times(run, configs, TUNE_ROUNDS, warmup=2, rep=10)
     times = {c: statistics.median(t) for c, t in rounds.items()}
     _TUNED[key] = min(times, key=times.__getitem__)
     _TIMES[key] = times
