@@ -374,6 +374,7 @@ LINEAR_SWITCHES = (
     "INT4_GEMV_TEAMS",
     "INT4_GEMV_EARLY",
     "INT4_GEMV_VARIANTS",
+    "INT4_GEMV_FIT",
     "GEMV_PICK",
     "GEMV_PICK_REPLAY",
 )
@@ -399,11 +400,13 @@ def linear_settings(specs: list[str] | None) -> list[dict[str, bool]]:
 def config_lines(configs: list[dict]) -> list[str]:
     """`cuda_gemv.tuned_configs()` as printed: each timed shape's config, and every config's
     time alone (do_bench, L2 flushed) in the table's order, '-' for one the point's switches
-    left out of the timing (`INT4_GEMV_TEAMS` / `EARLY` / `VARIANTS` off, or a config the GPU
+    left out of the timing (`INT4_GEMV_TEAMS` / `EARLY` / `VARIANTS` / `FIT` off, or a config the GPU
     cannot run at that K)."""
+    from llmopt.engines.native.cuda_gemv import INT4_SWITCHES
+
     out = []
     for t in configs:
-        allowed = [f"{d} {t[d]}" for d in ("teams", "early", "variants") if d in t]
+        allowed = [f"{d} {t[d]}" for d in INT4_SWITCHES if d in t]
         sets = f" ({', '.join(allowed)})" if allowed else ""
         out.append(
             f"CUDA GEMV config {t['kernel']} {t['n']}x{t['k']} {t['weight']}{sets}: {t['config']}"

@@ -53,7 +53,8 @@ CONFIGS = ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 1), (4, 8, 1), (1,
 DEFAULT_CONFIG = 2
 # (rows per group, warps, loads per row per step, groups of rows per block, teams of warps the
 # groups are dealt to, second step requested before the dependency wait, variant bits: 1 the
-# activations staged with 16-byte loads, 2 one block barrier per group of rows):
+# activations staged with 16-byte loads, 2 one block barrier per group of rows, 4 the groups per
+# block fitted at launch to the blocks the GPU holds at once, the fourth column then unused):
 # csrc/int4_gemv.cu's LLMOPT_INT4_CONFIGS, in its order
 INT4_CONFIGS = (
     (2, 4, 2, 1, 1, 0, 0),
@@ -84,7 +85,15 @@ INT4_CONFIGS = (
     (4, 16, 1, 8, 4, 0, 3),
     (4, 8, 1, 4, 2, 1, 3),
     (4, 16, 1, 8, 4, 1, 3),
+    (4, 4, 1, 8, 1, 0, 4),
+    (4, 4, 1, 8, 1, 0, 5),
+    (4, 4, 1, 8, 1, 0, 7),
+    (4, 4, 1, 4, 1, 1, 7),
 )
+# the variant bits (csrc/int4_gemv.cu's kVecStage, kOneBarrier, kFit)
+VEC_STAGE, ONE_BARRIER, FIT = 1, 2, 4
+# the per-shape timing's switches of the int4 GEMV (`int4_gemv`'s arguments), as its key ends
+INT4_SWITCHES = ("teams", "early", "variants", "fit")
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -223,7 +232,7 @@ def _check(index: int, module, fn: str, configs: int, cases: Cases) -> str:
 def tuned_configs() -> list[dict]:
     """The configuration each timed shape got, as benchmarks record it: kernel, N, K, the
     weight dtype (int8/FP8) or scale group (int4), rows, the configurations allowed (int4:
-    `teams`, `early`, `variants`), the chosen configuration's tuple, and every configuration's time in
+    `teams`, `early`, `variants`, `fit`), the chosen configuration's tuple, and every configuration's time in
     microseconds (`us`, in the table's order; None for one not allowed, empty where not
     timed)."""
     out = []
@@ -234,7 +243,7 @@ def tuned_configs() -> list[dict]:
         out.append(
             {"kernel": kernel, "n": n, "k": k, "weight": str(what), "act": str(act)}
             | {"rows": rows, "config": list(table[cfg])}
-            | (dict(zip(("teams", "early", "variants"), allowed, strict=True)) if allowed else {})
+            | (dict(zip(INT4_SWITCHES, allowed, strict=True)) if allowed else {})
             | {"us": [round(1e3 * times[c], 2) if c in times else None for c in range(len(table))]}
         )
     return out
@@ -361,30 +370,47 @@ def int4_gemv(
     teams: bool = True,
     early: bool = True,
     variants: bool = True,
+    fit: bool = True,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W^T for int4 codes packed by `linear.pack_int4_planar` (N, K / 8)
     with scales (N, K / group) in x's dtype; `int4_supports` and `int4_available()` hold. With
     `norm`, x is first normalized as RMSNorm(weight g (K,), eps) normalizes it; with `resid`,
     `r` (M, N) is added to y (else `g`, `r` are any tensors, unread). `teams` / `early` /
-    `variants`: the configurations with teams of warps / the second step requested early / a
-    variant bit may be chosen (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
+    `variants` / `fit`: the configurations with teams of warps / the second step requested
+    early / variant bit 1 or 2 / the groups per block fitted at launch may be chosen
+    (`int4_configs`); they are arguments, not globals, so that each compiled step keeps its own
     choice (a CUDA graph replays the config chosen when it was captured)."""
     x, packed = _aligned(x.contiguous()), _aligned(packed.contiguous())
     scale, g, r = scale.contiguous(), _aligned(g.contiguous()), r.contiguous()
     mod = _int4_module(_arch(x.device.index or 0))
     index = x.device.index or 0
     k = x.shape[1]
-    key = ("int4", packed.shape[0], k, group, x.dtype, x.shape[0], teams, early, variants)
+    key = ("int4", packed.shape[0], k, group, x.dtype, x.shape[0], teams, early, variants, fit)
     fused = (g, r, group, eps, norm, resid)
     # (the filter only where the shape is still to be timed: an eager step calls this per layer)
-    allowed = int4_configs(teams, early, variants)
+    allowed = int4_configs(teams, early, variants, fit)
     configs = [] if key in _TUNED else int4_runnable(index, k, group, allowed)
     cfg = _tuned(key, configs, lambda c: mod.int4_gemv(x, packed, scale, *fused, c, False))
     return mod.int4_gemv(x, packed, scale, *fused, cfg, pdl)
 
 
 @int4_gemv.register_fake
-def _(x, packed, scale, g, r, group, eps, norm, resid, pdl, teams=True, early=True, variants=True):
+def _(
+    x,
+    packed,
+    scale,
+    g,
+    r,
+    group,
+    eps,
+    norm,
+    resid,
+    pdl,
+    teams=True,
+    early=True,
+    variants=True,
+    fit=True,
+):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
@@ -411,23 +437,30 @@ def int4_runnable(
     ]
 
 
-def int4_configs(teams: bool = True, early: bool = True, variants: bool = True) -> list[int]:
+def int4_configs(
+    teams: bool = True, early: bool = True, variants: bool = True, fit: bool = True
+) -> list[int]:
     """The indices of `INT4_CONFIGS` the per-shape timing may choose from: all of them, less
     those with several teams of warps unless `teams`, less those that request their second
-    step before the dependency wait unless `early`, less those with variant bits (csrc/int4_gemv.cu)
-    unless `variants` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` / `INT4_GEMV_VARIANTS`: an
-    end-to-end A/B of either design, each point timing its own set; `int4_gemv` also leaves out
-    any config that needs more shared memory at its K than the GPU gives a block).
+    step before the dependency wait unless `early`, less those with variant bit 1 or 2
+    (csrc/int4_gemv.cu) unless `variants`, less those whose groups per block are fitted at
+    launch (bit 4) unless `fit` (`linear.INT4_GEMV_TEAMS` / `INT4_GEMV_EARLY` /
+    `INT4_GEMV_VARIANTS` / `INT4_GEMV_FIT`: an end-to-end A/B of either design, each point
+    timing its own set; `int4_gemv` also leaves out any config that needs more shared memory
+    at its K than the GPU gives a block).
 
     >>> len(int4_configs()), len(int4_configs(teams=False)), len(int4_configs(early=False))
-    (28, 15, 21)
-    >>> len(int4_configs(variants=False))
-    20
-    >>> DEFAULT_CONFIG in int4_configs(False, False)
+    (32, 19, 24)
+    >>> len(int4_configs(variants=False)), len(int4_configs(fit=False))
+    (21, 28)
+    >>> DEFAULT_CONFIG in int4_configs(False, False, False, False)
     True
     """
     return [
         c
         for c, (*_, split, ahead, variant) in enumerate(INT4_CONFIGS)
-        if (teams or split == 1) and (early or not ahead) and (variants or not variant)
+        if (teams or split == 1)
+        and (early or not ahead)
+        and (variants or not variant & (VEC_STAGE | ONE_BARRIER))
+        and (fit or not variant & FIT)
     ]

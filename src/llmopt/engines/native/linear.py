@@ -69,6 +69,7 @@ __all__ = [
     "INT4_GEMV_TEAMS",
     "INT4_GEMV_EARLY",
     "INT4_GEMV_VARIANTS",
+    "INT4_GEMV_FIT",
     "prepare_cuda_gemv",
     "pdl_supported",
     "silu_down",
@@ -408,6 +409,10 @@ INT4_GEMV_EARLY = True
 # one pass where the row fits; one block barrier per group of rows): on; off keeps the timing
 # to the configurations without them (`--linear default INT4_GEMV_VARIANTS=off`).
 INT4_GEMV_VARIANTS = True
+# And those whose groups of rows per block are fitted, at launch, to the blocks the GPU holds at
+# once (csrc/int4_gemv.cu's fit_chunks: one wave, where a fixed count of groups can leave a last
+# partial one): on; off for the A/B (`--linear default INT4_GEMV_FIT=off`).
+INT4_GEMV_FIT = True
 # Per weight shape, the one-row GEMV is the CUDA C++ kernel or Triton's, whichever ran faster on
 # this GPU when the first layer of that shape was built (`_pick_one_row`: both timed eagerly,
 # interleaved, the L2 flushed; the CUDA kernel keeps the shape unless Triton's is faster by
@@ -1016,7 +1021,7 @@ def int4_mm(
             if norm is not None:
                 g = g.to(x.dtype)
             fused_args = (norm is not None, residual is not None, pdl)
-            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY, INT4_GEMV_VARIANTS)
+            configs = (INT4_GEMV_TEAMS, INT4_GEMV_EARLY, INT4_GEMV_VARIANTS, INT4_GEMV_FIT)
             return cuda_gemv.int4_gemv(x, packed, scale, g, r, group, eps, *fused_args, *configs)
         if counters is None or counters.numel() < m * -(-n // 8):
             counters = gemv_counters(n, m, x.device)

@@ -326,11 +326,12 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
     """Each configuration and group size, N not a multiple of any block's rows, K one tile and
     many (a row its threads hold in registers and one they read in batches), one and three
     rows, plain and (group 128) normalized / residual: within f16/bf16 rounding of the fp32
-    product of the dequantized weights, and codes reaching -8 and 7."""
+    product of the dequantized weights, and codes reaching -8 and 7. N = 20,000 at K = 256
+    gives the fitted configs (variant bit 4) many groups per block and a last block cut short."""
     mod = C._int4_module(C._arch(0))
     g = torch.Generator(device="cuda").manual_seed(0)
     eps = 1e-5
-    for n, k in ((1000, 2048), (37, 256), (4096, 14336)):
+    for n, k in ((1000, 2048), (37, 256), (4096, 14336), (20000, 256)):
         w = torch.randn(n, k, device="cuda", generator=g) * 0.05
         w[0, :16] = torch.linspace(-1, 1, 16, device="cuda")
         gw = (1 + 0.5 * torch.randn(k, device="cuda", generator=g)).to(adtype)
@@ -353,6 +354,37 @@ def test_int4_every_config_matches_reference_on_gpu(adtype):
                         got = mod.int4_gemv(x, packed, sc, gw, r, group, eps, norm, resid, c, False)
                         err = float((got.float() - want).norm() / want.norm())
                         assert err < 1e-2, (n, k, group, m, norm, resid, c, err)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.usefixtures("built_int4")
+def test_int4_fitted_configs_launch_one_wave_on_gpu():
+    """A fitted config (variant bit 4) takes as few groups of rows per block as let the whole
+    launch be resident at once: a whole number of teams, more with more rows to cover, the
+    fewest for a small matrix, and never more blocks than the GPU's multiprocessors hold (at
+    least one block each); the other configs keep their CHUNKS."""
+    mod = C._int4_module(C._arch(0))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fitted = [c for c, cfg in enumerate(C.INT4_CONFIGS) if cfg[6] & C.FIT]
+    assert fitted
+    for c in range(len(C.INT4_CONFIGS)):
+        rows, warps, _, chunks, split, *_ = C.INT4_CONFIGS[c]
+        seen = []
+        for m, n in ((1, 37), (1, 28672), (3, 28672), (1, 200000)):
+            x = torch.zeros(m, 4096, device="cuda", dtype=torch.bfloat16)
+            w = torch.zeros(n, 512, device="cuda", dtype=torch.int32)
+            got = mod.int4_chunks(x, w, 128, c)
+            if c not in fitted:
+                assert got == chunks
+                continue
+            blocks = -(-n // (rows * got)) * m
+            assert got % split == 0 and got >= split, (c, m, n, got)
+            # (a multiprocessor holds at most 2,048 threads)
+            assert blocks <= sms * (2048 // (32 * warps)), (c, m, n, got)
+            seen.append(got)
+        if c in fitted:
+            assert seen[0] == split and seen == sorted(seen) and seen[-1] > seen[1], (c, seen)
 
 
 @pytest.mark.gpu
@@ -500,15 +532,15 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     the row of its kernel's table."""
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = 6
-    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True)] = {
+    C._TUNED[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True, False)] = 6
+    C._TIMES[("int4", 4096, 512, 128, torch.bfloat16, 1, True, False, True, False)] = {
         0: 0.0123,
         6: 0.0101,
     }
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2
     int4, wo8 = C.tuned_configs()
     assert int4["config"] == list(C.INT4_CONFIGS[6]) and int4["weight"] == "128"
-    assert (int4["teams"], int4["early"], int4["variants"]) == (True, False, True)
+    assert [int4[s] for s in C.INT4_SWITCHES] == [True, False, True, False]
     assert "teams" not in wo8
     assert int4["us"][0] == 12.3 and int4["us"][6] == 10.1 and int4["us"][1] is None
     assert len(int4["us"]) == len(C.INT4_CONFIGS) and wo8["us"] == [None] * len(C.CONFIGS)
@@ -527,12 +559,12 @@ def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
     spec.loader.exec_module(decode)
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
-    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True, True)
+    key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True, True, True)
     C._TUNED[key] = 0
     C._TIMES[key] = {c: 0.01 + c / 1e4 for c in C.int4_configs(teams=False)}
     C._TUNED[("wo8", 6144, 4096, torch.int8, torch.bfloat16, 1)] = 2  # timed under capture
     head, times, wo8 = decode.config_lines(C.tuned_configs())
-    assert "(teams False, early True, variants True)" in head and "teams" not in wo8
+    assert "(teams False, early True, variants True, fit True)" in head and "teams" not in wo8
     cells = times.split(": ")[1].split()
     assert len(cells) == len(C.INT4_CONFIGS) and cells[0] == "10.0"
     assert [c == "-" for c in cells] == [
@@ -563,13 +595,13 @@ def test_int4_timing_chooses_only_among_the_allowed_configs(monkeypatch, teams, 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
     allowed = C.int4_configs(teams, early)
-    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early, True)
+    key = ("int4", 4096, 4096, 128, torch.bfloat16, 1, teams, early, True, True)
     got = C._tuned(key, allowed, lambda c: c)
     assert ran == allowed * C.TUNE_ROUNDS  # (interleaved: each round times every config)
     assert all(C.INT4_CONFIGS[c][4] == 1 or teams for c in ran)
     assert all(C.INT4_CONFIGS[c][5] == 0 or early for c in ran)
     assert got == (fastest if teams and early else 0)
-    other = key[:-3] + (not teams, early, True)
+    other = key[:-4] + (not teams, early, True, True)
     C._tuned(other, C.int4_configs(not teams, early), lambda c: c)
     assert len(C._TUNED) == 2
     assert C._tuned(key, allowed, lambda c: pytest.fail("timed twice")) == got

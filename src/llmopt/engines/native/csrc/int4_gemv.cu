@@ -45,6 +45,9 @@
 #endif
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -59,8 +62,9 @@ using namespace llmopt_gemv;
 constexpr float kStageMax = 4096.0f;
 
 // Variant bits of a config (its V): the activations staged with 16-byte loads (stage_row_vec),
-// one block barrier per group of rows instead of two (partial sums double-buffered).
-constexpr int kVecStage = 1, kOneBarrier = 2;
+// one block barrier per group of rows instead of two (partial sums double-buffered), and the
+// groups of rows per block fitted to the GPU at launch (kFit: see fit_chunks) instead of CHUNKS.
+constexpr int kVecStage = 1, kOneBarrier = 2, kFit = 4;
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -337,17 +341,20 @@ template <typename T, int ROWS, int WARPS, int UNROLL, int CHUNKS, int SPLIT, bo
 __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scale,
     const T* __restrict__ g, const T* __restrict__ r, float eps, T* __restrict__ y, int n, int k,
-    int group_shift, bool norm, bool resid) {
+    int group_shift, bool norm, bool resid, int fit_chunks) {
   static_assert(WARPS % SPLIT == 0 && CHUNKS % SPLIT == 0, "teams of whole warps and groups");
   constexpr int THREADS = WARPS * 32;
   constexpr int TEAM = THREADS / SPLIT;      // threads per team
-  constexpr int TEAM_CHUNKS = CHUNKS / SPLIT;  // groups of rows per team, one after the other
   constexpr int STEP = TEAM * UNROLL;
+  // groups of ROWS rows per block (a multiple of SPLIT) and per team, one after the other: a
+  // constant but with kFit
+  const int chunks = (V & kFit) ? fit_chunks : CHUNKS;
+  const int team_chunks = (V & kFit) ? fit_chunks / SPLIT : CHUNKS / SPLIT;
   extern __shared__ __align__(16) unsigned char smem[];
   half2* xs = reinterpret_cast<half2*>(smem);                  // (k / 256, 4, 32) pairs
-  float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (CHUNKS ROWS, k / G)
+  float* sc = reinterpret_cast<float*>(smem + 2 * static_cast<size_t>(k));  // (chunks ROWS, k / G)
   const int m = blockIdx.y;
-  const int n0 = blockIdx.x * ROWS * CHUNKS;
+  const int n0 = blockIdx.x * ROWS * chunks;
   const int words = k / 8;  // per row
   const int pieces = words / 4;
   const int groups = k >> group_shift;  // (G a power of two: no integer division in the loop)
@@ -363,7 +370,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int p = b + tid + u * TEAM;
-        dst[u][i] = c < TEAM_CHUNKS && p < pieces
+        dst[u][i] = c < team_chunks && p < pieces
                         ? load_weights(row + static_cast<size_t>(p) * 4)
                         : make_uint4(0, 0, 0, 0);
       }
@@ -384,7 +391,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
     advance(c1, b1);
     load_step(nxt, c1, b1);
   }
-  for (int idx = threadIdx.x; idx < CHUNKS * ROWS * groups; idx += THREADS) {
+  for (int idx = threadIdx.x; idx < chunks * ROWS * groups; idx += THREADS) {
     const int i = idx / groups, g = idx % groups;
     sc[idx] = to_float<T>(scale[static_cast<size_t>(min(n0 + i, n - 1)) * groups + g]);
   }
@@ -401,7 +408,7 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) acc[i] = 0.0f;
   // (every team runs the same steps: the block's barriers below are reached by all threads)
-  for (int c = 0, b = 0; c < TEAM_CHUNKS;) {
+  for (int c = 0, b = 0; c < team_chunks;) {
     int nc = c, nb = b;  // the next step
     advance(nc, nb);
     if constexpr (!EARLY) load_step(nxt, nc, nb);
@@ -424,9 +431,9 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
       load_step(nxt, nnc, nnb);
     }
     if (nc != c) {  // the chunk's rows are done (each team's): their sums to y
-      if (nc == TEAM_CHUNKS) launch_dependents();
+      if (nc == team_chunks) launch_dependents();
       write_rows<T, ROWS, WARPS, SPLIT>(acc, partial[kOne ? c & 1 : 0], n0 + c * SPLIT * ROWS,
-                                        up, r, y, m, n, resid, TEAM_CHUNKS > 1 && !kOne);
+                                        up, r, y, m, n, resid, team_chunks > 1 && !kOne);
     }
     c = nc, b = nb;
   }
@@ -461,16 +468,20 @@ __global__ void __launch_bounds__(WARPS * 32) int4_gemv_kernel(
   X(24, 4, 8, 1, 4, 2, 0, 3)  \
   X(25, 4, 16, 1, 8, 4, 0, 3) \
   X(26, 4, 8, 1, 4, 2, 1, 3)  \
-  X(27, 4, 16, 1, 8, 4, 1, 3)
+  X(27, 4, 16, 1, 8, 4, 1, 3) \
+  X(28, 4, 4, 1, 8, 1, 0, 4)  \
+  X(29, 4, 4, 1, 8, 1, 0, 5)  \
+  X(30, 4, 4, 1, 8, 1, 0, 7)  \
+  X(31, 4, 4, 1, 4, 1, 1, 7)
 
-constexpr int kConfigs = 28;
+constexpr int kConfigs = 32;
 
 #ifdef LLMOPT_INT4_KERNELS_ONLY
 #define LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, GS)    \
   template __global__ void                                                            \
   int4_gemv_kernel<__nv_bfloat16, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, GS>(  \
       const __nv_bfloat16*, const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*,   \
-      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool);
+      const __nv_bfloat16*, float, __nv_bfloat16*, int, int, int, bool, bool, int);
 #define LLMOPT_INSTANTIATE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V) \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, 1)    \
   LLMOPT_INSTANTIATE_GS(ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, 2)    \
@@ -509,43 +520,98 @@ void with_gs(int64_t group, F&& f) {
   else f(std::integral_constant<int, 1>{});
 }
 
-// One launch: a block of `warps` warps per `rows` output rows of each x row.
+int device_attribute(cudaDeviceAttr attr, int device) {
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
+  return v;
+}
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory (past 48 KB a launch must opt in
+// first, however little of the rest is static).
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t smem, int64_t k, int device) {
+  if (smem + kStaticSmem <= 48 * 1024) return;
+  const int limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  TORCH_CHECK(smem + kStaticSmem <= static_cast<size_t>(limit), "int4_gemv: this config needs ",
+              smem + kStaticSmem, " bytes of shared memory at K = ", k, ", the GPU allows ",
+              limit, " (cuda_gemv.int4_runnable leaves it out)");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+}
+
+// A kFit config's groups of `rows` rows per block: the fewest with which every block of the
+// launch is resident at once (the blocks each multiprocessor holds, by the occupancy
+// calculator, times the multiprocessors), a multiple of `split`. A fixed CHUNKS leaves a last
+// partial wave: gate/up at 8 groups of 4 rows is 896 blocks where an H100 holds 792 of them at
+// once, and those 104 run on with most of the GPU idle. More groups per block mean more scales
+// in shared memory, which may lower the occupancy: recomputed until it holds (it only grows).
+// Capped where the shared memory would pass what a block may have. Cached per kernel, shape
+// and GPU: the launch sits on the eager path.
+template <typename Kernel>
+int fit_chunks(Kernel kernel, int threads, int rows, int split, int64_t m, int64_t n, int64_t k,
+               int64_t group, int device) {
+  using Key = std::tuple<const void*, int64_t, int64_t, int64_t, int64_t, int>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), m, n, k, group, device};
+  const std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const int64_t work = (n + rows - 1) / rows * m;  // groups of rows in the launch
+  int chunks = split;
+  for (;;) {
+    const size_t smem = smem_for(rows, chunks, k, group);
+    allow_smem(kernel, smem, k, device);
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    const int64_t resident = sms * std::max(per_sm, 1);
+    int want = static_cast<int>((work + resident - 1) / resident);
+    want = (want + split - 1) / split * split;
+    while (want > chunks &&
+           static_cast<int64_t>(smem_for(rows, want, k, group) + kStaticSmem) > limit) {
+      want -= split;
+    }
+    if (want <= chunks) break;
+    chunks = want;
+  }
+  cache.emplace(key, chunks);
+  return chunks;
+}
+
+// One launch: a block of `warps` warps per `chunks` groups of `rows` output rows of each x row.
 template <typename T, typename Kernel>
-void launch(Kernel kernel, int warps, int rows, size_t smem, const at::Tensor& x,
+void launch(Kernel kernel, int warps, int rows, int chunks, const at::Tensor& x,
             const at::Tensor& w, const at::Tensor& scale, const Fused& f, at::Tensor& y,
             int64_t group, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = w.size(0);
-  if (smem + kStaticSmem > 48 * 1024) {
-    int limit = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                          x.device().index()));
-    TORCH_CHECK(smem + kStaticSmem <= static_cast<size_t>(limit), "int4_gemv: this config needs ",
-                smem + kStaticSmem, " bytes of shared memory at K = ", k, ", the GPU allows ",
-                limit, " (cuda_gemv.int4_runnable leaves it out)");
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-  }
-  Launch l(dim3((n + rows - 1) / rows, m), dim3(warps * 32), smem, pdl);
+  const size_t smem = smem_for(rows, chunks, k, group);
+  allow_smem(kernel, smem, k, x.device().index());
+  const int block_rows = rows * chunks;
+  Launch l(dim3((n + block_rows - 1) / block_rows, m), dim3(warps * 32), smem, pdl);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &l.cfg, kernel, reinterpret_cast<const T*>(x.data_ptr()),
       reinterpret_cast<const uint32_t*>(w.data_ptr()),
       reinterpret_cast<const T*>(scale.data_ptr()), reinterpret_cast<const T*>(f.g.data_ptr()),
       reinterpret_cast<const T*>(f.r.data_ptr()), f.eps, reinterpret_cast<T*>(y.data_ptr()), n, k,
-      __builtin_ctzll(group), f.norm, f.resid));
+      __builtin_ctzll(group), f.norm, f.resid, chunks));
 }
 
-template <typename T>
-void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-              const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
-  const int64_t k = x.size(1);
+// A config's shape, as LLMOPT_INT4_CONFIGS gives it.
+struct Shape {
+  int rows, warps, chunks, split, variant;
+};
+
+// f(kernel, shape) for config `config`'s kernel at activations T and group G.
+template <typename T, typename F>
+void with_kernel(int64_t config, int64_t group, F&& f) {
   switch (config) {
-#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V)                       \
-  case I:                                                                                  \
-    with_gs(group, [&](auto gs) {                                                           \
-      launch<T>(int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, gs.value>, \
-                WARPS, ROWS * CHUNKS, smem_for(ROWS, CHUNKS, k, group), x, w, scale, \
-                f, y, group, pdl);                                                         \
-    });                                                                                    \
+#define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V)                          \
+  case I:                                                                                     \
+    with_gs(group, [&](auto gs) {                                                             \
+      f(int4_gemv_kernel<T, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V, gs.value>,          \
+        Shape{ROWS, WARPS, CHUNKS, SPLIT, V});                                                \
+    });                                                                                       \
     break;
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
@@ -554,12 +620,32 @@ void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at
   }
 }
 
-// The dynamic shared memory of config `config` at K and G.
+// The groups of rows a block of `shape` takes for x (M, K) and w (N, K / 8): CHUNKS, or with
+// kFit as many as fit the launch in one wave.
+template <typename Kernel>
+int block_chunks(Kernel kernel, const Shape& shape, const at::Tensor& x, const at::Tensor& w,
+                 int64_t group) {
+  if (!(shape.variant & kFit)) return shape.chunks;
+  return fit_chunks(kernel, shape.warps * 32, shape.rows, shape.split, x.size(0), w.size(0),
+                    x.size(1), group, x.device().index());
+}
+
+template <typename T>
+void dispatch(int64_t config, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+              const Fused& f, at::Tensor& y, int64_t group, bool pdl) {
+  with_kernel<T>(config, group, [&](auto kernel, const Shape& shape) {
+    const int chunks = block_chunks(kernel, shape, x, w, group);
+    launch<T>(kernel, shape.warps, shape.rows, chunks, x, w, scale, f, y, group, pdl);
+  });
+}
+
+// The dynamic shared memory of config `config` at K and G (a kFit config's least: fit_chunks
+// stays within what the GPU gives a block).
 size_t dynamic_smem(int64_t config, int64_t k, int64_t group) {
   switch (config) {
 #define LLMOPT_CASE(I, ROWS, WARPS, UNROLL, CHUNKS, SPLIT, EARLY, V) \
   case I:                                                            \
-    return smem_for(ROWS, CHUNKS, k, group);
+    return smem_for(ROWS, (V & kFit) ? SPLIT : CHUNKS, k, group);
     LLMOPT_INT4_CONFIGS(LLMOPT_CASE)
 #undef LLMOPT_CASE
     default:
@@ -616,8 +702,23 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+// The groups of rows per block config `config` launches with for x (M, K), w (N, K / 8) and
+// group G (CHUNKS, or with kFit what fit_chunks chose on x's GPU).
+int64_t int4_chunks(const at::Tensor& x, const at::Tensor& w, int64_t group, int64_t config) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && w.dim() == 2, "int4_chunks: x (M, K), w (N, K / 8)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  int chunks = 0;
+  auto f = [&](auto kernel, const Shape& shape) {
+    chunks = block_chunks(kernel, shape, x, w, group);
+  };
+  if (x.scalar_type() == at::kBFloat16) with_kernel<__nv_bfloat16>(config, group, f);
+  else with_kernel<__half>(config, group, f);
+  return chunks;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("int4_gemv", &int4_gemv, "One-row GEMV, int4 planar weights (see int4_gemv.cu)");
+  mod.def("int4_chunks", &int4_chunks, "Groups of rows per block of a config at this shape");
   mod.def("int4_smem", &int4_smem, "Shared memory (bytes) of a config at K and G");
   mod.attr("configs") = kConfigs;
 }
