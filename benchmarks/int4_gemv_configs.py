@@ -126,8 +126,44 @@ def main() -> None:
                 xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * nw.float()
             want = xf @ deq.t() + (r.float() if resid else 0)
             rows += time_configs(run, want, name, n, k, args.group, fusion, nbytes, args.rounds)
+    for line in summary(rows):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}))
+
+
+# the families a summary line compares, by a config's variant bits
+FAMILIES = {
+    "base": lambda v: v == 0,
+    "variants": lambda v: v & (C.VEC_STAGE | C.ONE_BARRIER) and not v & C.FIT,
+    "fitted": lambda v: v & C.FIT,
+}
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per shape and fusion, the fastest config of each family (no variant bits; bit 1 or 2;
+    bit 4) and its time against the fastest base config's.
+
+    >>> rows = [{"shape": "o", "fusion": "plain", "config": c, "us": us}
+    ...         for c, us in ((9, 11.0), (20, 10.0), (28, 12.1), (0, 13.0))]
+    >>> summary(rows)
+    ['o plain: base 9 11.00 us, variants 20 10.00 us (x0.909), fitted 28 12.10 us (x1.100)']
+    """
+    out = []
+    for shape, fusion in dict.fromkeys((r["shape"], r["fusion"]) for r in rows):
+        timed = [r for r in rows if (r["shape"], r["fusion"]) == (shape, fusion) and "us" in r]
+        best = {}
+        for family, member in FAMILIES.items():
+            mine = [r for r in timed if member(C.INT4_CONFIGS[r["config"]][6])]
+            if mine:
+                best[family] = min(mine, key=lambda r: r["us"])
+        base = best.get("base")
+        cells = []
+        for family, r in best.items():
+            ratio = f" (x{r['us'] / base['us']:.3f})" if base and family != "base" else ""
+            cells.append(f"{family} {r['config']} {r['us']:.2f} us{ratio}")
+        out.append(f"{shape} {fusion}: {', '.join(cells)}")
+    return out
 
 
 if __name__ == "__main__":
