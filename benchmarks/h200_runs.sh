@@ -16,13 +16,12 @@
 # `native-tests` alone takes ~7 min on a fresh machine; end the session's last call with
 # `cache-out`, and start the next with `cache-in`). The `ab` lists cross: two lists of two
 # give each switch alone, both, and neither, interleaved.
-#   call -2: MODES="int4" AB="--linear default INT4_GEMV_VARIANTS=off" ROUNDS=3 TAG=variants
-#           bash ... ab  # the int4 GEMV's variant configs (16-byte staging, one barrier per
-#           # group) end to end, now that the per-shape timing takes medians of interleaved
-#           # rounds (the last A/B measured that timing's noise: gate/up's base config differed
-#           # between its points); the log's `CUDA GEMV config` lines say what each point chose.
-#           # `native-tests int4-configs` first (TESTS_K="(every_config and int4) or massive")
-#           # checks and times every config alone, plain and fused (~3 min with the build)
+#   call -2: MODES="bf16 int8 fp8 int4" bash ... decode  # on an H200 (the targets' GPU):
+#           # every format with today's defaults, none measured there since 2026-12-04 (the
+#           # int4 CUDA GEMV, its teams, EARLY, variant and fitted configs ran on H100s only;
+#           # four compiles: give it the whole 600 s); the int4 variant/fit A/B is done (H100,
+#           # docs/benchmarks.md: neutral end to end; `native-tests int4-configs` with
+#           # TESTS_K="(every_config and int4) or fitted or massive" re-checks every config)
 #   call -1: TESTS_K="fuses_the_norm or pick_times or (int4 and cuda)" bash ... native-tests
 #           # (the EARLY configs ran end to end on H100s, not in these tests yet; the
 #           # extensions' first build takes ~4 min), then
