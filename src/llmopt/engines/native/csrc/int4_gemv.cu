@@ -27,7 +27,9 @@
 // With CHUNKS > 1 a block owns CHUNKS such groups of ROWS rows, one after the other, and its
 // loads run ahead across the groups: the activations are staged (and normalized) once per
 // CHUNKS x ROWS rows instead of once per ROWS, which is most of a block's own work where K is
-// short (4,096: one loop step per group at 128 threads).
+// short (4,096: one loop step per group at 128 threads). A config with variant bit kFit takes
+// its count of groups per block at launch instead (fit_chunks): as few as let every block of
+// the launch be resident at once, so that no last partial wave runs on a mostly idle GPU.
 // With SPLIT > 1 the block's warps form SPLIT teams, team t taking groups t, t + SPLIT, ...
 // side by side: at K = 4,096 a row is 128 pieces, so in a block of 256 threads working one group
 // at a time half the threads had nothing to load, while the team split keeps them all
@@ -543,7 +545,7 @@ void allow_smem(Kernel kernel, size_t smem, int64_t k, int device) {
 // launch is resident at once (the blocks each multiprocessor holds, by the occupancy
 // calculator, times the multiprocessors), a multiple of `split`. A fixed CHUNKS leaves a last
 // partial wave: gate/up at 8 groups of 4 rows is 896 blocks where an H100 holds 792 of them at
-// once, and those 104 run on with most of the GPU idle. More groups per block mean more scales
+// once at 80 registers a thread, and the last 104 run on with most of the GPU idle. More groups per block mean more scales
 // in shared memory, which may lower the occupancy: recomputed until it holds (it only grows).
 // Capped where the shared memory would pass what a block may have. Cached per kernel, shape
 // and GPU: the launch sits on the eager path.
