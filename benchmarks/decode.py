@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as `python benchmarks/decode.py`
+import step_profile  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 
@@ -152,7 +153,13 @@ def build(args, mode: str, dtype, cfg_dict, prompt: list[int], fold: bool = Fals
 
 
 def run_native(
-    args, model, batch: int, prompt: list[int], compile_: bool, overlap: bool | None = None
+    args,
+    model,
+    batch: int,
+    prompt: list[int],
+    compile_: bool,
+    overlap: bool | None = None,
+    copy_gbps: float = 0.0,
 ) -> dict:
     from llmopt.engines.native import attention as A
     from llmopt.engines.native.generator import Generator, SamplingParams
@@ -204,8 +211,9 @@ def run_native(
     for i in range(batch):
         gen.remove(i)
     graph = replay_only(args, gen, batch, len(prompt))
+    profiled = None
     if args.profile:
-        profile_steps(args, gen, batch, len(prompt))
+        profiled = profile_steps(args, gen, batch, len(prompt), copy_gbps)
         profile_loop(args, gen, batch, prompt)
     model.setup_cache(1, 1, torch.bfloat16, args.device)  # free the pool
     gc.unfreeze()  # a point's frozen objects (its compiled steps) must be freeable after it
@@ -227,7 +235,7 @@ def run_native(
         # and the ms they stopped the process (host time that is not the engine's)
         "gc_collections": [b - a for a, b in zip(gc0.collections, gc1.collections, strict=True)],
         "gc_ms": 1e3 * (sum(gc1.seconds) - sum(gc0.seconds)),
-    }
+    } | ({"profile": profiled} if profiled else {})
 
 
 def hf_names(model) -> dict[str, torch.Tensor]:
@@ -271,8 +279,13 @@ def replay_only(args, gen, batch: int, ctx: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / 50
 
 
-def profile_steps(args, gen, batch: int, ctx: int) -> None:
+def profile_steps(args, gen, batch: int, ctx: int, copy_gbps: float) -> dict | None:
+    """torch.profiler over 20 replayed decode steps: its kernel table, and (on a GPU)
+    `step_profile.summary` of it, printed and returned for the point's record."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from llmopt.engines.native import cuda_gemv
 
     packed = _packed(gen, batch, ctx)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -283,6 +296,17 @@ def profile_steps(args, gen, batch: int, ctx: int) -> None:
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"--- profile: batch {batch}, 20 decode steps ---")
     print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+    if not torch.cuda.is_available():
+        return None
+    kernels = [
+        step_profile.Kernel(e.key, getattr(e, "self_device_time_total", 0.0), e.count)
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and getattr(e, "self_device_time_total", 0.0) > 0
+    ]
+    summary = step_profile.summary(kernels, 20, cuda_gemv.tuned_configs(), copy_gbps)
+    for line in step_profile.lines(summary):
+        print(line)
+    return summary
 
 
 def profile_loop(args, gen, batch: int, prompt: list[int]) -> None:
@@ -670,7 +694,7 @@ def main() -> None:
             L.WO8_KERNEL = (
                 mode.partition("@")[2] if mode.endswith(("@gemv", "@dot", "@dot1")) else "auto"
             )
-            r = run_native(args, model, b, prompt, compile_, ov)
+            r = run_native(args, model, b, prompt, compile_, ov, bw / 1e9)
             ctx = args.prompt_len + args.new_tokens / 2
             step_bytes = wbytes + kv_bytes_read(model, int(ctx), b)
             r.update(

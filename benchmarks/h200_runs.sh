@@ -10,6 +10,8 @@
 #   KERNEL_M=1 KERNEL_ARGS="--shapes down --kernels int8-gemv fp8-gemv --gated --rounds 5" \
 #     bash benchmarks/h200_runs.sh kernels                # SiLU x up inside the down GEMV, alone
 #   MODES="int8 fp8 int4 int4@tinygemm" PROFILE=--profile bash benchmarks/h200_runs.sh decode  # item 6
+#     (each point's kernel table, then step_profile's summary: ms per family, each CUDA GEMV's
+#     shapes and GB/s in the step)
 #   bash benchmarks/h200_runs.sh rope-ab          # RoPE + KV write fused into decode attention
 #   bash benchmarks/h200_runs.sh ncu              # Nsight Compute counters of the one-row GEMVs
 # Next run (each decode.py point compiles the step afresh, ~40-100 s: about four points a call;
