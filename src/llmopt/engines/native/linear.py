@@ -405,9 +405,9 @@ INT4_GEMV_CUDA = True
 # read when a step is traced, each compiled step times and keeps its own set.
 INT4_GEMV_TEAMS = True
 INT4_GEMV_EARLY = True
-# And those with variant bits (csrc/int4_gemv.cu: the activations staged with 16-byte loads in
-# one pass where the row fits; one block barrier per group of rows): on; off keeps the timing
-# to the configurations without them (`--linear default INT4_GEMV_VARIANTS=off`).
+# And those with variant bit 1 or 2 (csrc/int4_gemv.cu: the activations staged with 16-byte
+# loads in one pass where the row fits; one block barrier per group of rows): on; off keeps the
+# timing to the configurations without them (`--linear default INT4_GEMV_VARIANTS=off`).
 INT4_GEMV_VARIANTS = True
 # And those whose groups of rows per block are fitted, at launch, to the blocks the GPU holds at
 # once (csrc/int4_gemv.cu's fit_chunks: one wave, where a fixed count of groups can leave a last
