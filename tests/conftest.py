@@ -265,6 +265,23 @@ def tiny_llama_nan_dir(tiny_llama_dir: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def benchmark_script() -> Callable[[str], object]:
+    """`benchmark_script(name)`: `benchmarks/<name>.py` loaded as a module (the scripts are not a
+    package; registered in sys.modules, which their dataclasses look themselves up in)."""
+    import sys
+
+    def load(name: str):
+        path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.fixture
 def quick_optimize_args() -> Callable[..., list[str]]:
     """`quick_optimize_args(model, out, time_budget)`: the `llmopt` arguments of a short but

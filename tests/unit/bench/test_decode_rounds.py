@@ -2,18 +2,7 @@
 the point it is compared with in the same round (one time window), within a format for the
 switches, and against the round's first format for a format comparison."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-
-def _decode_module():
-    path = Path(__file__).parents[3] / "benchmarks" / "decode.py"
-    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _row(mode: str, rnd: int, tok_s: float, linear: str = "default", batch: int = 1) -> dict:
@@ -31,8 +20,8 @@ def _row(mode: str, rnd: int, tok_s: float, linear: str = "default", batch: int 
     }
 
 
-def test_round_summary_pairs_formats_and_switches_by_round():
-    decode = _decode_module()
+def test_round_summary_pairs_formats_and_switches_by_round(benchmark_script):
+    decode = benchmark_script("decode")
     rows = [
         _row("bf16", 0, 1000.0),
         _row("int4", 0, 900.0),

@@ -1,26 +1,15 @@
 """`benchmarks/int4_gemv_configs.py`'s summary: per shape and fusion, the fastest config of each
 family of variant bits, against the fastest config without any."""
 
-import importlib.util
-from pathlib import Path
-
 from llmopt.engines.native import cuda_gemv as C
-
-
-def _module():
-    path = Path(__file__).parents[3] / "benchmarks" / "int4_gemv_configs.py"
-    spec = importlib.util.spec_from_file_location("int4_gemv_configs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _first(bits: int) -> int:
     return next(c for c, cfg in enumerate(C.INT4_CONFIGS) if cfg[6] == bits)
 
 
-def test_summary_puts_each_config_in_its_family():
-    m = _module()
+def test_summary_puts_each_config_in_its_family(benchmark_script):
+    m = benchmark_script("int4_gemv_configs")
     base, vec, fit, all_bits = _first(0), _first(C.VEC_STAGE), _first(C.FIT), _first(7)
     rows = [
         {"shape": "gate_up", "fusion": "decode", "config": base, "us": 32.0},

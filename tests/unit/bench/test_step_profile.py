@@ -2,22 +2,12 @@
 kernel attributed to the weight shapes whose timing chose its configuration, with the rate
 those shapes' bytes give in the step. Kernel names as torch.profiler reports them on an H100."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).parents[3] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def sp():
-    spec = importlib.util.spec_from_file_location("step_profile", BENCH / "step_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_profile"] = module  # (its dataclass looks its module up)
-    spec.loader.exec_module(module)
-    return module
+def sp(benchmark_script):
+    return benchmark_script("step_profile")
 
 
 ARGS = "(const T1 *, const unsigned int *, const T1 *, const T1 *, const T1 *, float, T1 *, int)"

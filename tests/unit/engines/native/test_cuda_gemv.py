@@ -547,16 +547,10 @@ def test_tuned_configs_name_each_shapes_config(monkeypatch):
     assert wo8["config"] == list(C.CONFIGS[2]) and (wo8["n"], wo8["k"]) == (6144, 4096)
 
 
-def test_decode_benchmark_prints_each_shapes_configs(monkeypatch):
+def test_decode_benchmark_prints_each_shapes_configs(monkeypatch, benchmark_script):
     """`benchmarks/decode.py` prints `tuned_configs()`: the set a point allowed, and '-' for a
     config it left out of the timing (not a crash on the missing time)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[4] / "benchmarks" / "decode.py"
-    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
-    decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode)
+    decode = benchmark_script("decode")
     monkeypatch.setattr(C, "_TUNED", {})
     monkeypatch.setattr(C, "_TIMES", {})
     key = ("int4", 4096, 512, 128, torch.bfloat16, 1, False, True, True, True)
